@@ -1,0 +1,173 @@
+"""DiT model configuration: a megatron-core ``TransformerConfig`` with the DiT fields, plus presets.
+
+Presets follow the DiT paper (Peebles & Xie, 2023, Table 1): S/B/L/XL at patch sizes 2, 4 and 8,
+named ``DiT-XL/2`` etc., and a ``tiny`` preset for tests and CPU demos.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation, as in the reference DiT's MLP (timm ``Mlp``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass
+class DiTConfig(TransformerConfig):
+    """Architecture of an adaLN-Zero DiT on top of megatron-core's transformer config.
+
+    The megatron fields (``num_layers``, ``hidden_size``, ``num_attention_heads``, parallel sizes …)
+    keep their meaning; the fields below describe the latent/pixel interface and conditioning.
+    """
+
+    input_size: int = 32
+    """Spatial size (height = width) of the latent the model is trained on; sets the default
+    positional-embedding grid. Other sizes still work (positions are computed per grid)."""
+
+    patch_size: int = 2
+    """Side of a square spatial patch; each patch becomes one token."""
+
+    patch_size_t: int = 1
+    """Temporal patch size (frames per token) for video latents; 1 for image models."""
+
+    in_channels: int = 4
+    """Channels of the input latent (4 for the SD VAE, 1 or 3 for pixel-space demos)."""
+
+    learn_sigma: bool = True
+    """Predict a variance channel block as in the DiT paper; the output then has
+    ``2 * in_channels`` channels, the first half being the objective's prediction."""
+
+    num_classes: int = 1000
+    """Number of class labels; label ``num_classes`` is the null class used for CFG."""
+
+    class_dropout_prob: float = 0.1
+    """Probability of replacing a label by the null class during training (classifier-free
+    guidance). The embedding table has a null row whenever this is > 0."""
+
+    frequency_embedding_size: int = 256
+    """Width of the sinusoidal timestep features fed to the timestep MLP."""
+
+    timestep_freq_shift: float = 0.0
+    """Denominator shift of the sinusoid frequencies: 0 matches facebookresearch/DiT, 1 matches
+    diffusers' ``Timesteps(downscale_freq_shift=1)`` used by ``DiTTransformer2DModel``."""
+
+    attention_backend_name: str = "auto"
+    """Local attention kernel from ``kernels`` ("auto", "sdpa", "flash_cpu", "flash_attn", "math64")."""
+
+    def __post_init__(self):
+        _validate_dit_fields(self)
+        super().__post_init__()
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels * (2 if self.learn_sigma else 1)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per input token: ``in_channels * patch_size_t * patch_size**2``."""
+        return self.in_channels * self.patch_size_t * self.patch_size ** 2
+
+    @property
+    def out_patch_dim(self) -> int:
+        return self.out_channels * self.patch_size_t * self.patch_size ** 2
+
+    @property
+    def use_cfg_embedding(self) -> bool:
+        return self.class_dropout_prob > 0
+
+
+def _validate_dit_fields(cfg: DiTConfig) -> None:
+    """Checks done before megatron's own, so errors name our field and the fix."""
+    def need(cond: bool, msg: str):
+        if not cond:
+            raise ConfigError(msg)
+
+    need(cfg.num_attention_heads > 0, "num_attention_heads must be > 0")
+    need(cfg.hidden_size % cfg.num_attention_heads == 0,
+         f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads "
+         f"({cfg.num_attention_heads}); pick heads that divide the width, e.g. "
+         f"hidden_size={cfg.num_attention_heads * max(1, cfg.hidden_size // cfg.num_attention_heads)}")
+    need(cfg.patch_size >= 1, f"patch_size must be >= 1, got {cfg.patch_size}")
+    need(cfg.patch_size_t >= 1, f"patch_size_t must be >= 1, got {cfg.patch_size_t}")
+    need(cfg.input_size % cfg.patch_size == 0,
+         f"patch_size ({cfg.patch_size}) must divide input_size ({cfg.input_size}); "
+         f"use a patch size from {[p for p in (1, 2, 4, 8, 16) if cfg.input_size % p == 0]}")
+    need(cfg.in_channels >= 1, f"in_channels must be >= 1, got {cfg.in_channels}")
+    need(cfg.num_classes >= 0, f"num_classes must be >= 0, got {cfg.num_classes}")
+    need(0.0 <= cfg.class_dropout_prob < 1.0,
+         f"class_dropout_prob must be in [0, 1), got {cfg.class_dropout_prob}")
+    need(cfg.frequency_embedding_size % 2 == 0,
+         f"frequency_embedding_size must be even, got {cfg.frequency_embedding_size}")
+    need(cfg.hidden_size % 4 == 0,
+         f"hidden_size ({cfg.hidden_size}) must be divisible by 4 for 2D sin-cos positions")
+
+
+# Megatron settings every DiT shares: fusions that need apex/TE are off by default (the GPU
+# spec turns on TE's fused paths itself), biases as in the reference, tanh-GELU MLP.
+_COMMON = dict(
+    add_bias_linear=True,
+    add_qkv_bias=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    layernorm_epsilon=1e-6,
+    activation_func=gelu_tanh,
+    use_cpu_initialization=True,
+)
+
+# name -> (num_layers, hidden_size, num_attention_heads), DiT paper Table 1.
+_SIZES = {
+    "S": (12, 384, 6),
+    "B": (12, 768, 12),
+    "L": (24, 1024, 16),
+    "XL": (28, 1152, 16),
+}
+
+
+def _preset_table() -> dict[str, dict]:
+    table = {}
+    for size, (layers, hidden, heads) in _SIZES.items():
+        for patch in (2, 4, 8):
+            table[f"DiT-{size}/{patch}"] = dict(num_layers=layers, hidden_size=hidden,
+                                                num_attention_heads=heads, patch_size=patch)
+    table["tiny"] = dict(num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2,
+                         input_size=8, num_classes=10, in_channels=4)
+    # The CPU digits demo: 16x16 grey digits, 4x4 patches -> 16 tokens.
+    table["digits"] = dict(num_layers=6, hidden_size=192, num_attention_heads=6, patch_size=2,
+                           input_size=16, in_channels=1, num_classes=10, learn_sigma=False)
+    return table
+
+
+PRESETS = _preset_table()
+
+
+def preset(name: str, **overrides) -> DiTConfig:
+    """Build a ``DiTConfig`` from a named preset (``DiT-XL/2``, ``DiT-B/4``, ``tiny`` …).
+
+    ``overrides`` set any ``DiTConfig``/``TransformerConfig`` field.
+    """
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    fields = {f.name for f in dataclasses.fields(DiTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(f"unknown DiTConfig field(s) {unknown} in overrides for preset {name!r}")
+    kwargs = {**_COMMON, "ffn_hidden_size": None, **PRESETS[name], **overrides}
+    if kwargs["ffn_hidden_size"] is None:
+        kwargs["ffn_hidden_size"] = 4 * kwargs["hidden_size"]
+    return DiTConfig(**kwargs)

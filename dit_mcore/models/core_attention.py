@@ -1,0 +1,51 @@
+"""megatron-core ``core_attention`` module that runs attention through :mod:`kernels`.
+
+megatron's local ``DotProductAttention`` calls ``torch.cuda`` and needs a mask tensor; DiT attention
+is non-causal and block-diagonal over packed samples, which ``kernels.local_attention`` does from
+``cu_seqlens``. Context parallelism plugs in here later without touching the model.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from kernels.local_attention import local_attention
+
+
+class KernelsCoreAttention(MegatronModule):
+    """Accepts megatron's core-attention constructor and call signature.
+
+    Inputs are ``[s, b, h, d]`` (or ``[t, h, d]`` when megatron squeezed a THD batch); the output is
+    ``[s, b, h*d]`` (``[t, h*d]``), as megatron's ``SelfAttention`` expects.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 **_unused):
+        super().__init__(config)
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+            raise ValueError("attention_dropout > 0 is not supported by the kernels attention path; "
+                             "set attention_dropout=0.0 (DiT trains without it)")
+        self.softmax_scale = softmax_scale
+        self.backend = getattr(config, "attention_backend_name", "auto")
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **_unused):
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
+                             "packed_seq_params.cu_seqlens_q/kv")
+        thd = query.dim() == 3
+        if thd:  # [t, h, d] -> [1, t, h, d]
+            q, k, v = (x.unsqueeze(0) for x in (query, key, value))
+        else:  # [s, b, h, d] -> [b, s, h, d]
+            q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        cu_q = cu_kv = None
+        if packed_seq_params is not None:
+            cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        out = local_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                      softmax_scale=self.softmax_scale, backend=self.backend)
+        if thd:
+            return out.squeeze(0).flatten(-2)
+        return out.transpose(0, 1).flatten(-2)

@@ -1,0 +1,147 @@
+"""Every adaptation megatron-core 0.16.1 needs to run on CPU with gloo — and only here.
+
+megatron-core assumes CUDA in a few places. :func:`apply_cpu_shims` patches exactly those, and is
+called only when ``torch.cuda.is_available()`` is False; the GPU path never imports this module's
+effects. Each shim says what breaks without it (see ``shared/notes/megatron-core-on-cpu.md``); each
+is covered by ``tests/test_cpu_shims.py``.
+
+- ``device``: ``torch.cuda.current_device()`` is used as a ``device=`` argument (SP gather buffers,
+  DDP grad buffers, p2p receive buffers) and ``torch.cuda.synchronize()`` is called around
+  collectives. Both assert without CUDA. -> ``"cpu"`` / no-op.
+- ``rng``: the model-parallel RNG tracker stores CUDA generator states (``fork()`` runs in SP and
+  recompute paths, ``model_parallel_cuda_manual_seed`` adds states). -> the same tracker over the
+  CPU generator.
+- ``cuda_literals``: the optimizer, grad clipping, schedules and fully-parallel checkpoint load
+  create tensors with ``device="cuda"``, call ``.cuda()`` and assert ``param.grad.type() ==
+  'torch.cuda.FloatTensor'``. -> a ``TorchFunctionMode`` mapping those to CPU (and reporting the
+  ``torch.cuda.*`` type names the optimizer branches on); ~1 µs per op, irrelevant at CPU sizes.
+- ``adam_state``: without apex/TE the distributed optimizer wraps torch Adam, whose state is empty
+  until the first step, but ``sharded_state_dict`` asserts one ``step`` value and the
+  ``fully_reshardable`` load copies a ``step`` key that checkpoints never hold.
+  :func:`init_adam_state` fills a fresh optimizer's state before a load; the load skips absent keys.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_applied: set[str] = set()
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and "cuda" in str(device)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device literals to CPU; reports tensor types as ``torch.cuda.*``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _shim_device() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _shim_rng() -> None:
+    import megatron.core.tensor_parallel.random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    mp_random.CudaRNGStatesTracker.add = add
+
+
+_MODE: CudaToCpuMode | None = None
+
+
+def _shim_cuda_literals() -> None:
+    global _MODE
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+
+
+def _shim_adam_state_load() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
+            if key in tensors:
+                dst.copy_(tensors[key])
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+_SHIMS = {
+    "device": _shim_device,
+    "rng": _shim_rng,
+    "cuda_literals": _shim_cuda_literals,
+    "adam_state": _shim_adam_state_load,
+}
+
+
+def apply_cpu_shims() -> list[str]:
+    """Apply every shim once (idempotent). Returns the names applied by this call.
+
+    Refuses on a CUDA machine: GPU runs must exercise megatron's real code paths.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_shims() is for CPU-only runs; CUDA is available here")
+    new = [name for name in _SHIMS if name not in _applied]
+    for name in new:
+        _SHIMS[name]()
+        _applied.add(name)
+    if new:
+        log.info("megatron-core CPU shims applied: %s", ", ".join(new))
+    return new
+
+
+def applied_shims() -> frozenset[str]:
+    return frozenset(_applied)
+
+
+def init_adam_state(optimizer) -> None:
+    """Give every param of a fresh torch-Adam-backed megatron optimizer an empty Adam state, so its
+    ``sharded_state_dict(is_loading=True)`` can describe the tensors to load (CPU/no-apex only)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)

@@ -1,0 +1,56 @@
+"""Process groups and seeds: gloo on CPU, NCCL on GPU, megatron ``parallel_state`` on top."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from dit_mcore.parallel.config import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
+    """Initialise torch.distributed (a 1-process group when not launched by torchrun), apply the
+    CPU shims when there is no GPU, build megatron's model-parallel groups and seed RNGs."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        from dit_mcore.parallel.cpu_shims import apply_cpu_shims
+        apply_cpu_shims()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    parallel.validate(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    log.info("distributed: world=%d backend=%s tp=%d pp=%d cp=%d dp=%d", dist.get_world_size(),
+             dist.get_backend(), parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+             parallel.context_parallel_size, parallel_state.get_data_parallel_world_size())
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

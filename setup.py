@@ -1,0 +1,36 @@
+"""dit-mcore: Diffusion Transformers on megatron-core.
+
+Install torch first (``pip install torch==2.13.0`` on CPU machines, or the CUDA build of your
+choice): torch is not pinned here so that ``pip install -e .`` never replaces an installed torch
+with a different build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="dit-mcore",
+    version="0.1.0",
+    description="Scalable training backend for Diffusion Transformers on megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dit_mcore*", "energon_data*", "kernels*", "recipes*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "megatron-energon>=7.4,<8",
+        "nemo-run==0.11.1",
+        "leptonai<0.47",  # nemo-run 0.11.1 imports leptonai.api.v1, removed in 0.47
+        "webdataset",
+        "numpy",
+        "pillow",
+        "scikit-learn",  # the built-in digits dataset ships inside it
+        "tensorboard",
+        "tqdm",
+        "einops",
+        "imageio",
+        "imageio-ffmpeg",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "encoders": ["diffusers", "transformers", "safetensors"],
+        "test": ["pytest", "diffusers", "safetensors"],
+    },
+)

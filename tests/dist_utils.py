@@ -1,0 +1,52 @@
+"""Run a function on N gloo processes (CPU) and collect what each rank returns.
+
+Used by every multi-process test: one spawn per call, tiny shapes, results come back to the
+pytest process so assertions run there (a failed assertion in a child would only hang).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - shipped back to the parent as text
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args):
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
+
+    ``fn`` must be a module-level function (picklable). Returns the list of per-rank return
+    values; raises ``RuntimeError`` carrying the child's traceback if any rank failed.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir),
+                           nprocs=world_size, join=True, start_method="spawn")
+        results = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+                   for r in range(world_size)]
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if not res["ok"]]
+    if errors:
+        raise RuntimeError("distributed test failed\n" + "\n".join(errors))
+    return [res["result"] for res in results]
