@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -50,6 +50,9 @@ class FinalLayer(nn.Module):
 class DiT(MegatronModule):
     """adaLN-Zero DiT. ``forward`` maps noisy tokens + per-sample (timestep, label) to per-token
     predictions ``[s, b, out_patch_dim]``."""
+
+    model_type = ModelType.encoder_or_decoder  # read by megatron's pipeline schedules
+    share_embeddings_and_output_weights = False  # read by finalize_model_grads under PP
 
     def __init__(self, config: DiTConfig, layer_spec: Optional[ModuleSpec] = None,
                  pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):

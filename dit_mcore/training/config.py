@@ -1,0 +1,170 @@
+"""Run configuration: plain dataclasses, one per concern, so nemo-run factories can build them with
+``run.Config`` and the CLI can override any field (``trainer.max_steps=20 log.dir=/tmp/run``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from dit_mcore.config import ConfigError, DiTConfig, preset
+
+
+@dataclass
+class ModelConfig:
+    """Which DiT to build: a named preset plus the fields runs commonly change."""
+
+    preset: str = "DiT-XL/2"
+    """Name from ``dit_mcore.config.PRESETS`` (``DiT-S/2`` … ``DiT-XL/8``, ``tiny``, ``digits``)."""
+    num_layers: Optional[int] = None
+    """Override the preset's depth."""
+    hidden_size: Optional[int] = None
+    """Override the preset's width (FFN width follows as 4x)."""
+    num_attention_heads: Optional[int] = None
+    """Override the preset's head count."""
+    patch_size: Optional[int] = None
+    """Override the preset's patch size."""
+    input_size: Optional[int] = None
+    """Latent/image side length the model is trained on."""
+    in_channels: Optional[int] = None
+    """Latent/image channels."""
+    num_classes: Optional[int] = None
+    """Class count (the null class is added for CFG)."""
+    learn_sigma: Optional[bool] = None
+    """Predict the extra variance channels (unused by flow/EDM losses; kept for interop)."""
+    class_dropout_prob: Optional[float] = None
+    """Label-dropout probability for classifier-free guidance."""
+    backend: str = "auto"
+    """Layer implementation: "local" (pure torch), "te" (Transformer Engine) or "auto" (TE on GPU
+    when installed)."""
+
+    def build(self, parallel, *, bf16: bool = False) -> DiTConfig:
+        overrides = {f.name: getattr(self, f.name) for f in fields(self)
+                     if f.name not in ("preset", "backend") and getattr(self, f.name) is not None}
+        if self.hidden_size is not None:
+            overrides["ffn_hidden_size"] = 4 * self.hidden_size
+        import torch
+        return preset(self.preset, **overrides,
+                      tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+                      pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+                      context_parallel_size=parallel.context_parallel_size,
+                      sequence_parallel=parallel.sequence_parallel,
+                      bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                      pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+                      calculate_per_token_loss=True)
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from."""
+
+    name: str = "digits"
+    """Built-in in-memory dataset ("digits": scikit-learn's 1,797 handwritten digits) used when
+    ``path`` is not set."""
+    image_size: int = 16
+    """Side length the built-in images are resized to."""
+    path: Optional[str] = None
+    """A prepared energon dataset (or metadataset yaml); overrides ``name``."""
+    global_batch_size: int = 256
+    """Samples per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 64
+    """Samples per forward/backward on one rank."""
+    num_workers: int = 0
+    """Loader worker processes (energon datasets)."""
+
+    def num_microbatches(self, dp_size: int) -> int:
+        per_step = self.micro_batch_size * dp_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                              f"data.micro_batch_size x data-parallel size ({self.micro_batch_size} x {dp_size})")
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (megatron's optimizer and scheduler)."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the cosine decay."""
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to ``lr``."""
+    decay_style: str = "constant"
+    """"cosine", "linear" or "constant" after warmup."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks."""
+
+
+@dataclass
+class DiffusionConfig:
+    """Training objective and the sampler used for preview grids."""
+
+    objective: str = "flow"
+    """"flow" (rectified flow, logit-normal t) or "edm" (Karras preconditioning)."""
+    sample_steps: int = 32
+    """Sampler steps for preview grids."""
+    cfg_scale: float = 1.5
+    """Classifier-free guidance scale for preview grids."""
+
+
+@dataclass
+class TrainerConfig:
+    """Loop length, precision, EMA and checkpoint cadence."""
+
+    max_steps: int = 400_000
+    """Optimizer steps to train."""
+    seed: int = 1234
+    """Seed of weights, data order and noise (each derived per step/rank, so resume is exact)."""
+    bf16: bool = False
+    """bf16 mixed precision (GPU); fp32 master weights in the optimizer."""
+    ema_decay: float = 0.9999
+    """EMA decay of the weights used for sampling."""
+    save_interval: int = 1000
+    """Steps between checkpoints (a final one is always written)."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints to keep."""
+
+
+@dataclass
+class LogConfig:
+    """Run directory and what goes into it."""
+
+    dir: str = "runs/dit"
+    """Run directory: metrics.jsonl, samples/, tensorboard/, checkpoints/."""
+    log_interval: int = 10
+    """Steps between console/metrics lines."""
+    sample_interval: int = 1000
+    """Steps between preview grids (0 disables; a final grid is always drawn)."""
+    samples_per_class: int = 8
+    """Grid columns: one row per class (row 0 = class 0)."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs (what the recipes build)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    parallel: "ParallelConfig" = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.parallel is None:
+            from dit_mcore.parallel.config import ParallelConfig
+            self.parallel = ParallelConfig()

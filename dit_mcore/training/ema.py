@@ -1,0 +1,28 @@
+"""Exponential moving average of the model weights (a frozen copy of the module)."""
+from __future__ import annotations
+
+import torch
+
+
+class EMA:
+    """``ema = decay * ema + (1 - decay) * param`` after every optimizer step. The shadow is a full
+    module (same tensor-parallel shards as the model), so it samples and checkpoints like one.
+
+    ``shadow`` is a freshly built module of the same architecture (megatron modules hold process
+    groups and cannot be deep-copied); it starts as a copy of ``model``'s weights.
+    """
+
+    def __init__(self, model: torch.nn.Module, shadow: torch.nn.Module, decay: float):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"trainer.ema_decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        shadow.load_state_dict(model.state_dict())
+        self.module = shadow.eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+            p.data = p.data.float()
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for ema_p, p in zip(self.module.parameters(), model.parameters()):
+            ema_p.lerp_(p.detach().float(), 1.0 - self.decay)

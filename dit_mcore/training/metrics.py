@@ -1,0 +1,72 @@
+"""Rank-0 run logging: a console line per interval, a progress bar, TensorBoard and
+``metrics.jsonl`` (one JSON object per logged step)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("dit_mcore.train")
+
+
+def format_line(step: int, max_steps: int, m: dict) -> str:
+    return (f"step {step:>7d}/{max_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+            f"lr {m['lr']:.3e} | {m['samples_per_s']:.1f} samples/s | {m['tokens_per_s']:.0f} tokens/s")
+
+
+class MetricsLogger:
+    """No-op on ranks other than 0. ``metrics.jsonl`` is appended to, so a resumed run keeps its
+    history; lines past the resume step (from a run that died after its last checkpoint) are
+    dropped on open so each step appears once."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int, start_step: int,
+                 tensorboard: bool, progress_bar: bool):
+        self.enabled, self.max_steps = enabled, max_steps
+        self.writer = self.bar = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                            leave=False)
+
+    def step(self, step: int, metrics: Optional[dict]) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+        if metrics is None:
+            return
+        record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"train/{key}", value, step)
+        line = format_line(step, self.max_steps, metrics)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()

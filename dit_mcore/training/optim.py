@@ -1,0 +1,38 @@
+"""megatron-core DDP, optimizer and LR scheduler from the run config."""
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from dit_mcore.config import ConfigError
+
+
+def wrap_ddp(model, model_config, *, use_distributed_optimizer: bool) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    ddp_model = DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=model)
+    model_config.finalize_model_grads_func = finalize_model_grads
+    model_config.no_sync_func = ddp_model.no_sync
+    return ddp_model
+
+
+def build_optimizer(ddp_model, optim, *, bf16: bool, max_steps: int):
+    if optim.decay_style not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optim.decay_style={optim.decay_style!r}; use 'cosine', 'linear' or 'constant'")
+    if optim.warmup_steps >= max(max_steps, 1) and optim.warmup_steps > 0:
+        raise ConfigError(f"optim.warmup_steps ({optim.warmup_steps}) must be < trainer.max_steps ({max_steps})")
+    config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                             clip_grad=optim.clip_grad, bf16=bf16,
+                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                             use_distributed_optimizer=optim.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(config, [ddp_model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(max_steps, 1),
+        wd_incr_style="constant")
+    ddp_model.config.grad_scale_func = optimizer.scale_loss
+    return optimizer, scheduler
