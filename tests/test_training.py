@@ -30,13 +30,13 @@ def losses(history):
     return [h["loss"] for h in history]
 
 
-@pytest.mark.parametrize("objective", ["flow", "edm"])
-def test_resume_is_bit_identical(tmp_path, objective):
-    full = losses(pretrain(tiny_run(tmp_path / "full", max_steps=5, objective=objective)))
-    interrupted = Trainer(tiny_run(tmp_path / "cut", max_steps=5, objective=objective))
+@pytest.mark.parametrize("objective, distopt", [("flow", False), ("edm", True)])
+def test_resume_is_bit_identical(tmp_path, objective, distopt):
+    full = losses(pretrain(tiny_run(tmp_path / "full", max_steps=5, objective=objective, distopt=distopt)))
+    interrupted = Trainer(tiny_run(tmp_path / "cut", max_steps=5, objective=objective, distopt=distopt))
     first = [interrupted.train_step()["loss"] for _ in range(2)]
     interrupted.save()
-    resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=5, objective=objective))
+    resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=5, objective=objective, distopt=distopt))
     assert resumed.step == 2
     rest = losses(resumed.fit())
     assert first + rest == full  # exact float equality: same data, noise, weights and optimizer state

@@ -17,7 +17,10 @@ is covered by ``tests/test_cpu_shims.py``.
   ``torch.cuda.*`` type names the optimizer branches on); ~1 µs per op, irrelevant at CPU sizes.
 - ``adam_state``: without apex/TE the distributed optimizer wraps torch Adam, whose state is empty
   until the first step, but ``sharded_state_dict`` asserts one ``step`` value and the
-  ``fully_reshardable`` load copies a ``step`` key that checkpoints never hold.
+  ``fully_reshardable`` load copies a ``step`` key that checkpoints never hold (the step is
+  restored through ``param_groups``; copying the template's would reset Adam's bias correction),
+  and ``load_state_dict`` gives every param the same ``step`` tensor, which torch Adam then
+  increments once per param: each param gets its own copy back.
   :func:`init_adam_state` fills a fresh optimizer's state before a load; the load skips absent keys.
 """
 from __future__ import annotations
@@ -99,10 +102,25 @@ def _shim_adam_state_load() -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
-            if key in tensors:
+            # "step" comes back through param_groups in load_state_dict; the value in ``tensors``
+            # is the fresh template's (0), copying it would reset Adam's bias correction.
+            if key in tensors and key != "step":
                 dst.copy_(tensors[key])
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        # Without apex/TE megatron hands one shared ``step`` tensor to every param's Adam state;
+        # torch Adam increments each param's step in place, so a shared one advances N times per
+        # optimizer step and the bias correction after a resume is wrong. Un-share it.
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict
 
 
 _SHIMS = {

@@ -1,0 +1,55 @@
+"""Each megatron-core CPU shim fixes the failure it documents (see dit_mcore/parallel/cpu_shims.py)."""
+import pytest
+import torch
+
+from dit_mcore.parallel import cpu_shims
+from megatron_env import single_process_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shims():
+    single_process_world()  # applies the shims like every CPU run does
+    assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "adam_state"}
+    assert cpu_shims.apply_cpu_shims() == []  # idempotent
+
+
+def test_device_queries_point_at_cpu():
+    assert torch.cuda.current_device() == "cpu"
+    buf = torch.empty(3, device=torch.cuda.current_device())
+    assert buf.device.type == "cpu"
+    torch.cuda.synchronize()  # no-op instead of "Torch not compiled with CUDA enabled"
+
+
+def test_cuda_literals_map_to_cpu_and_types_look_like_cuda():
+    t = torch.zeros(2, device="cuda")
+    assert t.device.type == "cpu"
+    assert t.cuda() is t and t.to("cuda").device.type == "cpu"
+    assert t.type() == "torch.cuda.FloatTensor"  # what megatron's optimizers assert on
+    assert t.to(torch.float64).dtype == torch.float64  # other .to() calls are untouched
+
+
+def test_rng_tracker_forks_a_separate_cpu_stream():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    tracker = get_cuda_rng_tracker()
+    torch.manual_seed(5)
+    expected_default = torch.rand(3)
+    torch.manual_seed(5)
+    with tracker.fork():
+        forked = torch.rand(3)
+    assert torch.equal(torch.rand(3), expected_default)  # the default stream was not advanced
+    assert not torch.equal(forked, expected_default)
+
+
+def test_init_adam_state_lets_a_fresh_distributed_optimizer_describe_its_state(tmp_path):
+    from test_training import tiny_run
+    from dit_mcore.training.trainer import Trainer
+    trainer = Trainer(tiny_run(tmp_path, distopt=True))
+    assert not trainer.optimizer.optimizer.state
+    cpu_shims.init_adam_state(trainer.optimizer)
+    state = trainer.optimizer.optimizer.state
+    assert state and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in state.values())
+    sharded = trainer.optimizer.sharded_state_dict(trainer.model.sharded_state_dict(), is_loading=True,
+                                                   metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    assert sharded
