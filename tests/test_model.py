@@ -136,3 +136,22 @@ def test_grid_mismatch_is_clear(world):
     model = build_model(cfg)
     with pytest.raises(ValueError, match="grid"):
         model(torch.randn(10, 1, cfg.patch_dim), torch.ones(1), torch.zeros(1, dtype=torch.long))
+
+
+def test_per_sample_padding_changes_nothing(world):
+    # TE-style layout: each sample padded to a multiple of 8 (what CP/TP layouts need).
+    cfg = preset("tiny")
+    model = build_model(cfg)
+    _randomize(model)
+    x = torch.randn(2, 4, 8, 8)
+    t, y = torch.tensor([3.0, 700.0]), torch.tensor([4, 5])
+    crop, cgrid = patchify(x[:1, :, :6, :4], 2)  # 6 tokens, padded to 8
+    full, grid = patchify(x[1:], 2)  # 16 tokens
+    packed = torch.cat([crop[0], torch.full((2, cfg.patch_dim), 7.0), full[0], torch.full((8, cfg.patch_dim), -3.0)])
+    out = model(packed[:, None], t, y, cu_seqlens=torch.tensor([0, 6, 22], dtype=torch.int32),
+                cu_seqlens_padded=torch.tensor([0, 8, 32], dtype=torch.int32),
+                grids=torch.tensor([cgrid, grid])).squeeze(1)
+    alone0 = model(crop.transpose(0, 1), t[:1], y[:1], grid=cgrid).transpose(0, 1)[0]
+    alone1 = model(full.transpose(0, 1), t[1:], y[1:], grid=grid).transpose(0, 1)[0]
+    torch.testing.assert_close(out[:6], alone0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[8:24], alone1, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from kernels.local_attention import local_attention
+from kernels.local_attention import Segments, segment_attention
 
 
 class KernelsCoreAttention(MegatronModule):
@@ -41,11 +41,13 @@ class KernelsCoreAttention(MegatronModule):
             q, k, v = (x.unsqueeze(0) for x in (query, key, value))
         else:  # [s, b, h, d] -> [b, s, h, d]
             q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        cu_q = cu_kv = None
+        segments = None
         if packed_seq_params is not None:
-            cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-        out = local_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
-                                      softmax_scale=self.softmax_scale, backend=self.backend)
+            p = packed_seq_params
+            segments = Segments.from_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded,
+                                                p.cu_seqlens_kv_padded)
+        out, _ = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
+                                   backend=self.backend)
         if thd:
             return out.squeeze(0).flatten(-2)
         return out.transpose(0, 1).flatten(-2)

@@ -88,20 +88,19 @@ class DiT(MegatronModule):
             c = c + self.y_embedder(labels)
         return c
 
-    def positions(self, grids: Sequence[Sequence[int]], lengths: Sequence[int], total: int,
-                  device) -> torch.Tensor:
-        """Position embeddings for consecutive samples with ``grids``; padding rows are zero."""
+    def positions(self, grids: Sequence[Sequence[int]], starts: Sequence[int], total: int, device) -> torch.Tensor:
+        """Position embeddings of samples with token ``grids`` whose tokens begin at ``starts``;
+        rows belonging to no sample (padding) are zero."""
         pos = torch.zeros(total, self.config.hidden_size, device=device)
-        offset = 0
-        for grid, n in zip(grids, lengths):
-            pos[offset:offset + n] = sincos_pos_embed(self.config.hidden_size, tuple(int(g) for g in grid)).to(device)
-            offset += n
+        for grid, start in zip(grids, starts):
+            table = sincos_pos_embed(self.config.hidden_size, tuple(int(g) for g in grid))
+            pos[start:start + table.shape[0]] = table.to(device)
         return pos
 
     def forward(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 *, grid: Optional[Sequence[int]] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                grids: Optional[torch.Tensor] = None, token_to_sample: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+                cu_seqlens_padded: Optional[torch.Tensor] = None, grids: Optional[torch.Tensor] = None,
+                token_to_sample: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the DiT.
 
         Args:
@@ -110,7 +109,11 @@ class DiT(MegatronModule):
             timesteps: ``[n]`` per-sample diffusion timestep values (n = b, or samples in the pack).
             labels: ``[n]`` class labels (``num_classes`` = null class).
             grid: dense only, the shared token grid ``(t, h, w)``; default: the config's image grid.
-            cu_seqlens: packed only, ``int32 [n+1]`` sample boundaries; tokens past the last are padding.
+            cu_seqlens: packed only, ``int32 [n+1]`` cumulative real lengths; tokens past the last
+                are padding.
+            cu_seqlens_padded: packed only, optional ``int32 [n+1]`` start offsets of samples padded
+                individually (TE's convention: sample ``i``'s real tokens come first in
+                ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``, the rest is padding).
             grids: packed only, ``[n, 3]`` per-sample token grids.
             token_to_sample: packed only, ``[t]`` sample index per token (-1 for padding); derived
                 from ``cu_seqlens`` when omitted.
@@ -123,16 +126,18 @@ class DiT(MegatronModule):
                 raise ValueError(f"packed input must be [t, 1, patch_dim], got {tuple(tokens.shape)}")
             total = tokens.shape[0]
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            starts = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens)[:-1].tolist()
             if token_to_sample is None:
-                token_to_sample = torch.repeat_interleave(torch.arange(len(lengths), device=tokens.device),
-                                                          cu_seqlens[1:] - cu_seqlens[:-1])
-                token_to_sample = nn.functional.pad(token_to_sample, (0, total - token_to_sample.numel()))
+                token_to_sample = torch.zeros(total, dtype=torch.long, device=tokens.device)
+                for i, (start, n) in enumerate(zip(starts, lengths)):
+                    token_to_sample[start:start + n] = i
             cond = Conditioning(cond_emb, token_to_sample.clamp(min=0))
             max_len = max(lengths) if lengths else 0
-            packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
-                                                cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_len,
-                                                max_seqlen_kv=max_len)
-            pos = self.positions(grids.tolist(), lengths, total, tokens.device).unsqueeze(1)
+            packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                                cu_seqlens_q_padded=cu_seqlens_padded,
+                                                cu_seqlens_kv_padded=cu_seqlens_padded,
+                                                max_seqlen_q=max_len, max_seqlen_kv=max_len)
+            pos = self.positions(grids.tolist(), starts, total, tokens.device).unsqueeze(1)
         else:
             cond = Conditioning(cond_emb)
             s = tokens.shape[0] if self.pre_process else self.input_tensor.shape[0]
@@ -141,7 +146,7 @@ class DiT(MegatronModule):
             if grid[0] * grid[1] * grid[2] != s:
                 raise ValueError(f"grid {grid} has {grid[0] * grid[1] * grid[2]} tokens but the input has {s}; "
                                  "pass grid=(t, h, w) of the patchified latent")
-            pos = self.positions([grid], [s], s, tokens.device if self.pre_process else self.input_tensor.device
+            pos = self.positions([grid], [0], s, tokens.device if self.pre_process else self.input_tensor.device
                                  ).unsqueeze(1)
 
         if self.pre_process:

@@ -41,6 +41,11 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return path
 
 
+def load_common(path: Path) -> dict:
+    """The rank-0 (common) part of a checkpoint, without touching sharded tensors."""
+    return dist_checkpointing.load_common_state_dict(str(path))
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,

@@ -62,13 +62,25 @@ class DataConfig:
     image_size: int = 16
     """Side length the built-in images are resized to."""
     path: Optional[str] = None
-    """A prepared energon dataset (or metadataset yaml); overrides ``name``."""
+    """A prepared energon dataset (``python -m energon_data.prepare``) or a metadataset yaml
+    (blends); overrides ``name``. Samples are then packed into sequences of ``max_seq_len`` tokens
+    and the batch sizes below count packed sequences."""
     global_batch_size: int = 256
-    """Samples per optimizer step, over all data-parallel ranks and micro-batches."""
+    """Samples (packed sequences with ``path``) per optimizer step, over all data-parallel ranks and
+    micro-batches."""
     micro_batch_size: int = 64
-    """Samples per forward/backward on one rank."""
+    """Samples (packed sequences with ``path``) per forward/backward on one rank."""
     num_workers: int = 0
-    """Loader worker processes (energon datasets)."""
+    """Loader worker processes (energon datasets). Must stay the same across a resume."""
+    max_seq_len: int = 1024
+    """Tokens per packed sequence (energon datasets); longer samples are skipped and counted."""
+    packing_buffer_size: int = 64
+    """Samples gathered per packing round; larger packs tighter."""
+    shuffle_buffer_size: int = 100
+    """Sample-level shuffle buffer of the energon loader."""
+    restart_data_on_mismatch: bool = False
+    """On resume with a different worker count or data-parallel size (which energon cannot
+    restore exactly), restart the data stream instead of failing."""
 
     def num_microbatches(self, dp_size: int) -> int:
         per_step = self.micro_batch_size * dp_size

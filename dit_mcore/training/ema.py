@@ -22,7 +22,15 @@ class EMA:
             p.requires_grad_(False)
             p.data = p.data.float()
 
+    def decay_at(self, step: int) -> float:
+        """Warmed-up decay ``min(decay, (1 + step) / (10 + step))``: early on the average follows the
+        model closely instead of remembering the (zero-output) initialisation for thousands of
+        steps, which matters for short runs and changes nothing for long ones."""
+        return min(self.decay, (1.0 + step) / (10.0 + step))
+
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
+    def update(self, model: torch.nn.Module, step: int) -> None:
+        """Fold in the weights after optimizer step ``step`` (0-based)."""
+        weight = 1.0 - self.decay_at(step)
         for ema_p, p in zip(self.module.parameters(), model.parameters()):
-            ema_p.lerp_(p.detach().float(), 1.0 - self.decay)
+            ema_p.lerp_(p.detach().float(), weight)
