@@ -25,12 +25,11 @@ setup(
         "tensorboard",
         "tqdm",
         "einops",
-        "imageio",
-        "imageio-ffmpeg",
+        "av",  # video decoding/encoding for the prepare tool (wheel ships FFmpeg)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
-        "test": ["pytest", "diffusers", "safetensors"],
+        "test": ["pytest", "diffusers", "transformers", "safetensors"],
     },
 )
