@@ -1,6 +1,4 @@
 """Parallel layout of a run."""
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from dit_mcore.config import ConfigError

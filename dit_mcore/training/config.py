@@ -1,11 +1,12 @@
 """Run configuration: plain dataclasses, one per concern, so nemo-run factories can build them with
 ``run.Config`` and the CLI can override any field (``trainer.max_steps=20 log.dir=/tmp/run``)."""
-from __future__ import annotations
-
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+import torch
+
 from dit_mcore.config import ConfigError, DiTConfig, preset
+from dit_mcore.parallel.config import ParallelConfig
 
 
 @dataclass
@@ -36,12 +37,11 @@ class ModelConfig:
     """Layer implementation: "local" (pure torch), "te" (Transformer Engine) or "auto" (TE on GPU
     when installed)."""
 
-    def build(self, parallel, *, bf16: bool = False) -> DiTConfig:
+    def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
                      if f.name not in ("preset", "backend") and getattr(self, f.name) is not None}
         if self.hidden_size is not None:
             overrides["ffn_hidden_size"] = 4 * self.hidden_size
-        import torch
         return preset(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -56,9 +56,9 @@ class ModelConfig:
 class DataConfig:
     """Where training samples come from."""
 
-    name: str = "digits"
+    name: Optional[str] = "digits"
     """Built-in in-memory dataset ("digits": scikit-learn's 1,797 handwritten digits) used when
-    ``path`` is not set."""
+    ``path`` is not set; None for recipes that require ``path``."""
     image_size: int = 16
     """Side length the built-in images are resized to."""
     path: Optional[str] = None
@@ -174,9 +174,4 @@ class RunConfig:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    parallel: "ParallelConfig" = None  # type: ignore[assignment]
-
-    def __post_init__(self):
-        if self.parallel is None:
-            from dit_mcore.parallel.config import ParallelConfig
-            self.parallel = ParallelConfig()
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,43 @@
+"""Named executors for ``run.executor=<name>``; any field is then overridable as
+``run.executor.<field>=...`` (e.g. ``run.executor.nodes=4 run.executor.account=abc``).
+
+Both launch the task with torchrun. Without ``run.executor`` the recipes run in-process (see
+``recipes/pretrain_xl.py``)."""
+
+import os
+from pathlib import Path
+
+import nemo_run as run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# megatron-core overlaps TP/SP communication with compute only when kernels are queued in order.
+_GPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@run.cli.factory
+@run.autoconvert
+def local(ntasks_per_node: int = 1) -> run.LocalExecutor:
+    """torchrun on this machine with ``ntasks_per_node`` processes (gloo on CPU, NCCL on GPU)."""
+    # The worker (nemo-run's fdl_runner) imports recipes.entry; the checkout need not be installed.
+    return run.LocalExecutor(ntasks_per_node=ntasks_per_node, launcher="torchrun",
+                             env_vars={**_GPU_ENV, "PYTHONPATH": str(REPO_ROOT)})
+
+
+@run.cli.factory
+@run.autoconvert
+def slurm(account: str = "my_account", partition: str = "batch", nodes: int = 1, gpus_per_node: int = 8,
+          time: str = "04:00:00", container_image: str = "dit-mcore:latest",
+          job_dir: str = "nemo_slurm_jobs") -> run.SlurmExecutor:
+    """An sbatch job: ``nodes`` x ``gpus_per_node`` torchrun workers in ``container_image`` (pyxis).
+
+    The code comes from the image (see the Dockerfile), so nothing is packaged. The job is submitted
+    from this machine (``sbatch`` on PATH); to submit over SSH, override
+    ``run.executor.tunnel=...`` or build an executor with ``run.SSHTunnel`` in your own factory.
+    ``job_dir`` (relative to the launch directory) holds the job's scripts and logs and is mounted
+    into the container. torchrun's processes per node follow ``gpus_per_node`` (see ``recipes.launch``).
+    """
+    return run.SlurmExecutor(account=account, partition=partition, nodes=nodes, ntasks_per_node=1,
+                             gpus_per_node=gpus_per_node, time=time, container_image=container_image,
+                             exclusive=True, mem="0", launcher="torchrun", env_vars=dict(_GPU_ENV),
+                             tunnel=run.LocalTunnel(job_dir=os.path.abspath(job_dir)), packager=run.Packager())

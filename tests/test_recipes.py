@@ -1,0 +1,122 @@
+"""Recipes: factories resolve to the intended settings, CLI overrides reach the config, the Slurm
+dry run renders a torchrun sbatch script, failed runs exit non-zero, and a torchrun launch of the
+tiny recipe reproduces an in-process run of the same config."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fiddle as fdl
+import pytest
+from nemo_run.cli.cli_parser import parse_cli_args
+
+from dist_utils import run_distributed
+from dit_mcore.config import ConfigError
+from dit_mcore.parallel.config import ParallelConfig
+from energon_data.datasets import load_digits
+from recipes.pretrain_xl import pretrain_digits, pretrain_tiny, pretrain_xl
+from recipes.entry import build_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "recipes" / "pretrain_xl.py"
+# Variables a launcher sets; the pytest process may carry them from in-process training tests.
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+
+
+def resolve(factory, overrides=()):
+    """The RunConfig a CLI call `--factory <factory> <overrides>` trains, parsed by nemo-run."""
+    task = factory()
+    parse_cli_args(task, list(overrides), task)
+    return build_run_config(**fdl.build(task).keywords)
+
+
+def cli(args, tmp_path, *, nproc=None, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    env.update(COLUMNS="200", NEMORUN_HOME=str(tmp_path / "nemo_run"), PYTHONWARNINGS="ignore")
+    launcher = [sys.executable] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    proc = subprocess.run([*launcher, str(SCRIPT), "--yes", *args], cwd=tmp_path, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_pretrain_xl_has_the_dit_paper_settings_and_needs_data():
+    task = fdl.build(pretrain_xl()).keywords
+    model = task["model"].build(ParallelConfig())
+    # DiT paper, Table 1 (XL) at patch 2, on 256px images encoded to 32x32x4 latents.
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.patch_size) == (28, 1152, 16, 2)
+    assert (model.input_size, model.in_channels, model.num_classes) == (32, 4, 1000)
+    assert model.learn_sigma and model.class_dropout_prob == 0.1
+    optim, trainer, data = task["optim"], task["trainer"], task["data"]
+    assert (optim.lr, optim.decay_style, optim.warmup_steps, optim.weight_decay) == (1e-4, "constant", 0, 0.0)
+    assert (data.global_batch_size, trainer.ema_decay, trainer.max_steps) == (256, 0.9999, 400_000)
+    with pytest.raises(ConfigError, match="data.path"):
+        build_run_config(**task)
+    assert resolve(pretrain_xl, ["data.path=/data/in1k"]).data.path == "/data/in1k"
+
+
+@pytest.mark.parametrize("factory", [pretrain_digits, pretrain_tiny])
+def test_cpu_recipes_match_the_builtin_digits(factory):
+    cfg = resolve(factory)
+    model = cfg.model.build(cfg.parallel)
+    images, labels = load_digits(size=cfg.data.image_size)
+    assert tuple(images.shape[1:]) == (model.in_channels, model.input_size, model.input_size)
+    assert model.num_classes == int(labels.max()) + 1
+    for dp in (1, 2):  # a plain run and `--nproc-per-node 2`
+        assert cfg.data.num_microbatches(dp) >= 1
+    assert cfg.data.global_batch_size <= len(images)
+
+
+def test_overrides_reach_every_section():
+    cfg = resolve(pretrain_digits, ["trainer.max_steps=20", "log.dir=/tmp/run", "optim.lr=0.002",
+                                            "model.num_layers=3", "data.micro_batch_size=32",
+                                            "diffusion.objective=edm", "parallel.context_parallel_size=2"])
+    assert (cfg.trainer.max_steps, cfg.log.dir, cfg.optim.lr) == (20, "/tmp/run", 0.002)
+    assert (cfg.model.num_layers, cfg.data.micro_batch_size, cfg.diffusion.objective) == (3, 32, "edm")
+    assert cfg.parallel.context_parallel_size == 2
+    # untouched fields keep the recipe's values
+    assert (cfg.model.preset, cfg.optim.decay_style, cfg.trainer.ema_decay) == ("digits", "cosine", 0.998)
+
+
+def test_slurm_dryrun_renders_torchrun_sbatch(tmp_path):
+    rc, out = cli(["--dryrun", "--factory", "pretrain_tiny", f"log.dir={tmp_path / 'run'}", "run.executor=slurm",
+                   "run.executor.nodes=2", "run.executor.gpus_per_node=4", "run.executor.account=acme"], tmp_path)
+    assert rc == 0, out
+    flat = " ".join(out.split())  # undo the console's line wrapping
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --account=acme",
+                 "--container-image dit-mcore:latest", "--nnodes 2 --nproc-per-node 4",
+                 "-m nemo_run.core.runners.fdl_runner"):
+        assert line in flat, line
+    assert not (tmp_path / "run").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("override, message", [("model.preset=nope", "unknown preset 'nope'"),
+                                               ("trainer.nope=1", "trainer.nope")])
+def test_failed_run_exits_nonzero(tmp_path, override, message):
+    rc, out = cli(["--factory", "pretrain_tiny", override, f"log.dir={tmp_path / 'run'}"], tmp_path)
+    assert rc != 0 and message in out, out
+
+
+@pytest.mark.slow
+def test_failed_run_exits_nonzero_under_torchrun(tmp_path):
+    rc, out = cli(["--factory", "pretrain_tiny", "model.preset=nope", f"log.dir={tmp_path / 'run'}"], tmp_path,
+                  nproc=2)
+    assert rc != 0 and "unknown preset 'nope'" in out, out
+
+
+def _in_process_losses(rank, world_size, run_dir):
+    from dit_mcore.training.trainer import pretrain
+    return [h["loss"] for h in pretrain(resolve(pretrain_tiny, ["trainer.max_steps=2", f"log.dir={run_dir}"]))]
+
+
+@pytest.mark.slow
+def test_torchrun_tiny_run_matches_in_process_run(tmp_path):
+    rc, out = cli(["--factory", "pretrain_tiny", "trainer.max_steps=2", "log.dir=tmp"], tmp_path, nproc=2)
+    assert rc == 0, out
+    metrics = [json.loads(line) for line in (tmp_path / "tmp" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    # Data parallelism over 2 ranks must not change the math of the 1-process run.
+    reference = run_distributed(_in_process_losses, 1, str(tmp_path / "reference"))[0]
+    assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=1e-5)
