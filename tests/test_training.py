@@ -105,3 +105,12 @@ def test_data_parallel_matches_single_process(tmp_path, distopt):
     per_rank = run_distributed(_dp_worker, 2, str(tmp_path), distopt)
     assert per_rank[0] == per_rank[1]
     torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(single), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size"])
+def test_unsupported_model_parallelism_is_refused_by_name(tmp_path, field):
+    cfg = tiny_run(tmp_path)
+    setattr(cfg.parallel, field, 2)
+    with pytest.raises(ConfigError, match=f"parallel.{field} > 1 is not supported"):
+        Trainer(cfg)
