@@ -107,10 +107,30 @@ def test_data_parallel_matches_single_process(tmp_path, distopt):
     torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(single), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                   "context_parallel_size"])
+@pytest.mark.parametrize("field", ["pipeline_model_parallel_size", "context_parallel_size"])
 def test_unsupported_model_parallelism_is_refused_by_name(tmp_path, field):
     cfg = tiny_run(tmp_path)
     setattr(cfg.parallel, field, 2)
     with pytest.raises(ConfigError, match=f"parallel.{field} > 1 is not supported"):
         Trainer(cfg)
+
+
+def _tp_worker(rank, world, run_dir):
+    cfg = tiny_run(f"{run_dir}/tp", max_steps=4, sample_interval=3)
+    cfg.parallel.tensor_model_parallel_size = 2
+    trainer = Trainer(cfg)
+    history = [trainer.train_step()["loss"] for _ in range(3)]
+    trainer.preview()
+    trainer.save()
+    return history
+
+
+def test_tensor_parallel_matches_single_process_and_reshards_to_one_rank(tmp_path):
+    single = losses(pretrain(tiny_run(tmp_path / "single", max_steps=4)))
+    per_rank = run_distributed(_tp_worker, 2, str(tmp_path))
+    assert per_rank[0] == per_rank[1]
+    torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(single[:3]), rtol=1e-5, atol=1e-6)
+    # The TP=2 checkpoint (model, EMA, optimizer) resumes on one process and continues the same run.
+    resumed = Trainer(tiny_run(tmp_path / "tp", max_steps=4))
+    assert resumed.step == 3
+    torch.testing.assert_close(torch.tensor(losses(resumed.fit())), torch.tensor(single[3:]), rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
@@ -162,10 +163,14 @@ class DiT(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Layers are keyed by their global index so checkpoints reshard across pipeline layouts."""
         sharded = {}
+        # Replicated (non-megatron) children must name the TP group, or megatron marks every TP
+        # rank as the main replica of them.
+        tp_group = parallel_state.get_tensor_model_parallel_group()
         for name, child in self.named_children():
             if name == "layers":
                 continue
-            sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+            sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=tp_group))
         for layer in self.layers:
             global_idx = layer.layer_number - 1
             sharded.update(layer.sharded_state_dict(f"{prefix}layers.{global_idx}.", sharded_offsets, metadata))

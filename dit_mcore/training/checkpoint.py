@@ -102,18 +102,21 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
     return final
 
 
-def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per_rank: dict) -> dict:
+def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per_rank: dict,
+                    restore_rng: bool = True) -> dict:
     """Load ``path`` into model, EMA and optimizer in place; returns the common ``extra`` values and
-    this rank's ``per_rank`` values (RNG states are restored here)."""
+    this rank's ``per_rank`` values. RNG states are restored too unless ``restore_rng`` is False
+    (a checkpoint from another world size: per-rank states do not map onto the new ranks)."""
     from dit_mcore.parallel.cpu_shims import init_adam_state
     if not torch.cuda.is_available():
         init_adam_state(optimizer)
-    template = sharded_state(model, ema_model, optimizer, extra=extra,
-                             per_rank={**per_rank, "rng": None}, is_loading=True)
+    rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
+    template = sharded_state(model, ema_model, optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
     loaded = dist_checkpointing.load(template, str(path))
     model.load_state_dict(loaded.pop("model"))
     ema_model.load_state_dict({k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()})
     optimizer.load_state_dict(loaded.pop("optimizer"))
-    set_rng_state(loaded.pop("rank_rng"))
+    if restore_rng:
+        set_rng_state(loaded.pop("rank_rng"))
     ranks = {key: loaded.pop(f"rank_{key}") for key in per_rank}
     return {"extra": loaded, "per_rank": ranks}

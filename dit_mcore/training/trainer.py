@@ -44,10 +44,12 @@ def step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
 def _refuse_untested_parallelism(cfg: RunConfig) -> None:
     """Model parallelism lands with its equivalence tests; until then refuse rather than train a
     layout nobody has checked (CP would, e.g., give every rank the whole sequence)."""
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel is not supported by the trainer yet; set it to False")
+    for name in ("pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(cfg.parallel, name) > 1:
-            raise ConfigError(f"parallel.{name} > 1 is not supported by the trainer yet (only data "
-                              f"parallelism is); set parallel.{name}=1")
+            raise ConfigError(f"parallel.{name} > 1 is not supported by the trainer yet (data and "
+                              f"tensor parallelism are); set parallel.{name}=1")
 
 
 class Trainer:
@@ -122,15 +124,19 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir.exists() else None
         if path is None:
             return
+        # The common state tells the saved world size before any per-rank object is requested:
+        # those from a different world would fail deep inside dist_checkpointing.
+        common = ckpt.load_common(path)
+        same_world = common["world_size"] == dist.get_world_size()
         per_rank = {}
         if self._data_per_rank():
-            # Check the layout from the common state first: loading per-rank data states saved by a
-            # different world would fail deep inside dist_checkpointing.
-            common = ckpt.load_common(path)
             if self.loader.check_layout(common["data_layout"], dist.get_world_size(), common["world_size"]):
                 per_rank = {"data": self.loader.state_dict()}
+        if not same_world:
+            log.info("checkpoint was written by %d ranks, this run has %d: weights and optimizer are "
+                     "resharded, per-rank RNG states are not restored", common["world_size"], dist.get_world_size())
         loaded = ckpt.load_checkpoint(path, self.model, self.ema.module, self.optimizer,
-                                      extra=self._common_state(), per_rank=per_rank)
+                                      extra=self._common_state(), per_rank=per_rank, restore_rng=same_world)
         state = loaded["extra"]
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])
