@@ -16,7 +16,7 @@ from dit_mcore.training.trainer import Trainer, pretrain
 def tiny_run(run_dir, *, max_steps=4, objective="flow", distopt=False, save_interval=100, sample_interval=0):
     return RunConfig(
         model=ModelConfig(preset="digits", num_layers=2, hidden_size=32, num_attention_heads=2, input_size=8,
-                          class_dropout_prob=0.1),
+                          patch_size=2, class_dropout_prob=0.1),
         data=DataConfig(image_size=8, global_batch_size=16, micro_batch_size=8),
         optim=OptimConfig(lr=1e-3, warmup_steps=1, decay_style="cosine", use_distributed_optimizer=distopt),
         diffusion=DiffusionConfig(objective=objective, sample_steps=2),
