@@ -65,7 +65,7 @@ def pretrain_digits() -> run.Partial[train]:
     return run.Partial(
         train,
         model=run.Config(ModelConfig, preset="digits"),
-        data=run.Config(DataConfig, name="digits", image_size=16, global_batch_size=128, micro_batch_size=64),
+        data=run.Config(DataConfig, name="digits", image_size=16, global_batch_size=128, micro_batch_size=None),
         optim=run.Config(OptimConfig, lr=1e-3, min_lr=1e-5, warmup_steps=100, decay_style="cosine",
                          weight_decay=0.0),
         diffusion=run.Config(DiffusionConfig, objective="flow", sample_steps=32, cfg_scale=3.0),

@@ -68,8 +68,9 @@ class DataConfig:
     global_batch_size: int = 256
     """Samples (packed sequences with ``path``) per optimizer step, over all data-parallel ranks and
     micro-batches."""
-    micro_batch_size: int = 64
-    """Samples (packed sequences with ``path``) per forward/backward on one rank."""
+    micro_batch_size: Optional[int] = 64
+    """Samples (packed sequences with ``path``) per forward/backward on one rank; None: the rank's
+    whole share of the global batch in one micro-batch."""
     num_workers: int = 0
     """Loader worker processes (energon datasets). Must stay the same across a resume."""
     max_seq_len: int = 1024
@@ -82,8 +83,17 @@ class DataConfig:
     """On resume with a different worker count or data-parallel size (which energon cannot
     restore exactly), restart the data stream instead of failing."""
 
+    def micro_batch(self, dp_size: int) -> int:
+        """The micro-batch size in effect with ``dp_size`` data-parallel ranks."""
+        if self.micro_batch_size is None:
+            if self.global_batch_size % dp_size:
+                raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                                  f"the data-parallel size ({dp_size})")
+            return self.global_batch_size // dp_size
+        return self.micro_batch_size
+
     def num_microbatches(self, dp_size: int) -> int:
-        per_step = self.micro_batch_size * dp_size
+        per_step = self.micro_batch(dp_size) * dp_size
         if self.global_batch_size % per_step:
             raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) must be a multiple of "
                               f"data.micro_batch_size x data-parallel size ({self.micro_batch_size} x {dp_size})")

@@ -21,7 +21,7 @@ class EnergonSource:
             pad_multiple = 2 * parallel.context_parallel_size * parallel.tensor_model_parallel_size
         self.config = EnergonDataConfig(
             path=data.path, patch_size=(model_config.patch_size_t, model_config.patch_size, model_config.patch_size),
-            max_seq_len=data.max_seq_len, pad_multiple=pad_multiple, micro_batch_size=data.micro_batch_size,
+            max_seq_len=data.max_seq_len, pad_multiple=pad_multiple, micro_batch_size=data.micro_batch(dp_size),
             num_workers=data.num_workers, packing_buffer_size=data.packing_buffer_size,
             shuffle_buffer_size=data.shuffle_buffer_size, restart_data_on_mismatch=data.restart_data_on_mismatch)
         self.num_microbatches = num_microbatches

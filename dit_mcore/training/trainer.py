@@ -95,7 +95,7 @@ class Trainer:
                                  dp_size=self.dp_size, seed=cfg.trainer.seed, num_microbatches=self.num_microbatches)
         images, labels = builtin_dataset(cfg.data.name, cfg.data.image_size)
         return InMemoryImageLoader(images, labels, global_batch_size=cfg.data.global_batch_size,
-                                   micro_batch_size=cfg.data.micro_batch_size, dp_rank=self.dp_rank,
+                                   micro_batch_size=cfg.data.micro_batch(self.dp_size), dp_rank=self.dp_rank,
                                    dp_size=self.dp_size, seed=cfg.trainer.seed)
 
     def _check_data_matches_model(self) -> None:
@@ -224,7 +224,7 @@ class Trainer:
         s = (self.model_config.input_size // self.model_config.patch_size) ** 2
         reduced = fwd_bwd(forward_step_func=self._forward_step, data_iterator=iter(enumerate(microbatches)),
                           model=[self.ddp_model], num_microbatches=len(microbatches), seq_length=s,
-                          micro_batch_size=self.cfg.data.micro_batch_size, forward_only=False)
+                          micro_batch_size=self.cfg.data.micro_batch(self.dp_size), forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
