@@ -64,3 +64,26 @@ def test_resume_with_other_num_workers_is_refused_or_restarted(tmp_path, digits_
         Trainer(energon_run(tmp_path, digits_dataset, max_steps=3, num_workers=1))
     restarted = Trainer(energon_run(tmp_path, digits_dataset, max_steps=3, num_workers=1, restart=True))
     assert restarted.step == 1  # weights and optimizer resumed, data stream restarted
+
+
+def test_mixed_image_and_video_blend_trains(tmp_path, digits_dataset):
+    """Images and moving-digit videos blended 1:1 and packed together into the same sequences."""
+    from energon_data.blend import write_blend
+    from energon_data.prepare import prepare_dataset
+    videos = tmp_path / "moving"
+    prepare_dataset("moving_digits", str(videos), encoder="identity", image_size=(8, 8), frames=2,
+                    num_videos=16, progress=False, workers=1)
+    blend = write_blend(tmp_path / "blend.yaml", [(digits_dataset, 1.0), (str(videos), 1.0)])
+    cfg = energon_run(tmp_path / "run", str(blend), max_steps=3)
+    trainer = Trainer(cfg)
+    grids = []
+    original = trainer.model.forward
+
+    def spy(tokens, timesteps, labels, **kw):
+        grids.extend(kw["grids"][:, 0].tolist())
+        return original(tokens, timesteps, labels, **kw)
+
+    trainer.model.forward = spy
+    history = [trainer.train_step() for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert 1 in grids and 2 in grids  # image (t=1) and video (t=2) samples both reached the model
