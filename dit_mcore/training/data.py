@@ -22,6 +22,8 @@ class InMemoryImageLoader:
     """Yields micro-batches for one data-parallel rank; every rank sees a disjoint slice of each
     global batch, and a global batch never straddles an epoch boundary (the tail is dropped)."""
 
+    per_rank_state = False  # the position is the same on every rank: it lives in the common state
+
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         if global_batch_size > len(images):

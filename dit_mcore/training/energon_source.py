@@ -5,8 +5,12 @@ one replica read the same batches), and its state travels in every checkpoint, p
 """
 from __future__ import annotations
 
+import logging
+
 from energon_data.loader import DataConfig as EnergonDataConfig
 from energon_data.loader import DataResumeError, build_train_loader, restore_state, save_state
+
+log = logging.getLogger(__name__)
 
 
 class EnergonSource:
@@ -58,6 +62,5 @@ class EnergonSource:
         if not self.config.restart_data_on_mismatch:
             raise DataResumeError(msg + ". Keep them, or set data.restart_data_on_mismatch=True to restart "
                                         "the data stream")
-        import logging
-        logging.getLogger(__name__).warning("%s; restarting the data stream (data.restart_data_on_mismatch)", msg)
+        log.warning("%s; restarting the data stream (data.restart_data_on_mismatch)", msg)
         return False

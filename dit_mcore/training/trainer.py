@@ -109,7 +109,7 @@ class Trainer:
                               f"({mc.input_size}); set model.input_size={data.image_size}")
 
     def _data_per_rank(self) -> bool:
-        return getattr(self.loader, "per_rank_state", False)
+        return self.loader.per_rank_state
 
     def _common_state(self) -> dict:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
@@ -167,7 +167,7 @@ class Trainer:
         labels = drop_labels(batch.labels, mc.class_dropout_prob, mc.num_classes, generator=g)
         inputs = self.objective.prepare(x0, noise, level)
         out = model(inputs.model_input.transpose(0, 1).contiguous(), inputs.timestep, labels, grid=grid)
-        pred = out.transpose(0, 1)[..., : mc.patch_dim] if mc.learn_sigma else out.transpose(0, 1)
+        pred = out.transpose(0, 1)[..., : mc.patch_dim]  # drops the learned-sigma channels, if any
         return out, partial(self._loss, pred, inputs, n)
 
     def _forward_packed(self, batch, g, model):
@@ -194,8 +194,8 @@ class Trainer:
 
     def _loss_packed(self, pred, inputs, sample_ids, real, n, _output):
         per_token = self.objective.loss(pred, inputs).mean(-1) * real
-        sums = torch.zeros(n).index_add_(0, sample_ids.clamp(min=0), per_token)
-        counts = torch.zeros(n).index_add_(0, sample_ids.clamp(min=0), real.float())
+        sums = per_token.new_zeros(n).index_add_(0, sample_ids.clamp(min=0), per_token)
+        counts = per_token.new_zeros(n).index_add_(0, sample_ids.clamp(min=0), real.float())
         return self._reduced(sums / counts.clamp(min=1), n)
 
     def _loss(self, pred, inputs, n, _output):
