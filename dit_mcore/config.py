@@ -12,9 +12,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
+from energon_data.config import ConfigError  # noqa: F401  (the project's one config error type)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +112,9 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
 
 # Megatron settings every DiT shares: fusions that need apex/TE are off by default (the GPU
 # spec turns on TE's fused paths itself), biases as in the reference, tanh-GELU MLP.
+# ``use_cpu_initialization``: on a GPU parameters are created on the device (a 30B model cannot be
+# initialised on the host); on CPU megatron initialises each whole weight and splits it, so every
+# tensor-parallel layout starts from exactly the single-process weights.
 _COMMON = dict(
     add_bias_linear=True,
     add_qkv_bias=True,
@@ -127,7 +128,7 @@ _COMMON = dict(
     persist_layer_norm=False,
     layernorm_epsilon=1e-6,
     activation_func=gelu_tanh,
-    use_cpu_initialization=True,
+    use_cpu_initialization=not torch.cuda.is_available(),
 )
 
 # name -> (num_layers, hidden_size, num_attention_heads), DiT paper Table 1.

@@ -11,102 +11,86 @@ energon cannot change on restore (number of workers, DP world size, DP rank, dat
 config) are unchanged, and raises :class:`DataResumeError` naming the old and new value otherwise;
 with ``cfg.restart_data_on_mismatch`` it logs the mismatch and leaves the loader at the start of
 its (seeded) stream instead.
+
+Failing loudly: a worker that skips more than ``cfg.max_consecutive_skips`` samples in a row raises
+:class:`~energon_data.task_encoder.SkipStreakError` (passed through energon by :func:`error_handler`);
+:func:`iterate_with_timeout` raises :class:`FirstBatchTimeoutError` when no first batch arrives within
+``cfg.first_batch_timeout_s``; and every loader worker exits as soon as its training process is
+gone, even after a SIGKILL (:func:`exit_with_parent`).
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
+import functools
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+import threading
+import time
+from typing import Iterator, Optional
 
-from megatron.energon import WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset
+from megatron.energon import (WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset,
+                              log_exception)
 
-from energon_data.task_encoder import LatentTaskEncoder
+from energon_data.config import ConfigError, DataConfig, config_hash
+from energon_data.task_encoder import LatentTaskEncoder, SkipStreakError
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-
-
-@dataclass
-class DataConfig:
-    """Everything that decides which micro-batches a rank sees."""
-
-    path: str = ""
-    """Prepared energon dataset directory, or a metadataset yaml (see ``energon_data.blend``).
-    Ignored when ``blend`` is set."""
-    blend: Optional[list[tuple[str, float]]] = None
-    """``[(dataset_dir, weight), ...]`` to mix several datasets; a metadataset yaml is written for it."""
-    blend_mode: Literal["weight", "epoch"] = "weight"
-    """``weight``: sample datasets randomly by weight, forever. ``epoch``: each epoch holds every
-    dataset ``weight`` times over (weights are repetitions, e.g. 2 = twice per epoch)."""
-    blend_by: Literal["samples", "tokens"] = "samples"
-    """Whether ``blend`` weights are shares of samples or of (unpadded) tokens; see ``energon_data.blend``."""
-    blend_dir: Optional[str] = None
-    """Where the generated metadataset yaml goes; default: ``$TMPDIR/dit_mcore_blends``."""
-    val_path: Optional[str] = None
-    """Dataset for validation; default: the ``val`` split of ``path``."""
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    """Model patch sizes ``(pt, ph, pw)``."""
-    max_seq_len: int = 4096
-    """Tokens per packed sequence (rows, including padding). Longer samples are skipped and counted."""
-    pad_multiple: int = 1
-    """Pad every sample to a multiple of this (the trainer sets ``2 * CP * TP``); must divide ``max_seq_len``."""
-    packing: bool = True
-    """Pack several samples per sequence. Off: each sample is its own (padded) sequence."""
-    micro_batch_size: int = 1
-    """Packs per micro-batch (samples per micro-batch without packing); all are concatenated into one THD sequence."""
-    num_workers: int = 2
-    """Data worker processes per rank (0 = load in the training process). Fixed across a resume."""
-    packing_buffer_size: int = 256
-    """Samples collected per packing round; larger packs tighter (the last bin of a round is partial)."""
-    shuffle_buffer_size: Optional[int] = 100
-    """Sample-level shuffle buffer (``None``: shards are still shuffled, samples in a shard are not)."""
-    max_samples_per_sequence: Optional[int] = 100
-    """Samples read consecutively from one shard before jumping to another (``None``: whole shards)."""
-    max_abs_value: Optional[float] = None
-    """Skip latents with a value above this magnitude (corrupt encodes); ``None``: no check."""
-    restart_data_on_mismatch: bool = False
-    """On resume with a changed worker count / DP size / data config, restart the data stream from
-    its beginning (warning) instead of raising. The run will then revisit samples it already saw."""
-
-    def __post_init__(self):
-        self.patch_size = tuple(self.patch_size)
-        if self.blend_mode not in ("weight", "epoch"):
-            raise ValueError(f"data.blend_mode must be 'weight' or 'epoch', got {self.blend_mode!r}")
-        if self.blend_by not in ("samples", "tokens"):
-            raise ValueError(f"data.blend_by must be 'samples' or 'tokens', got {self.blend_by!r}")
-        if not self.path and not self.blend:
-            raise ValueError("data.path is empty; set it to a prepared energon dataset (or set data.blend)")
-        for name in ("micro_batch_size", "packing_buffer_size", "max_seq_len", "pad_multiple"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
-
-    def stream_fields(self) -> dict:
-        """The fields that change the sample stream (everything except the restart policy, workers
-        and the val dataset); a restore with different values would not continue the same stream."""
-        skip = {"restart_data_on_mismatch", "num_workers", "val_path", "blend_dir"}
-        return {k: v for k, v in _jsonable(dataclasses.asdict(self)).items() if k not in skip}
-
-
-def _jsonable(d: dict) -> dict:
-    return json.loads(json.dumps(d, default=str))
-
-
-def config_hash(cfg: DataConfig) -> str:
-    return hashlib.sha256(json.dumps(cfg.stream_fields(), sort_keys=True).encode()).hexdigest()[:16]
+PARENT_POLL_S = 0.5
+"""How often a loader worker checks that its training process is still alive."""
 
 
 def task_encoder_for(cfg: DataConfig) -> LatentTaskEncoder:
     return LatentTaskEncoder(patch_size=cfg.patch_size, max_seq_len=cfg.max_seq_len,
                              pad_multiple=cfg.pad_multiple, packing=cfg.packing,
-                             max_abs_value=cfg.max_abs_value)
+                             max_abs_value=cfg.max_abs_value, max_consecutive_skips=cfg.max_consecutive_skips)
+
+
+def error_handler(exc: Exception, sample, sources=None) -> None:
+    """energon's handler for non-``SkipSample`` errors in the task encoder: re-raise the ones that mean
+    no batch can ever be built, so they reach the training process (with workers too) at once;
+    log the rest, as energon's default does (energon stops after 100 such errors in a row)."""
+    if isinstance(exc, SkipStreakError):
+        raise exc
+    log_exception(exc, sample, sources)
+
+
+def exit_with_parent() -> None:
+    """In a loader worker: exit as soon as the process that forked it is gone, even after a SIGKILL.
+
+    torch's workers look for a dead parent only between batches, so a worker busy inside energon
+    (e.g. skipping sample after sample) outlived a killed trainer, and kept the multiprocessing
+    resource tracker alive through the pipe it inherited. A thread polling ``getppid`` rather than
+    ``prctl(PR_SET_PDEATHSIG)``: the latter fires when the forking *thread* ends, and
+    :func:`iterate_with_timeout` starts the workers from a short-lived thread.
+    """
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init_worker(energon_init, worker_id: int) -> None:
+    exit_with_parent()
+    if energon_init is not None:
+        energon_init(worker_id)
+
+
+def _workers_exit_with_parent(loader):
+    """Add :func:`exit_with_parent` to ``loader``'s worker init (energon's seeds it; torch reads the
+    attribute when it starts the workers, at the first ``next``)."""
+    loader.worker_init_fn = functools.partial(_init_worker, loader.worker_init_fn)
+    return loader
+
+
+def _worker_config(cfg: DataConfig, dp_rank: int, dp_size: int, **kw) -> WorkerConfig:
+    return WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=cfg.num_workers,
+                        global_error_handler=error_handler, **kw)
 
 
 def dataset_path(cfg: DataConfig) -> str:
@@ -122,34 +106,104 @@ def dataset_path(cfg: DataConfig) -> str:
     return yaml_path
 
 
-def _check_rank(dp_rank: int, dp_size: int):
+def _check(cfg: DataConfig, dp_rank: int, dp_size: int):
+    if not cfg.uses_energon:
+        raise ValueError("data.path is empty; set it to a prepared energon dataset (or set data.blend)")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+    if cfg.max_consecutive_skips is not None and cfg.max_consecutive_skips < 0:
+        raise ConfigError(f"data.max_consecutive_skips must be >= 0 or None (no limit), got "
+                          f"{cfg.max_consecutive_skips}")
+    if cfg.first_batch_timeout_s is not None and cfg.first_batch_timeout_s <= 0:
+        raise ConfigError(f"data.first_batch_timeout_s must be > 0 or None (wait forever), got "
+                          f"{cfg.first_batch_timeout_s}")
 
 
 def build_train_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, seed: int = 0):
     """Infinite, shuffled, savable train loader of :class:`~energon_data.samples.LatentBatch` for one DP rank."""
-    _check_rank(dp_rank, dp_size)
-    wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=cfg.num_workers, seed_offset=seed)
+    _check(cfg, dp_rank, dp_size)
     ds = get_train_dataset(
-        dataset_path(cfg), worker_config=wc, batch_size=cfg.micro_batch_size,
-        packing_buffer_size=cfg.packing_buffer_size if cfg.packing else None,
+        dataset_path(cfg), worker_config=_worker_config(cfg, dp_rank, dp_size, seed_offset=seed),
+        batch_size=cfg.micro_batch(dp_size), packing_buffer_size=cfg.packing_buffer_size if cfg.packing else None,
         shuffle_buffer_size=cfg.shuffle_buffer_size, max_samples_per_sequence=cfg.max_samples_per_sequence,
         task_encoder=task_encoder_for(cfg))
-    return get_savable_loader(ds)
+    # energon's watchdog would dump every thread's stack (warning only) while a slow first batch
+    # is still within data.first_batch_timeout_s; let it speak only when ours does.
+    return _workers_exit_with_parent(get_savable_loader(ds, watchdog_initial_timeout_seconds=cfg.first_batch_timeout_s))
 
 
 def build_val_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, limit: Optional[int] = None):
     """One pass over the validation data (``cfg.val_path``, else the ``val`` split of ``cfg.path``),
     split across DP ranks, in a fixed order; ``limit`` caps the number of batches per rank."""
-    _check_rank(dp_rank, dp_size)
+    _check(cfg, dp_rank, dp_size)
     path = cfg.val_path or cfg.path
-    wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=cfg.num_workers)
     ds = get_val_dataset(
-        path, split_part="val" if cfg.val_path is None else "train", worker_config=wc,
-        batch_size=cfg.micro_batch_size, packing_buffer_size=cfg.packing_buffer_size if cfg.packing else None,
-        limit=limit, task_encoder=task_encoder_for(cfg))
-    return get_loader(ds)
+        path, split_part="val" if cfg.val_path is None else "train",
+        worker_config=_worker_config(cfg, dp_rank, dp_size), batch_size=cfg.micro_batch(dp_size),
+        packing_buffer_size=cfg.packing_buffer_size if cfg.packing else None, limit=limit,
+        task_encoder=task_encoder_for(cfg))
+    return _workers_exit_with_parent(get_loader(ds))
+
+
+class FirstBatchTimeoutError(TimeoutError):
+    """The loader yielded no batch within ``data.first_batch_timeout_s``."""
+
+
+def iterate_with_timeout(loader, cfg: DataConfig) -> Iterator:
+    """Iterate ``loader`` (e.g. from :func:`build_train_loader`) like ``iter(loader)``, but raise
+    :class:`FirstBatchTimeoutError` naming the likely causes when the first batch takes longer than
+    ``cfg.first_batch_timeout_s`` (None: wait forever).
+
+    The first ``next`` runs in a helper thread so the wait can be bounded whatever blocks inside
+    energon; later batches are read in the caller's thread, and nothing is read ahead, so
+    :func:`save_state` between batches stays exact. After the error the loader is unusable (the
+    helper thread may still be inside it): stop the run.
+    """
+    it = iter(loader)
+    if cfg.first_batch_timeout_s is not None:
+        first = _next_within(it, cfg)
+        if first is _EXHAUSTED:
+            return
+        yield first
+    yield from it
+
+
+_EXHAUSTED = object()
+
+
+def _next_within(it: Iterator, cfg: DataConfig):
+    """``next(it)`` (or ``_EXHAUSTED``) within ``cfg.first_batch_timeout_s``; errors re-raised here."""
+    result = {}
+
+    def fetch():
+        try:
+            result["batch"] = next(it, _EXHAUSTED)
+        except BaseException as e:  # handed to the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=fetch, name="first-batch", daemon=True)
+    thread.start()
+    thread.join(cfg.first_batch_timeout_s)
+    if thread.is_alive():
+        raise FirstBatchTimeoutError(_timeout_message(cfg))
+    if "error" in result:
+        raise result["error"]
+    return result["batch"]
+
+
+def _timeout_message(cfg: DataConfig) -> str:
+    return (
+        f"the data loader yielded no batch within data.first_batch_timeout_s={cfg.first_batch_timeout_s} s. "
+        "Likely causes:\n"
+        f"  - most samples are skipped, but never more than data.max_consecutive_skips={cfg.max_consecutive_skips} "
+        f"in a row (too long for data.max_seq_len={cfg.max_seq_len}, NaN/Inf, above data.max_abs_value): lower "
+        "data.max_consecutive_skips to see the reasons, and check the dataset\n"
+        f"  - slow storage with large buffers to fill first (data.packing_buffer_size={cfg.packing_buffer_size}, "
+        f"data.shuffle_buffer_size={cfg.shuffle_buffer_size}): raise data.first_batch_timeout_s or "
+        f"data.num_workers (now {cfg.num_workers})\n"
+        "  - a stuck or crashed loader worker: energon's watchdog prints every thread's stack when this "
+        "timeout passes\n"
+        "Set data.first_batch_timeout_s=None to wait forever.")
 
 
 class DataResumeError(RuntimeError):
@@ -171,25 +225,50 @@ def save_state(loader, cfg: DataConfig) -> dict:
     }
 
 
-def _mismatches(loader, state: dict, cfg: DataConfig) -> list[str]:
+def layout(loader) -> dict:
+    """What energon cannot change on restore: compare it before loading any per-rank state."""
     wc = loader.worker_config
-    out = []
+    return {"dp_size": wc.world_size, "num_workers": wc.num_workers}
+
+
+def layout_problems(saved: dict, loader) -> list[str]:
+    """How the loader layout ``saved`` in a checkpoint differs from ``loader``'s, one line each."""
+    now, out = layout(loader), []
+    if saved["num_workers"] != now["num_workers"]:
+        out.append(f"data.num_workers was {saved['num_workers']} in the checkpoint but is {now['num_workers']} "
+                   "now (energon restores per worker); set data.num_workers back")
+    if saved["dp_size"] != now["dp_size"]:
+        out.append(f"data-parallel size was {saved['dp_size']} in the checkpoint but is {now['dp_size']} now; "
+                   "keep the DP size")
+    return out
+
+
+def _mismatches(loader, state: dict, cfg: DataConfig) -> list[str]:
     if state.get("version") != STATE_VERSION:
         return [f"loader state version {state.get('version')} != {STATE_VERSION} (not written by this code)"]
-    if state["num_workers"] != wc.num_workers:
-        out.append(f"data.num_workers was {state['num_workers']} in the checkpoint but is {wc.num_workers} "
-                   "now (energon restores per worker); set data.num_workers back")
-    if state["dp_size"] != wc.world_size:
-        out.append(f"data-parallel size was {state['dp_size']} in the checkpoint but is {wc.world_size} now; "
-                   "keep the DP size")
-    elif state["dp_rank"] != wc.rank:
+    out = layout_problems(state, loader)
+    if not out and state["dp_rank"] != loader.worker_config.rank:
         out.append(f"this state belongs to DP rank {state['dp_rank']} but is being restored on DP rank "
-                   f"{wc.rank}; load each rank's own loader state")
+                   f"{loader.worker_config.rank}; load each rank's own loader state")
     old, new = state["config"], cfg.stream_fields()
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             out.append(f"data.{key} was {old.get(key)!r} in the checkpoint but is {new.get(key)!r} now")
     return out
+
+
+def accept_mismatch(problems: list[str], cfg: DataConfig) -> bool:
+    """The one resume policy: True when nothing differs; with differences, raise
+    :class:`DataResumeError` naming them, or (``data.restart_data_on_mismatch``) warn and return
+    False so the caller restarts the data stream."""
+    if not problems:
+        return True
+    msg = "cannot resume the data loader exactly:\n  - " + "\n  - ".join(problems)
+    if not cfg.restart_data_on_mismatch:
+        raise DataResumeError(msg + "\nKeep them, or set data.restart_data_on_mismatch=True to restart the "
+                                    "data stream")
+    log.warning("%s\nrestarting the data stream from its beginning (data.restart_data_on_mismatch=True)", msg)
+    return False
 
 
 def restore_state(loader, state: Optional[dict], cfg: DataConfig) -> bool:
@@ -202,12 +281,7 @@ def restore_state(loader, state: Optional[dict], cfg: DataConfig) -> bool:
         return False
     if getattr(loader, "_has_workers", False):
         raise DataResumeError("restore_state must be called before iterating the loader")
-    problems = _mismatches(loader, state, cfg)
-    if problems:
-        msg = "cannot resume the data loader exactly:\n  - " + "\n  - ".join(problems)
-        if not cfg.restart_data_on_mismatch:
-            raise DataResumeError(msg + "\nor set data.restart_data_on_mismatch=True to restart the data stream")
-        log.warning("%s\nrestarting the data stream from its beginning (data.restart_data_on_mismatch=True)", msg)
+    if not accept_mismatch(_mismatches(loader, state, cfg), cfg):
         return False
     loader.restore_state_rank(state["energon"])
     return True

@@ -14,32 +14,50 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 
+from energon_data.config import ConfigError
 from energon_data.packing import pack_lengths, round_up, shuffle_bins
 from energon_data.samples import EncodedSample, LatentBatch, LatentSample, PackedSample
+from energon_data.tokens import grid_positions, patchify
 
 SKIP_REASONS = ("nonfinite", "too_long", "too_large", "bad_shape")
 
 
+class SkipStreakError(ConfigError):
+    """More than ``data.max_consecutive_skips`` samples in a row were skipped: no batch can be built."""
+
+
+@dataclass
+class SkipStreak:
+    """The samples one worker skipped since it last accepted one: enough to say why none get through."""
+
+    count: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+    """reason -> ``"key: detail"`` of the first sample of the streak skipped for it."""
+    shortest: Optional[int] = None
+    longest: Optional[int] = None
+    """Padded lengths of the shortest and longest too-long samples of the streak."""
+
+    def add(self, reason: str, key: str, detail: str, padded_len: Optional[int]):
+        self.count += 1
+        self.reasons[reason] += 1
+        self.examples.setdefault(reason, f"{key}: {detail}")
+        if padded_len is not None:
+            self.shortest = padded_len if self.shortest is None else min(self.shortest, padded_len)
+            self.longest = padded_len if self.longest is None else max(self.longest, padded_len)
+
+
 def patchify_latent(latent: torch.Tensor, patch_size: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``[C, T, H, W]`` -> tokens ``[t*h*w, C*pt*ph*pw]`` (within-token order ``C, pt, ph, pw``) and grid."""
+    """``[C, T, H, W]`` -> tokens ``[t*h*w, C*pt*ph*pw]`` and grid (:func:`energon_data.tokens.patchify`)."""
     pt, ph, pw = patch_size
-    c, T, H, W = latent.shape
-    t, h, w = T // pt, H // ph, W // pw
-    x = latent.reshape(c, t, pt, h, ph, w, pw).permute(1, 3, 5, 0, 2, 4, 6)
-    return x.reshape(t * h * w, c * pt * ph * pw), (t, h, w)
-
-
-def grid_positions(grid: Sequence[int]) -> torch.Tensor:
-    """``[t*h*w, 3]`` int64 ``(t, h, w)`` coordinates in token order."""
-    t, h, w = (int(g) for g in grid)
-    idx = torch.arange(t * h * w)
-    return torch.stack([idx // (h * w), (idx // w) % h, idx % w], dim=1)
+    tokens, grid = patchify(latent.unsqueeze(0), (ph, pw), pt)
+    return tokens[0], grid
 
 
 def _cumsum0(lengths: Sequence[int]) -> torch.Tensor:
@@ -133,10 +151,13 @@ class LatentTaskEncoder(DefaultTaskEncoder[LatentSample, EncodedSample, LatentBa
             ``2 * CP * TP`` so each sample splits evenly across context-parallel ranks).
         packing: whether the loader uses a packing buffer (``batch`` handles both).
         max_abs_value: skip latents with any ``|x|`` above this (corrupt encodes); ``None`` = no limit.
+        max_consecutive_skips: raise :class:`SkipStreakError` once more than this many samples in a
+            row are skipped; ``None`` = no limit.
     """
 
     def __init__(self, *, patch_size: Sequence[int] = (1, 2, 2), max_seq_len: Optional[int] = 4096,
-                 pad_multiple: int = 1, packing: bool = True, max_abs_value: Optional[float] = None):
+                 pad_multiple: int = 1, packing: bool = True, max_abs_value: Optional[float] = None,
+                 max_consecutive_skips: Optional[int] = None):
         super().__init__()
         if len(patch_size) != 3 or min(patch_size) < 1:
             raise ValueError(f"patch_size must be (pt, ph, pw) of positive ints, got {patch_size}")
@@ -152,12 +173,43 @@ class LatentTaskEncoder(DefaultTaskEncoder[LatentSample, EncodedSample, LatentBa
         self.pad_multiple = pad_multiple
         self.packing = packing
         self.max_abs_value = max_abs_value
-        # Skips since this worker's last batch; each worker process has its own copy.
+        self.max_consecutive_skips = max_consecutive_skips
+        # Skips since this worker's last batch, and since its last accepted sample; each worker
+        # process has its own copy.
         self.skipped: Counter = Counter()
+        self.streak = SkipStreak()
 
-    def _skip(self, reason: str, key: str, detail: str):
+    def _skip(self, reason: str, key: str, detail: str, padded_len: Optional[int] = None):
         self.skipped[reason] += 1
+        self.streak.add(reason, key, detail, padded_len)
+        if self.max_consecutive_skips is not None and self.streak.count > self.max_consecutive_skips:
+            raise SkipStreakError(self._streak_message())
         raise SkipSample(f"{key}: {detail}")
+
+    def _streak_message(self) -> str:
+        s = self.streak
+        counts = ", ".join(f"{reason}: {n}" for reason, n in s.reasons.most_common())
+        fixes = "\n".join(f"  - {reason}: {self._skip_fix(reason)}" for reason, _ in s.reasons.most_common())
+        return (f"a data loader worker skipped the last {s.count} samples it read ({counts}), so it can never "
+                f"build a batch:\n{fixes}\nStopped after more than data.max_consecutive_skips="
+                f"{self.max_consecutive_skips} skips in a row (None: no limit).")
+
+    def _skip_fix(self, reason: str) -> str:
+        """What is wrong with the samples skipped for ``reason``, and which ``data.*`` field fixes it."""
+        example = self.streak.examples[reason]
+        if reason == "too_long":
+            lo, hi = self.streak.shortest, self.streak.longest
+            need, all_fit = (f"{lo}", "") if lo == hi else (f"{lo} to {hi}", f" ({hi} fits them all)")
+            return (f"data.max_seq_len={self.max_seq_len} but these samples need {need} tokens after padding "
+                    f"(e.g. {example}); raise data.max_seq_len to at least {lo}{all_fit}, or use shorter "
+                    "samples or a larger model patch size")
+        if reason == "too_large":
+            return (f"latent values above data.max_abs_value={self.max_abs_value} (e.g. {example}); raise "
+                    "data.max_abs_value (None: no check) if the encoder's scale is right")
+        if reason == "nonfinite":
+            return f"NaN/Inf values (e.g. {example}); re-encode the dataset (python -m energon_data.prepare)"
+        return (f"{example}; the latents must be [C,T,H,W] with T,H,W divisible by the model's patch size "
+                f"{self.patch_size}")
 
     @stateless
     def encode_sample(self, sample: LatentSample) -> EncodedSample:
@@ -171,11 +223,14 @@ class LatentTaskEncoder(DefaultTaskEncoder[LatentSample, EncodedSample, LatentBa
         seqlen = math.prod(n // p for n, p in zip(latent.shape[1:], self.patch_size))
         padded_len = round_up(seqlen, self.pad_multiple)
         if self.max_seq_len is not None and padded_len > self.max_seq_len:
-            self._skip("too_long", key, f"{seqlen} tokens (padded {padded_len}) > max_seq_len {self.max_seq_len}")
+            self._skip("too_long", key, f"{seqlen} tokens (padded {padded_len}) > max_seq_len {self.max_seq_len}",
+                       padded_len)
         if not (torch.isfinite(latent).all() and torch.isfinite(sample.text_emb).all()):
             self._skip("nonfinite", key, "NaN/Inf in latent or text embedding")
         if self.max_abs_value is not None and latent.abs().max() > self.max_abs_value:
             self._skip("too_large", key, f"max |latent| {float(latent.abs().max()):.3g} > {self.max_abs_value}")
+        if self.streak.count:
+            self.streak = SkipStreak()
         tokens, grid = patchify_latent(latent, self.patch_size)
         label = sample.meta.get("label")
         return EncodedSample.derive_from(sample, tokens=tokens, text_emb=sample.text_emb, grid=grid,

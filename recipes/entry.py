@@ -23,9 +23,7 @@ def build_run_config(model: Optional[ModelConfig] = None, data: Optional[DataCon
                     diffusion=diffusion or DiffusionConfig(), trainer=trainer or TrainerConfig(),
                     log=log or LogConfig(), parallel=parallel or ParallelConfig())
     # Recipes without a built-in fallback (e.g. pretrain_xl) set data.name=None.
-    if cfg.data.path is None and cfg.data.name is None:
-        raise ConfigError("data.path is required by this recipe: set data.path=<prepared energon dataset or "
-                          "metadataset yaml> (see `python -m energon_data.prepare`)")
+    cfg.data.check_source()
     return cfg
 
 

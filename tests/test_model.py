@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from dit_mcore.config import ConfigError, PRESETS, preset
-from dit_mcore.models import build_model, patchify, unpatchify
+from dit_mcore.models import build_model
+from energon_data.batch import MicroBatch
+from energon_data.tokens import patchify, unpatchify
 from dit_mcore.models.embeddings import sincos_pos_embed, timestep_features
 from megatron_env import single_process_world
 
@@ -66,7 +68,7 @@ def test_shapes_and_identity_at_init(world):
     # adaLN-Zero: with zero modulation every layer returns its input exactly.
     h = torch.randn(16, 3, cfg.hidden_size)
     cond = model.conditioning(t, y)
-    from dit_mcore.models.dit_layer import Conditioning
+    from dit_mcore.models import Conditioning
     for layer in model.layers:
         assert torch.equal(layer(h, Conditioning(cond)), h)
 
@@ -83,7 +85,8 @@ def test_packed_equals_dense_per_sample(world):
     crop, cgrid = patchify(x[1:2, :, :4], 2)
     packed = torch.cat([tokens[0], crop[0], tokens[2], torch.zeros(5, tokens.shape[-1])])[:, None]
     cu = torch.tensor([0, 16, 24, 40], dtype=torch.int32)
-    out = model(packed, t, y, cu_seqlens=cu, grids=torch.tensor([grid, cgrid, grid])).squeeze(1)
+    batch = MicroBatch.packed(packed[:, 0], cu, torch.tensor([grid, cgrid, grid]), y)
+    out = model(packed, t, y, batch=batch).squeeze(1)
     torch.testing.assert_close(out[:16], dense[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out[24:40], dense[2], rtol=1e-5, atol=1e-6)
     alone = model(crop.transpose(0, 1), t[1:2], y[1:2], grid=cgrid).transpose(0, 1)[0]
@@ -148,9 +151,9 @@ def test_per_sample_padding_changes_nothing(world):
     crop, cgrid = patchify(x[:1, :, :6, :4], 2)  # 6 tokens, padded to 8
     full, grid = patchify(x[1:], 2)  # 16 tokens
     packed = torch.cat([crop[0], torch.full((2, cfg.patch_dim), 7.0), full[0], torch.full((8, cfg.patch_dim), -3.0)])
-    out = model(packed[:, None], t, y, cu_seqlens=torch.tensor([0, 6, 22], dtype=torch.int32),
-                cu_seqlens_padded=torch.tensor([0, 8, 32], dtype=torch.int32),
-                grids=torch.tensor([cgrid, grid])).squeeze(1)
+    batch = MicroBatch.packed(packed, torch.tensor([0, 6, 22], dtype=torch.int32), torch.tensor([cgrid, grid]), y,
+                              torch.tensor([0, 8, 32], dtype=torch.int32))
+    out = model(packed[:, None], t, y, batch=batch).squeeze(1)
     alone0 = model(crop.transpose(0, 1), t[:1], y[:1], grid=cgrid).transpose(0, 1)[0]
     alone1 = model(full.transpose(0, 1), t[1:], y[1:], grid=grid).transpose(0, 1)[0]
     torch.testing.assert_close(out[:6], alone0, rtol=1e-5, atol=1e-6)

@@ -36,7 +36,7 @@ def test_packed_step_draws_one_noise_level_per_sample(tmp_path, digits_dataset):
     original = trainer.model.forward
 
     def spy(tokens, timesteps, labels, **kw):
-        seen.update(tokens=tokens.shape[0], timesteps=timesteps.clone(), cu=kw["cu_seqlens"].clone())
+        seen.update(tokens=tokens.shape[0], timesteps=timesteps.clone(), cu=kw["batch"].cu_seqlens.clone())
         return original(tokens, timesteps, labels, **kw)
 
     trainer.model.forward = spy
@@ -80,7 +80,7 @@ def test_mixed_image_and_video_blend_trains(tmp_path, digits_dataset):
     original = trainer.model.forward
 
     def spy(tokens, timesteps, labels, **kw):
-        grids.extend(kw["grids"][:, 0].tolist())
+        grids.extend(kw["batch"].grids[:, 0].tolist())
         return original(tokens, timesteps, labels, **kw)
 
     trainer.model.forward = spy

@@ -17,7 +17,7 @@ import torch
 from dit_mcore.config import DiTConfig, preset as build_preset
 from dit_mcore.interop import layouts
 from dit_mcore.interop.mapping import InteropError, Rule, build_and_load, export_model
-from dit_mcore.models import DiT
+from dit_mcore.models.dit import DiT
 from dit_mcore.models.embeddings import sincos_pos_embed
 
 _POS_EMBED = "pos_embed"

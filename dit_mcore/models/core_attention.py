@@ -6,12 +6,32 @@ is non-causal and block-diagonal over packed samples, which ``kernels.local_atte
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from kernels.local_attention import Segments, segment_attention
+
+
+@dataclass
+class KernelsPackedSeqParams(PackedSeqParams):
+    """megatron's ``PackedSeqParams`` plus the block-diagonal pattern as host ints, built once per
+    micro-batch so no layer syncs with the device to learn it."""
+
+    segments: Optional[Segments] = None
+
+
+def packed_seq_params(batch) -> KernelsPackedSeqParams:
+    """THD params of a packed ``MicroBatch`` (self-attention: q and kv share the layout)."""
+    starts, lens = batch.starts, batch.seqlens
+    ends = tuple(a + n for a, n in zip(starts, lens))
+    segments = Segments(starts, ends, starts, ends)
+    return KernelsPackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
+        cu_seqlens_q_padded=batch.cu_seqlens_padded, cu_seqlens_kv_padded=batch.cu_seqlens_padded,
+        max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen, segments=segments)
 
 
 class KernelsCoreAttention(MegatronModule):
@@ -44,8 +64,8 @@ class KernelsCoreAttention(MegatronModule):
         segments = None
         if packed_seq_params is not None:
             p = packed_seq_params
-            segments = Segments.from_cu_seqlens(p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded,
-                                                p.cu_seqlens_kv_padded)
+            segments = getattr(p, "segments", None) or Segments.from_cu_seqlens(
+                p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
         out, _ = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
                                    backend=self.backend)
         if thd:

@@ -77,3 +77,23 @@ def sincos_pos_embed(dim: int, grid: tuple[int, int, int]) -> torch.Tensor:
     temporal = sincos_1d(dim, torch.arange(t))
     temporal = temporal - temporal[:1]
     return (temporal[:, None, :] + spatial[None]).reshape(t * h * w, dim).float()
+
+
+@lru_cache(maxsize=32)
+def _axis_tables(dim: int, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(spatial [size, dim//2], temporal [size, dim])`` 1D tables for coordinates < size;
+    the temporal one is relative to frame 0 (see :func:`sincos_pos_embed`)."""
+    coords = torch.arange(size)
+    temporal = sincos_1d(dim, coords)
+    return sincos_1d(dim // 2, coords).to(device), (temporal - temporal[:1]).to(device)
+
+
+def sincos_from_positions(positions: torch.Tensor, dim: int, max_coord: int) -> torch.Tensor:
+    """Fixed positions for per-token ``(t, h, w)`` coordinates ``[N, 3]`` (each < ``max_coord``, a host
+    int) -> ``[N, dim]`` float32. Row ``i`` equals ``sincos_pos_embed(dim, grid)`` at that token's
+    place in its grid, for any mix of grids, by gathering from cached 1D tables: no per-sample loop,
+    no host sync."""
+    size = 1 << max(6, (max_coord - 1).bit_length())  # power-of-two sizes keep the cache small
+    spatial, temporal = _axis_tables(dim, size, str(positions.device))
+    t, h, w = positions.unbind(-1)
+    return (torch.cat([spatial[w], spatial[h]], dim=-1) + temporal[t]).float()

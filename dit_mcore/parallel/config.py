@@ -16,8 +16,6 @@ class ParallelConfig:
     """Context parallel degree (splits the token sequence)."""
     sequence_parallel: bool = False
     """Shard activations outside TP regions along the sequence (requires TP > 1)."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (ZeRO-1 style, megatron DistributedOptimizer)."""
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size

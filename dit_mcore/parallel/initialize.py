@@ -49,6 +49,13 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
              parallel.context_parallel_size, parallel_state.get_data_parallel_world_size())
 
 
+def run_device() -> torch.device:
+    """The device this rank computes on: its CUDA device (set from ``LOCAL_RANK``) or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

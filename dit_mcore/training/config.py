@@ -5,14 +5,18 @@ from typing import Optional
 
 import torch
 
-from dit_mcore.config import ConfigError, DiTConfig, preset
+from dit_mcore.config import DiTConfig
+from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
+from energon_data.config import DataConfig  # noqa: F401  (the run's ``data`` section)
 
 
 @dataclass
 class ModelConfig:
-    """Which DiT to build: a named preset plus the fields runs commonly change."""
+    """Which model to build: a family, a named preset and the fields runs commonly change."""
 
+    family: str = "dit"
+    """Model family from ``dit_mcore.models.registry`` (``dit``: the adaLN-Zero DiT)."""
     preset: str = "DiT-XL/2"
     """Name from ``dit_mcore.config.PRESETS`` (``DiT-S/2`` … ``DiT-XL/8``, ``tiny``, ``digits``)."""
     num_layers: Optional[int] = None
@@ -36,13 +40,26 @@ class ModelConfig:
     backend: str = "auto"
     """Layer implementation: "local" (pure torch), "te" (Transformer Engine) or "auto" (TE on GPU
     when installed)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute (megatron's field): None, "full" (whole layers, see
+    ``recompute_method``) or "selective" (core attention, plus the MLP when "mlp" is in
+    ``recompute_modules``)."""
+    recompute_method: Optional[str] = None
+    """With full recompute: "uniform" (checkpoint chunks of ``recompute_num_layers`` layers) or
+    "block" (checkpoint the first ``recompute_num_layers`` layers of each stage)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per chunk ("uniform") or checkpointed layers ("block")."""
+    recompute_modules: Optional[list[str]] = None
+    """With selective recompute: which parts ("core_attn", "mlp"); None: megatron's default."""
+
+    _NOT_CONFIG_FIELDS = ("family", "preset", "backend")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
-                     if f.name not in ("preset", "backend") and getattr(self, f.name) is not None}
+                     if f.name not in self._NOT_CONFIG_FIELDS and getattr(self, f.name) is not None}
         if self.hidden_size is not None:
             overrides["ffn_hidden_size"] = 4 * self.hidden_size
-        return preset(self.preset, **overrides,
+        return get_family(self.family).make_config(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
                       context_parallel_size=parallel.context_parallel_size,
@@ -50,54 +67,6 @@ class ModelConfig:
                       bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                       pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
                       calculate_per_token_loss=True)
-
-
-@dataclass
-class DataConfig:
-    """Where training samples come from."""
-
-    name: Optional[str] = "digits"
-    """Built-in in-memory dataset ("digits": scikit-learn's 1,797 handwritten digits) used when
-    ``path`` is not set; None for recipes that require ``path``."""
-    image_size: int = 16
-    """Side length the built-in images are resized to."""
-    path: Optional[str] = None
-    """A prepared energon dataset (``python -m energon_data.prepare``) or a metadataset yaml
-    (blends); overrides ``name``. Samples are then packed into sequences of ``max_seq_len`` tokens
-    and the batch sizes below count packed sequences."""
-    global_batch_size: int = 256
-    """Samples (packed sequences with ``path``) per optimizer step, over all data-parallel ranks and
-    micro-batches."""
-    micro_batch_size: Optional[int] = 64
-    """Samples (packed sequences with ``path``) per forward/backward on one rank; None: the rank's
-    whole share of the global batch in one micro-batch."""
-    num_workers: int = 0
-    """Loader worker processes (energon datasets). Must stay the same across a resume."""
-    max_seq_len: int = 1024
-    """Tokens per packed sequence (energon datasets); longer samples are skipped and counted."""
-    packing_buffer_size: int = 64
-    """Samples gathered per packing round; larger packs tighter."""
-    shuffle_buffer_size: int = 100
-    """Sample-level shuffle buffer of the energon loader."""
-    restart_data_on_mismatch: bool = False
-    """On resume with a different worker count or data-parallel size (which energon cannot
-    restore exactly), restart the data stream instead of failing."""
-
-    def micro_batch(self, dp_size: int) -> int:
-        """The micro-batch size in effect with ``dp_size`` data-parallel ranks."""
-        if self.micro_batch_size is None:
-            if self.global_batch_size % dp_size:
-                raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                                  f"the data-parallel size ({dp_size})")
-            return self.global_batch_size // dp_size
-        return self.micro_batch_size
-
-    def num_microbatches(self, dp_size: int) -> int:
-        per_step = self.micro_batch(dp_size) * dp_size
-        if self.global_batch_size % per_step:
-            raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                              f"data.micro_batch_size x data-parallel size ({self.micro_batch_size} x {dp_size})")
-        return self.global_batch_size // per_step
 
 
 @dataclass
@@ -147,7 +116,8 @@ class TrainerConfig:
     seed: int = 1234
     """Seed of weights, data order and noise (each derived per step/rank, so resume is exact)."""
     bf16: bool = False
-    """bf16 mixed precision (GPU); fp32 master weights in the optimizer."""
+    """bf16 mixed precision: bf16 parameters and compute, fp32 main weights in the optimizer and
+    fp32 gradient reduction (megatron's mixed-precision optimizer). Meant for GPUs."""
     ema_decay: float = 0.9999
     """EMA decay of the weights used for sampling."""
     save_interval: int = 1000

@@ -1,52 +1,29 @@
-"""In-memory image datasets for the built-in demo: data-parallel sharded, with an exact position.
+"""Built-in data sources: in-memory images (the digits demo) and mock latents. Both yield the same
+``MicroBatch`` as the energon source, and both have an exact position for resume.
 
-The sample order of epoch ``e`` is a permutation seeded by ``(seed, e)``; the loader's whole state
-is the number of global batches consumed, so resuming replays exactly the same batches.
+The sample order (images) or content (mock) of global batch ``k`` is a function of
+``(seed, k)``; the whole state is the number of global batches consumed, so resuming replays
+exactly the same batches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class ImageBatch:
-    """A dense micro-batch: images ``[b, C, H, W]`` in [-1, 1] and class labels ``[b]``."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
+from energon_data.batch import MicroBatch
+from energon_data.config import ConfigError, DataConfig
+from energon_data.packing import round_up
+from energon_data.tokens import patchify
 
 
-class InMemoryImageLoader:
-    """Yields micro-batches for one data-parallel rank; every rank sees a disjoint slice of each
-    global batch, and a global batch never straddles an epoch boundary (the tail is dropped)."""
+class _GlobalBatchCounter:
+    """State shared by the built-in sources: global batches consumed, checked on restore."""
 
     per_rank_state = False  # the position is the same on every rank: it lives in the common state
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, global_batch_size: int,
-                 micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
-        if global_batch_size > len(images):
-            raise ValueError(f"data.global_batch_size ({global_batch_size}) exceeds the dataset size "
-                             f"({len(images)}); lower it")
-        self.images, self.labels = images, labels
+    def __init__(self, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.batches_per_epoch = len(images) // global_batch_size
         self.consumed_batches = 0
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.images), generator=g)
-
-    def next_global_batch(self) -> list[ImageBatch]:
-        """This rank's micro-batches of the next global batch."""
-        epoch, index = divmod(self.consumed_batches, self.batches_per_epoch)
-        order = self._order(epoch)[index * self.global_batch_size:(index + 1) * self.global_batch_size]
-        per_rank = self.global_batch_size // self.dp_size
-        mine = order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        self.consumed_batches += 1
-        return [ImageBatch(self.images[idx], self.labels[idx]) for idx in mine.split(self.micro_batch_size)]
 
     def state_dict(self) -> dict:
         return {"consumed_batches": self.consumed_batches, "dp_size": self.dp_size,
@@ -60,9 +37,129 @@ class InMemoryImageLoader:
         self.consumed_batches = state["consumed_batches"]
 
 
-def builtin_dataset(name: str, image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if name == "digits":
+class InMemoryImageLoader(_GlobalBatchCounter):
+    """Dense micro-batches of patchified images for one data-parallel rank; every rank sees a disjoint
+    slice of each global batch, and a global batch never straddles an epoch boundary (the tail is
+    dropped)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, patch_size: int, **kw):
+        super().__init__(**kw)
+        if self.global_batch_size > len(images):
+            raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) exceeds the dataset size "
+                              f"({len(images)}); lower it")
+        self.tokens, self.grid = patchify(images, patch_size)
+        self.labels = labels
+        self.batches_per_epoch = len(images) // self.global_batch_size
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.tokens), generator=g)
+
+    def next_global_batch(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the next global batch."""
+        epoch, index = divmod(self.consumed_batches, self.batches_per_epoch)
+        order = self._order(epoch)[index * self.global_batch_size:(index + 1) * self.global_batch_size]
+        per_rank = self.global_batch_size // self.dp_size
+        mine = order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        self.consumed_batches += 1
+        return [MicroBatch.dense(self.tokens[idx], self.grid, self.labels[idx])
+                for idx in mine.split(self.micro_batch_size)]
+
+
+class MockLatentSource(_GlobalBatchCounter):
+    """Random latents and labels (as NeMo's mock recipes), for smoke tests and benchmarks without a
+    dataset. Without ``shapes``: dense batches of ``(1, image_size, image_size)`` latents. With
+    ``shapes``: each micro-batch is ``micro_batch_size`` packs of ``max_seq_len`` tokens filled with
+    samples of shapes drawn from the list (video-like packed sequences)."""
+
+    def __init__(self, *, channels: int, image_size: int, num_classes: int, patch_size: tuple, shapes=None,
+                 max_seq_len: int = 1024, pad_multiple: int = 1, **kw):
+        super().__init__(**kw)
+        self.channels, self.num_classes = channels, num_classes
+        self.patch_t, self.patch = patch_size[0], tuple(patch_size[1:])
+        self.shapes = [tuple(s) for s in shapes] if shapes else [(1, image_size, image_size)]
+        self.packed = shapes is not None
+        self.max_seq_len, self.pad_multiple = max_seq_len, pad_multiple
+        for shape in self.shapes:
+            n = self._tokens(shape)
+            if round_up(n, pad_multiple) > max_seq_len and self.packed:
+                raise ConfigError(f"data.mock_latent_shapes entry {list(shape)} has {n} tokens, more than "
+                                  f"data.max_seq_len={max_seq_len}; raise data.max_seq_len or use smaller shapes")
+
+    def _tokens(self, shape) -> int:
+        t, h, w = shape
+        if t % self.patch_t or h % self.patch[0] or w % self.patch[1]:
+            raise ConfigError(f"mock latent shape {list(shape)} is not divisible by the model's patch sizes "
+                              f"(pt={self.patch_t}, p={self.patch}); change data.mock_latent_shapes/image_size")
+        return (t // self.patch_t) * (h // self.patch[0]) * (w // self.patch[1])
+
+    def _sample(self, g: torch.Generator) -> tuple[torch.Tensor, tuple, int]:
+        shape = self.shapes[int(torch.randint(len(self.shapes), (1,), generator=g))]
+        latent = torch.randn(1, self.channels, *shape, generator=g)
+        tokens, grid = patchify(latent, self.patch, self.patch_t)
+        return tokens[0], grid, int(torch.randint(max(self.num_classes, 1), (1,), generator=g))
+
+    def _pack(self, g: torch.Generator) -> list:
+        """Samples filled in order until the next one does not fit (at least one per pack)."""
+        samples, used = [], 0
+        while True:
+            tokens, grid, label = self._sample(g)
+            need = round_up(len(tokens), self.pad_multiple)
+            if samples and used + need > self.max_seq_len:
+                return samples
+            samples.append((tokens, grid, label))
+            used += need
+
+    def _packed_batch(self, g: torch.Generator) -> MicroBatch:
+        chunks, seqlens, starts, grids, labels, offset = [], [], [], [], [], 0
+        for _ in range(self.micro_batch_size):
+            pack_start = offset
+            for tokens, grid, label in self._pack(g):
+                starts.append(offset)
+                seqlens.append(len(tokens))
+                grids.append(grid)
+                labels.append(label)
+                padded = round_up(len(tokens), self.pad_multiple)
+                chunks.append(torch.nn.functional.pad(tokens, (0, 0, 0, padded - len(tokens))))
+                offset += padded
+            tail = pack_start + self.max_seq_len - offset  # the pack's padding goes to its last sample
+            chunks.append(chunks[-1].new_zeros(tail, chunks[-1].shape[1]))
+            offset += tail
+        cu = torch.tensor([0] + seqlens, dtype=torch.int64).cumsum(0).int()
+        cu_padded = torch.tensor(starts + [offset], dtype=torch.int32)
+        return MicroBatch.packed(torch.cat(chunks), cu, torch.tensor(grids), torch.tensor(labels), cu_padded)
+
+    def next_global_batch(self) -> list[MicroBatch]:
+        step, self.consumed_batches = self.consumed_batches, self.consumed_batches + 1
+        per_rank = self.global_batch_size // self.dp_size
+        out = []
+        for micro in range(per_rank // self.micro_batch_size):
+            g = torch.Generator().manual_seed(
+                ((self.seed * 1_000_003 + step) * 65_537 + self.dp_rank) * 4_099 + micro)
+            if self.packed:
+                out.append(self._packed_batch(g))
+            else:
+                b = self.micro_batch_size
+                latents = torch.randn(b, self.channels, *self.shapes[0], generator=g)
+                tokens, grid = patchify(latents, self.patch, self.patch_t)
+                out.append(MicroBatch.dense(tokens, grid, torch.randint(max(self.num_classes, 1), (b,), generator=g)))
+        return out
+
+
+def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_size: int, seed: int,
+                         pad_multiple: int = 1):
+    """The in-memory source named by ``data.name``."""
+    common = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch(dp_size),
+                  dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    if data.name == "digits":
         from energon_data.datasets import load_digits
-        return load_digits(size=image_size)
-    raise ValueError(f"unknown built-in dataset data.name={name!r}; use 'digits' or set data.path "
-                     "to a prepared energon dataset")
+        images, labels = load_digits(size=data.image_size)
+        return InMemoryImageLoader(images, labels, patch_size=model_config.patch_size, **common)
+    if data.name == "mock":
+        p = model_config.patch_size
+        return MockLatentSource(channels=model_config.in_channels, image_size=data.image_size,
+                                num_classes=model_config.num_classes, patch_size=(model_config.patch_size_t, p, p),
+                                shapes=data.mock_latent_shapes, max_seq_len=data.max_seq_len,
+                                pad_multiple=pad_multiple, **common)
+    raise ConfigError(f"unknown built-in dataset data.name={data.name!r}; use 'digits' or 'mock', or set "
+                      "data.path to a prepared energon dataset")

@@ -7,6 +7,7 @@ resumed run replays exactly the steps an uninterrupted run would have taken.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -21,24 +22,25 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
-from dit_mcore.models import build_model, patchify
-from dit_mcore.parallel.initialize import initialize_distributed
+from dit_mcore.models.adapter import prediction, to_model_layout
+from dit_mcore.models.registry import get_family
+from dit_mcore.parallel.initialize import initialize_distributed, run_device
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
-from dit_mcore.training.data import InMemoryImageLoader, builtin_dataset
+from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
 from dit_mcore.training.metrics import MetricsLogger
 from dit_mcore.training.optim import build_optimizer, wrap_ddp
-from dit_mcore.training.preview import draw_preview
+from dit_mcore.training.preview import dataset_decoder, draw_preview
 
 log = logging.getLogger("dit_mcore.train")
 
 
-def step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
-    """Independent, reproducible stream per (step, micro-batch of the global batch). Keyed by the
-    micro-batch's place in the global batch, not by rank, so any data-parallel layout draws the
-    same noise for the same samples."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + global_micro)
+def step_generator(seed: int, step: int, global_micro: int, device="cpu") -> torch.Generator:
+    """Independent, reproducible stream per (step, micro-batch of the global batch) on ``device``.
+    Keyed by the micro-batch's place in the global batch, not by rank, so any data-parallel layout
+    draws the same noise for the same samples."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 65_537 + global_micro)
 
 
 def _refuse_untested_parallelism(cfg: RunConfig) -> None:
@@ -59,7 +61,10 @@ class Trainer:
         self.cfg = cfg
         _refuse_untested_parallelism(cfg)
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
+        self.device = run_device()
+        self.family = get_family(cfg.model.family)
         self.model_config = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
+        self.compute_dtype = torch.bfloat16 if cfg.trainer.bf16 else torch.float32
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = cfg.data.num_microbatches(self.dp_size)
@@ -83,28 +88,36 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _build_model(self):
-        return build_model(self.model_config, backend=self.cfg.model.backend,
-                           pre_process=parallel_state.is_pipeline_first_stage(),
-                           post_process=parallel_state.is_pipeline_last_stage())
+        with torch.device(self.device):
+            model = self.family.build(self.model_config, backend=self.cfg.model.backend,
+                                      pre_process=parallel_state.is_pipeline_first_stage(),
+                                      post_process=parallel_state.is_pipeline_last_stage())
+        # bf16 parameters and compute; the optimizer keeps fp32 main weights (megatron mixed precision).
+        return model.to(self.compute_dtype)
+
+    def _pad_multiple(self) -> int:
+        """Per-sample padding that lets context/sequence parallel split every sample evenly."""
+        p = self.cfg.parallel
+        if p.context_parallel_size > 1 or p.sequence_parallel:
+            return 2 * p.context_parallel_size * p.tensor_model_parallel_size
+        return 1
 
     def _build_data(self):
         cfg = self.cfg
-        if cfg.data.path:
+        common = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, seed=cfg.trainer.seed,
+                      pad_multiple=self._pad_multiple())
+        if cfg.data.uses_energon:
             from dit_mcore.training.energon_source import EnergonSource
-            return EnergonSource(cfg.data, self.model_config, cfg.parallel, dp_rank=self.dp_rank,
-                                 dp_size=self.dp_size, seed=cfg.trainer.seed, num_microbatches=self.num_microbatches)
-        images, labels = builtin_dataset(cfg.data.name, cfg.data.image_size)
-        return InMemoryImageLoader(images, labels, global_batch_size=cfg.data.global_batch_size,
-                                   micro_batch_size=cfg.data.micro_batch(self.dp_size), dp_rank=self.dp_rank,
-                                   dp_size=self.dp_size, seed=cfg.trainer.seed)
+            return EnergonSource(cfg.data, self.model_config, num_microbatches=self.num_microbatches, **common)
+        return build_builtin_source(cfg.data, self.model_config, **common)
 
     def _check_data_matches_model(self) -> None:
         mc, data = self.model_config, self.cfg.data
-        if data.path:
-            if not Path(data.path).exists():
+        if data.uses_energon:
+            if data.path and not Path(data.path).exists():
                 raise ConfigError(f"data.path={data.path!r} does not exist; prepare a dataset with "
                                   "`python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
-        elif data.image_size != mc.input_size:
+        elif data.name == "digits" and data.image_size != mc.input_size:
             raise ConfigError(f"data.image_size ({data.image_size}) must equal model input_size "
                               f"({mc.input_size}); set model.input_size={data.image_size}")
 
@@ -155,82 +168,59 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator: Iterator, model):
+        """One micro-batch, dense or packed alike: one noise level per *sample*, broadcast to its
+        tokens; the loss is averaged per sample over its real tokens."""
         micro, batch = next(data_iterator)
-        g = step_generator(self.cfg.trainer.seed, self.step, self.dp_rank * self.num_microbatches + micro)
-        if hasattr(batch, "cu_seqlens"):
-            return self._forward_packed(batch, g, model)
-        mc = self.model_config
-        x0, grid = patchify(batch.images, mc.patch_size)  # [b, s, patch_dim]
-        n = x0.shape[0]
-        level = self.objective.sample_level(n, generator=g)
-        noise = torch.randn(x0.shape, generator=g)
-        labels = drop_labels(batch.labels, mc.class_dropout_prob, mc.num_classes, generator=g)
-        inputs = self.objective.prepare(x0, noise, level)
-        out = model(inputs.model_input.transpose(0, 1).contiguous(), inputs.timestep, labels, grid=grid)
-        pred = out.transpose(0, 1)[..., : mc.patch_dim]  # drops the learned-sigma channels, if any
-        return out, partial(self._loss, pred, inputs, n)
-
-    def _forward_packed(self, batch, g, model):
-        """A packed THD micro-batch: one noise level per *sample*, broadcast to its tokens."""
         mc = self.model_config
         if batch.tokens.shape[-1] != mc.patch_dim:
-            raise ConfigError(f"dataset tokens have {batch.tokens.shape[-1]} values but the model expects "
+            raise ConfigError(f"data tokens have {batch.tokens.shape[-1]} values but the model expects "
                               f"in_channels x patch volume = {mc.patch_dim}; set model.in_channels / patch sizes "
-                              "to match the prepared latents")
+                              "to match the data")
+        g = step_generator(self.cfg.trainer.seed, self.step, self.dp_rank * self.num_microbatches + micro,
+                           self.device)
         x0 = batch.tokens.float()
-        n = batch.grids.shape[0]
-        sample_ids = batch.sample_ids
-        real = sample_ids >= 0
-        level = self.objective.sample_level(n, generator=g)
-        noise = torch.randn(x0.shape, generator=g)
+        n = batch.num_samples
+        level = self.objective.sample_level(n, generator=g, device=self.device)
+        noise = torch.randn(x0.shape, generator=g, device=self.device)
         labels = torch.where(batch.labels >= 0, batch.labels, torch.full_like(batch.labels, mc.num_classes))
         labels = drop_labels(labels, mc.class_dropout_prob, mc.num_classes, generator=g)
-        inputs = self.objective.prepare(x0, noise, level[sample_ids.clamp(min=0)])
-        out = model(inputs.model_input[:, None], self.objective.timestep(level), labels,
-                    cu_seqlens=batch.cu_seqlens, cu_seqlens_padded=batch.cu_seqlens_padded, grids=batch.grids,
-                    token_to_sample=sample_ids)
-        pred = out[:, 0, : mc.patch_dim]
-        return out, partial(self._loss_packed, pred, inputs, sample_ids, real, n)
+        sample_of = batch.token_to_sample.clamp(min=0)
+        inputs = self.objective.prepare(x0.flatten(0, 1), noise.flatten(0, 1), level[sample_of])
+        x_in = to_model_layout(inputs.model_input.view_as(x0).to(self.compute_dtype))
+        out = model(x_in, self.objective.timestep(level), labels, batch=batch)
+        return out, partial(self._loss, inputs, batch)
 
-    def _loss_packed(self, pred, inputs, sample_ids, real, n, _output):
-        per_token = self.objective.loss(pred, inputs).mean(-1) * real
-        sums = per_token.new_zeros(n).index_add_(0, sample_ids.clamp(min=0), per_token)
-        counts = per_token.new_zeros(n).index_add_(0, sample_ids.clamp(min=0), real.float())
-        return self._reduced(sums / counts.clamp(min=1), n)
-
-    def _loss(self, pred, inputs, n, _output):
-        return self._reduced(self.objective.loss(pred, inputs).flatten(1).mean(1), n)
-
-    @staticmethod
-    def _reduced(per_sample, n):
+    def _loss(self, inputs, batch, output):
         """(sum of per-sample losses, sample count, logged pair): megatron divides by the global
         sample count (``calculate_per_token_loss``), so every sample weighs the same whatever its
         micro-batch, pack or rank."""
-        loss_sum = per_sample.sum()
-        return loss_sum, torch.tensor(n, dtype=torch.int), {"loss": torch.stack([loss_sum.detach(), torch.tensor(float(n))])}
-
-    def _real_tokens(self, batch) -> int:
-        if hasattr(batch, "cu_seqlens"):
-            return int(batch.cu_seqlens[-1])
-        return batch.images.shape[0] * (batch.images.shape[-1] // self.model_config.patch_size) ** 2
+        pred = prediction(output, self.model_config).reshape(-1, self.model_config.patch_dim)
+        real = batch.token_to_sample >= 0
+        per_token = self.objective.loss(pred, inputs).mean(-1) * real
+        n, sample_of = batch.num_samples, batch.token_to_sample.clamp(min=0)
+        sums = per_token.new_zeros(n).index_add_(0, sample_of, per_token)
+        counts = per_token.new_zeros(n).index_add_(0, sample_of, real.float())
+        loss_sum = (sums / counts.clamp(min=1)).sum()
+        count = torch.tensor(n, dtype=torch.int, device=loss_sum.device)
+        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.float()])}
 
     def train_step(self) -> dict:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        microbatches = self.loader.next_global_batch()
-        counts = torch.tensor([float(sum(getattr(b, "num_skipped", 0) for b in microbatches)),
-                               float(sum(self._real_tokens(b) for b in microbatches))])
+        microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
+        counts = torch.tensor([float(sum(b.num_skipped for b in microbatches)),
+                               float(sum(b.num_real_tokens for b in microbatches))], device=self.device)
         fwd_bwd = get_forward_backward_func()
-        s = (self.model_config.input_size // self.model_config.patch_size) ** 2
+        rows, seq = microbatches[0].tokens.shape[:2]
         reduced = fwd_bwd(forward_step_func=self._forward_step, data_iterator=iter(enumerate(microbatches)),
-                          model=[self.ddp_model], num_microbatches=len(microbatches), seq_length=s,
-                          micro_batch_size=self.cfg.data.micro_batch(self.dp_size), forward_only=False)
+                          model=[self.ddp_model], num_microbatches=len(microbatches), seq_length=seq,
+                          micro_batch_size=rows, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
             self.ema.update(self.model, self.step)
-        totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2)
+        totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
         totals = torch.cat([totals, counts])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         self.skipped_samples += int(totals[2])
@@ -270,12 +260,18 @@ class Trainer:
             logger.close()
         return history
 
+    @functools.cached_property
+    def preview_decoder(self):
+        """The dataset's latent decoder for previews, built on first use (rank 0 only draws)."""
+        return dataset_decoder(self.cfg.data.path) if dist.get_rank() == 0 else None
+
     def preview(self) -> Optional[Path]:
         if self.model_config.num_classes == 0:
             log.warning("preview grids need a class-conditional model; skipped")
             return None
-        return draw_preview(self.ema.module, self.model_config, self.objective, self.cfg, self.step,
-                            self.run_dir / "samples", write=dist.get_rank() == 0)
+        return draw_preview(self.ema.module, self.model_config, self.family, self.objective, self.cfg, self.step,
+                            self.run_dir / "samples", write=dist.get_rank() == 0, device=self.device,
+                            decoder=self.preview_decoder)
 
 
 def pretrain(cfg: RunConfig) -> list[dict]:

@@ -2,8 +2,9 @@
 
 The model consumes token sequences in megatron's ``[s, b, hidden]`` layout with one conditioning
 vector per sample. Dense batches are ``[s, b, patch_dim]`` with a shared grid; packed batches are
-``[t, 1, patch_dim]`` with ``cu_seqlens`` and per-sample grids, and attention is block-diagonal, so a
-sample's output does not depend on what it is packed with.
+``[t, 1, patch_dim]`` described by an ``energon_data.batch.MicroBatch`` (per-sample grids, token
+positions, ``cu_seqlens``), and attention is block-diagonal, so a sample's output does not depend on
+what it is packed with.
 """
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ from typing import Optional, Sequence
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
 from dit_mcore.config import DiTConfig
-from dit_mcore.models.dit_layer import AdaLNModulation, Conditioning, modulate
-from dit_mcore.models.embeddings import LabelEmbedder, TimestepEmbedder, sincos_pos_embed
-from dit_mcore.models.specs import dit_layer_spec
+from dit_mcore.models.core_attention import packed_seq_params
+from dit_mcore.models.dit.spec import dit_layer_spec
+from dit_mcore.models.embeddings import LabelEmbedder, TimestepEmbedder, sincos_from_positions, sincos_pos_embed
+from dit_mcore.models.layer_stack import LayerStack
+from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 
 
 def _xavier_linear(in_features: int, out_features: int) -> nn.Linear:
@@ -45,7 +46,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(cond)
-        return self.linear(modulate(self.norm(x), shift, scale))
+        return self.linear(cond.modulate(self.norm(x), shift, scale))
 
 
 class DiT(MegatronModule):
@@ -68,10 +69,7 @@ class DiT(MegatronModule):
         self.t_embedder = TimestepEmbedder(h, config.frequency_embedding_size, config.timestep_freq_shift)
         self.y_embedder = LabelEmbedder(config.num_classes, h, config.use_cfg_embedding) \
             if config.num_classes > 0 else None
-        spec = layer_spec or dit_layer_spec()
-        n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
-        self.layers = nn.ModuleList(build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
-                                    for i in range(n_local))
+        self.layers = LayerStack(config, layer_spec or dit_layer_spec(), vp_stage=vp_stage)
         if post_process:
             self.final_layer = FinalLayer(config)
 
@@ -89,73 +87,49 @@ class DiT(MegatronModule):
             c = c + self.y_embedder(labels)
         return c
 
-    def positions(self, grids: Sequence[Sequence[int]], starts: Sequence[int], total: int, device) -> torch.Tensor:
-        """Position embeddings of samples with token ``grids`` whose tokens begin at ``starts``;
-        rows belonging to no sample (padding) are zero."""
-        pos = torch.zeros(total, self.config.hidden_size, device=device)
-        for grid, start in zip(grids, starts):
-            table = sincos_pos_embed(self.config.hidden_size, tuple(int(g) for g in grid))
-            pos[start:start + table.shape[0]] = table.to(device)
-        return pos
+    def _dense_positions(self, grid: Sequence[int], s: int, device) -> torch.Tensor:
+        grid = tuple(int(g) for g in grid)
+        if grid[0] * grid[1] * grid[2] != s:
+            raise ValueError(f"grid {grid} has {grid[0] * grid[1] * grid[2]} tokens but the input has {s}; "
+                             "pass grid=(t, h, w) of the patchified latent")
+        return sincos_pos_embed(self.config.hidden_size, grid).to(device).unsqueeze(1)
 
     def forward(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                *, grid: Optional[Sequence[int]] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                cu_seqlens_padded: Optional[torch.Tensor] = None, grids: Optional[torch.Tensor] = None,
-                token_to_sample: Optional[torch.Tensor] = None) -> torch.Tensor:
+                *, batch=None, grid: Optional[Sequence[int]] = None,
+                context: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the DiT.
 
         Args:
-            tokens: ``[s, b, patch_dim]`` dense, or ``[t, 1, patch_dim]`` packed (ignored on
-                pipeline stages after the first, which take ``set_input_tensor``).
-            timesteps: ``[n]`` per-sample diffusion timestep values (n = b, or samples in the pack).
+            tokens: ``[s, b, patch_dim]`` (packed: ``[t, 1, patch_dim]``); ignored on pipeline stages
+                after the first, which take ``set_input_tensor``.
+            timesteps: ``[n]`` per-sample diffusion timestep values.
             labels: ``[n]`` class labels (``num_classes`` = null class).
-            grid: dense only, the shared token grid ``(t, h, w)``; default: the config's image grid.
-            cu_seqlens: packed only, ``int32 [n+1]`` cumulative real lengths; tokens past the last
-                are padding.
-            cu_seqlens_padded: packed only, optional ``int32 [n+1]`` start offsets of samples padded
-                individually (TE's convention: sample ``i``'s real tokens come first in
-                ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``, the rest is padding).
-            grids: packed only, ``[n, 3]`` per-sample token grids.
-            token_to_sample: packed only, ``[t]`` sample index per token (-1 for padding); derived
-                from ``cu_seqlens`` when omitted.
+            batch: the ``MicroBatch`` whose layout ``tokens`` follow (per-sample grids, positions,
+                ``cu_seqlens``); required for packed input.
+            grid: dense input without ``batch``: the shared token grid ``(t, h, w)``; default: the
+                config's image grid.
+            context: cross-attention memory; the adaLN-Zero DiT has none.
         """
-        packed = cu_seqlens is not None
+        hidden = tokens if self.pre_process else self.input_tensor
         cond_emb = self.conditioning(timesteps, labels)
-        packed_seq_params = None
-        if packed:
-            if tokens.shape[1] != 1:
-                raise ValueError(f"packed input must be [t, 1, patch_dim], got {tuple(tokens.shape)}")
-            total = tokens.shape[0]
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-            starts = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens)[:-1].tolist()
-            if token_to_sample is None:
-                token_to_sample = torch.zeros(total, dtype=torch.long, device=tokens.device)
-                for i, (start, n) in enumerate(zip(starts, lengths)):
-                    token_to_sample[start:start + n] = i
-            cond = Conditioning(cond_emb, token_to_sample.clamp(min=0))
-            max_len = max(lengths) if lengths else 0
-            packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                                cu_seqlens_q_padded=cu_seqlens_padded,
-                                                cu_seqlens_kv_padded=cu_seqlens_padded,
-                                                max_seqlen_q=max_len, max_seqlen_kv=max_len)
-            pos = self.positions(grids.tolist(), starts, total, tokens.device).unsqueeze(1)
+        params = None
+        if batch is not None and batch.is_packed:
+            cond = Conditioning(cond_emb, batch.token_to_sample.clamp(min=0))
+            params = packed_seq_params(batch)
+            if self.pre_process:
+                max_coord = int(batch.grids.max())
+                pos = sincos_from_positions(batch.positions, self.config.hidden_size, max_coord).unsqueeze(1)
         else:
             cond = Conditioning(cond_emb)
-            s = tokens.shape[0] if self.pre_process else self.input_tensor.shape[0]
-            side = self.config.input_size // self.config.patch_size
-            grid = tuple(grid) if grid is not None else (1, side, side)
-            if grid[0] * grid[1] * grid[2] != s:
-                raise ValueError(f"grid {grid} has {grid[0] * grid[1] * grid[2]} tokens but the input has {s}; "
-                                 "pass grid=(t, h, w) of the patchified latent")
-            pos = self.positions([grid], [0], s, tokens.device if self.pre_process else self.input_tensor.device
-                                 ).unsqueeze(1)
-
+            if self.pre_process:
+                if batch is not None:
+                    grid = batch.grids[0].tolist()
+                side = self.config.input_size // self.config.patch_size
+                pos = self._dense_positions(grid if grid is not None else (1, side, side), hidden.shape[0],
+                                            hidden.device)
         if self.pre_process:
             hidden = self.x_embedder(tokens) + pos.to(tokens.dtype)
-        else:
-            hidden = self.input_tensor
-        for layer in self.layers:
-            hidden = layer(hidden, cond, packed_seq_params=packed_seq_params)
+        hidden = self.layers(hidden, cond, context=context, packed_seq_params=params)
         if not self.post_process:
             return hidden
         return self.final_layer(hidden, cond)

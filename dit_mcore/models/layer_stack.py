@@ -1,0 +1,106 @@
+"""The stack of transformer layers of one pipeline stage: what megatron's ``TransformerBlock`` owns,
+for layers that take per-sample conditioning.
+
+- Layer numbering: this stage (and virtual stage) builds its share of ``config.num_layers`` with
+  global 1-based ``layer_number``s, so checkpoints key layers by global index and reshard across
+  pipeline layouts.
+- Activation recompute from megatron's config: ``recompute_granularity="full"`` with
+  ``recompute_method`` ``"uniform"`` (checkpoint chunks of ``recompute_num_layers`` layers) or
+  ``"block"`` (checkpoint the first ``recompute_num_layers`` layers of the stage), through
+  megatron's ``tensor_parallel.checkpoint`` (which restores the model-parallel RNG states).
+  ``"selective"`` is handled inside the layers (megatron's attention checkpoints its core
+  attention; DiT layers checkpoint their MLP branch when ``"mlp"`` is in ``recompute_modules``).
+- The points where sequence/context-parallel scatter and gather will go: :meth:`scatter_input`
+  and :meth:`gather_output` (identities until those layouts land).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from torch import nn
+
+from dit_mcore.models.modulation import Conditioning
+
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def check_recompute_config(config) -> None:
+    """Reject recompute settings this stack cannot honour, naming the field."""
+    granularity = config.recompute_granularity
+    if granularity not in (None, "full", "selective"):
+        raise ValueError(f"model.recompute_granularity={granularity!r}; use None, 'full' or 'selective'")
+    if granularity == "full":
+        if config.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute_granularity='full' needs recompute_method in {RECOMPUTE_METHODS}, "
+                             f"got {config.recompute_method!r}")
+        if not config.recompute_num_layers or config.recompute_num_layers < 1:
+            raise ValueError("recompute_granularity='full' needs recompute_num_layers >= 1 (layers per "
+                             "checkpointed chunk for 'uniform', checkpointed layers for 'block')")
+
+
+class LayerStack(nn.ModuleList):
+    """This stage's layers, run in order with optional full-layer recompute. A ``ModuleList`` so
+    parameters keep megatron's ``layers.<i>.`` names."""
+
+    def __init__(self, config, spec: ModuleSpec, vp_stage: Optional[int] = None):
+        check_recompute_config(config)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
+        super().__init__(build_module(spec, config=config, layer_number=offset + i + 1, vp_stage=vp_stage)
+                         for i in range(n_local))
+        self.config = config
+
+    def scatter_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Where sequence/context parallel will shard the stage input along tokens."""
+        return hidden
+
+    def gather_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Where sequence/context parallel will gather the stage output."""
+        return hidden
+
+    def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        kwargs = dict(context=context, rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
+        hidden = self.scatter_input(hidden)
+        if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+            hidden = self._checkpointed(hidden, cond, kwargs)
+        else:
+            for layer in self:
+                hidden = layer(hidden, cond, **kwargs)
+        return self.gather_output(hidden)
+
+    def _chunks(self) -> list[tuple[int, int, bool]]:
+        """``(start, end, recompute)`` ranges of layers, per megatron's recompute_method."""
+        n, k = len(self), self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            return [(i, min(i + k, n), True) for i in range(0, n, k)]
+        return [(i, i + 1, i < k) for i in range(n)]
+
+    def _checkpointed(self, hidden, cond: Conditioning, kwargs) -> torch.Tensor:
+        packed_seq_params = kwargs["packed_seq_params"]
+
+        def run(start, end):
+            # Tensors that may need gradients (conditioning, cross-attention memory, rotary tables) are
+            # explicit arguments: the reentrant checkpoint returns their gradients instead of
+            # backpropagating into their producers from inside the recomputation.
+            def fn(h, emb, context, rotary_pos_emb):
+                c = Conditioning(emb, cond.token_to_sample)
+                for layer in list(self)[start:end]:
+                    h = layer(h, c, context=context, rotary_pos_emb=rotary_pos_emb,
+                              packed_seq_params=packed_seq_params)
+                return h
+            return fn
+
+        args = (cond.emb, kwargs["context"], kwargs["rotary_pos_emb"])
+        for start, end, recompute in self._chunks():
+            if recompute:
+                hidden = tensor_parallel.checkpoint(run(start, end), self.config.distribute_saved_activations,
+                                                    hidden, *args)
+            else:
+                hidden = run(start, end)(hidden, *args)
+        return hidden
