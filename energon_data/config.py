@@ -158,7 +158,7 @@ class DataConfig:
         """The fields that decide the sample stream of an energon loader; a restore with other values
         would not continue the same stream."""
         skip = {"restart_data_on_mismatch", "num_workers", "val_path", "blend_dir", "name", "image_size",
-                "mock_latent_shapes", "global_batch_size"}
+                "mock_latent_shapes", "global_batch_size", "max_consecutive_skips", "first_batch_timeout_s"}
         return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(self), default=str)).items()
                 if k not in skip}
 

@@ -9,7 +9,8 @@ import dataclasses
 
 from energon_data.batch import MicroBatch
 from energon_data.config import DataConfig
-from energon_data.loader import accept_mismatch, build_train_loader, layout, layout_problems, restore_state, save_state
+from energon_data.loader import (accept_mismatch, build_train_loader, iterate_with_timeout, layout, layout_problems,
+                                 restore_state, save_state)
 
 
 class EnergonSource:
@@ -28,7 +29,7 @@ class EnergonSource:
 
     def next_global_batch(self) -> list[MicroBatch]:
         if self._iter is None:
-            self._iter = iter(self.loader)
+            self._iter = iterate_with_timeout(self.loader, self.config)
         return [_micro_batch(next(self._iter)) for _ in range(self.num_microbatches)]
 
     def layout(self) -> dict:
