@@ -1,33 +1,40 @@
-"""Forward+backward time of each context-parallel attention method against single-device attention.
+"""Forward+backward time of ``kernels``' local attention against torch SDPA, dense and packed.
 
-Spawns ``--degree`` processes (gloo on CPU; NCCL with one GPU per rank when enough GPUs exist),
-times ``--iters`` fwd+bwd calls per method and sequence length after ``--warmup`` calls, and
-reports the median over iterations of the slowest rank. The baseline is the same attention on
-the full sequence in one process (``kernels.local_attention``, same backend).
+Dense inputs are timed against ``F.scaled_dot_product_attention``; packed inputs (several
+samples of mixed lengths in one sequence, plus a pack of same-size images) against SDPA run
+sample by sample, which is what packing would cost without a packed kernel. On CUDA the
+baseline is the fastest SDPA backend (flash, memory-efficient, cuDNN) for each case. Every
+repeat times all candidates back to back (interleaved, so load drifts hit them alike) and the
+medians are compared.
 
-    python benchmarks/attention_speed.py --seq 512 1024 --heads 4 --head-dim 32 --degree 2
+    OMP_NUM_THREADS=2 python benchmarks/attention_speed.py
 
-Prints one JSON line per (method, seq) and writes all of them to
+Prints one line per case with the ratio ours / SDPA and writes all rows with the command to
 ``benchmarks/results/attention_speed_<device>.json``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import CP_METHODS, build_hybrid_groups, context_parallel_attention, local_attention  # noqa: E402
+from kernels import Segments, segment_attention  # noqa: E402
+from kernels.attention_kernels import resolve_backend  # noqa: E402
+
+DENSE = {"1k": (1, 1024), "2k": (2, 1024), "2k_long": (1, 2048)}
+"""(batch, sequence length) per dense case."""
+PACKED = {"1k_mixed": [256, 128, 64, 192, 256, 128], "2k_mixed": [512, 256, 128, 384, 256, 128, 384],
+          "2k_images": [256] * 8}
+"""Sample lengths per packed case (mixed: several runs of lengths; images: one batched run)."""
 
 
 def _sync(device):
@@ -35,70 +42,80 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device, warmup, iters, group=None):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if group is not None:
-            dist.barrier(group)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _sdpa_contexts(device):
+    """The SDPA variants to time: the default on CPU, each fused backend on CUDA."""
+    if device.type != "cuda":
+        return {"sdpa": contextlib.nullcontext}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return {f"sdpa_{name}": (lambda b=backend: sdpa_kernel(b)) for name, backend in
+            (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+             ("cudnn", SDPBackend.CUDNN_ATTENTION))}
 
 
-def _fwd_bwd(attn, q, k, v):
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def _sdpa_per_sample(lengths):
+    def attend(q, k, v):
+        bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+        return torch.cat([_sdpa(q[:, a:e], k[:, a:e], v[:, a:e]) for a, e in zip(bounds[:-1], bounds[1:])], dim=1)
+    return attend
+
+
+def _ours(segments, backend):
+    def attend(q, k, v):
+        return segment_attention(q, k, v, segments=segments, backend=backend)[0]
+    return attend
+
+
+def _fwd_bwd(attend, context, tensors, dout):
     def step():
-        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-        out = attn(qs, ks, vs)
-        out.backward(torch.ones_like(out))
+        q, k, v = (t.detach().requires_grad_() for t in tensors)
+        with context():
+            attend(q, k, v).backward(dout)
     return step
 
 
-def _worker(rank, world, port, args, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, args.threads))
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    dtype = getattr(torch, args.dtype)
-    hybrid = build_hybrid_groups(list(range(world)), args.a2a_size) if "a2a+p2p" in args.methods else (None, None)
-    rows = []
-    for seq in args.seq:
-        if seq % world:
-            raise SystemExit(f"--seq {seq} is not divisible by --degree {world}")
-        g = torch.Generator().manual_seed(seq)
-        full = [torch.randn(args.batch, seq, h, args.head_dim, generator=g).to(device, dtype)
-                for h in (args.heads, args.kv_heads, args.kv_heads)]
-        base = None
-        if rank == 0:
-            base = _time(_fwd_bwd(lambda q, k, v: local_attention(q, k, v, backend=args.backend), *full),
-                         device, args.warmup, args.iters)
-        s_local = seq // world
-        local = [t[:, rank * s_local:(rank + 1) * s_local].contiguous() for t in full]
-        for method in args.methods:
-            def attn(q, k, v, method=method):
-                return context_parallel_attention(q, k, v, method=method, cp_group=dist.group.WORLD,
-                                                  a2a_group=hybrid[0], p2p_group=hybrid[1], backend=args.backend)
-            t = torch.tensor(_time(_fwd_bwd(attn, *local), device, args.warmup, args.iters, dist.group.WORLD))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                rows.append(dict(method=method, seq=seq, degree=world, batch=args.batch, heads=args.heads,
-                                 kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                                 backend=args.backend, device=_device_name(device),
-                                 fwd_bwd_ms=round(1e3 * t.item(), 3), single_device_ms=round(1e3 * base, 3),
-                                 speedup_vs_single=round(base / t.item(), 3)))
-                print(json.dumps(rows[-1]), flush=True)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
-    dist.destroy_process_group()
+def _time_interleaved(steps: dict, device, warmup: int, repeats: int) -> dict:
+    """Median seconds per step; a step that fails in warmup (unsupported backend) is dropped."""
+    runnable = {}
+    for name, step in steps.items():
+        try:
+            for _ in range(warmup):
+                step()
+            runnable[name] = step
+        except RuntimeError as err:
+            print(f"  skip {name}: {str(err).splitlines()[0][:100]}", file=sys.stderr)
+    times = {name: [] for name in runnable}
+    for _ in range(repeats):
+        for name, step in runnable.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _case(name, kind, lengths, batch, ours, baseline, args, device, dtype):
+    g = torch.Generator().manual_seed(0)
+    seq = sum(lengths) if kind == "packed" else lengths[0]
+    tensors = [torch.randn(batch, seq, args.heads, args.head_dim, generator=g).to(device, dtype) for _ in range(3)]
+    dout = torch.randn(batch, seq, args.heads, args.head_dim, generator=g).to(device, dtype)
+    steps = {"ours": _fwd_bwd(ours, contextlib.nullcontext, tensors, dout)}
+    steps.update({label: _fwd_bwd(baseline, ctx, tensors, dout) for label, ctx in _sdpa_contexts(device).items()})
+    medians = _time_interleaved(steps, device, args.warmup, args.repeats)
+    sdpa_name = min((n for n in medians if n != "ours"), key=medians.get)
+    row = dict(case=name, kind=kind, batch=batch, lengths=lengths, tokens=batch * seq, heads=args.heads,
+               head_dim=args.head_dim, dtype=str(dtype).replace("torch.", ""), device=_device_name(device),
+               threads=torch.get_num_threads(), backend=resolve_backend(args.backend, tensors[0]),
+               ours_ms=round(1e3 * medians["ours"], 3), sdpa_ms=round(1e3 * medians[sdpa_name], 3),
+               sdpa_backend=sdpa_name, ratio=round(medians["ours"] / medians[sdpa_name], 3))
+    print(f"{kind:6s} {name:10s} tokens={row['tokens']:5d} ours {row['ours_ms']:9.2f} ms  {sdpa_name} "
+          f"{row['sdpa_ms']:9.2f} ms  ratio {row['ratio']:.3f}", flush=True)
+    return row
 
 
 def _device_name(device):
@@ -109,39 +126,35 @@ def _device_name(device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024], help="global sequence lengths")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None, help="GQA kv heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--degree", type=int, default=2, help="context-parallel degree (processes)")
-    p.add_argument("--a2a-size", type=int, default=None, help="Ulysses size for a2a+p2p (default: degree // 2)")
-    p.add_argument("--methods", nargs="+", default=["p2p", "a2a", "all_gather"], choices=CP_METHODS)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dense", nargs="*", default=list(DENSE), choices=list(DENSE))
+    p.add_argument("--packed", nargs="*", default=list(PACKED), choices=list(PACKED))
+    p.add_argument("--backend", default="auto", help="kernels backend for 'ours'")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per process (gloo runs)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
-    args.kv_heads = args.kv_heads or args.heads
-    args.a2a_size = args.a2a_size or max(1, args.degree // 2)
 
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.degree
-    device = _device_name(torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    rows = []
+    for name in args.dense:
+        batch, seq = DENSE[name]
+        rows.append(_case(name, "dense", [seq], batch, _ours(None, args.backend), _sdpa, args, device, dtype))
+    for name in args.packed:
+        lengths = PACKED[name]
+        segments = Segments.from_cu_seqlens(torch.tensor([0] + lengths).cumsum(0))
+        rows.append(_case(name, "packed", lengths, 1, _ours(segments, args.backend), _sdpa_per_sample(lengths),
+                          args, device, dtype))
+
     os.makedirs(args.out_dir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = os.path.join(tmp, "rows.json")
-        mp.start_processes(_worker, args=(args.degree, port, args, tmp_path), nprocs=args.degree, join=True,
-                           start_method="spawn")
-        with open(tmp_path) as f:
-            rows = json.load(f)
-    out_path = os.path.join(args.out_dir, f"attention_speed_{device}.json")
+    out_path = os.path.join(args.out_dir, f"attention_speed_{_device_name(device)}.json")
+    command = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ)
     with open(out_path, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        json.dump({"command": f"{command} python {' '.join(sys.argv)}".strip(), "rows": rows}, f, indent=1)
     print(f"wrote {out_path}", file=sys.stderr)
 
 

@@ -25,6 +25,7 @@ def _head_groups(kv_heads, stride):
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, segments, scale, backend, group, kv_head_stride):
+        ctx.set_materialize_grads(False)  # an unused lse must arrive as dlse=None (fused backward)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         s_local = q.shape[1]
         seg = None if segments is None else segments.restrict(rank * s_local, (rank + 1) * s_local,
@@ -39,14 +40,15 @@ class _AllGatherAttention(torch.autograd.Function):
             out[:, :, lo * g:hi * g] = o
             lse[:, lo * g:hi * g] = l
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.seg, ctx.scale, ctx.group, ctx.stride = seg, scale, group, kv_head_stride
+        ctx.seg, ctx.scale, ctx.backend, ctx.group, ctx.stride = seg, scale, backend, group, kv_head_stride
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return None, None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         g = q.shape[2] // k.shape[2]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for lo, hi in _head_groups(k.shape[2], ctx.stride):
@@ -54,9 +56,10 @@ class _AllGatherAttention(torch.autograd.Function):
             kv = all_gather_dim(torch.stack([k[:, :, lo:hi], v[:, :, lo:hi]]), 2, ctx.group)
             dq_h, dk_h, dv_h = attention_backward(
                 dout[:, :, hq], q[:, :, hq], kv[0], kv[1], out[:, :, hq], lse[:, hq], segments=ctx.seg,
-                softmax_scale=ctx.scale, dlse=None if dlse is None else dlse[:, hq])
-            dkv = reduce_scatter_dim(torch.stack([dk_h, dv_h]), 2, ctx.group)  # fp32 sum over ranks
-            dq[:, :, hq] = dq_h.to(q.dtype)
+                softmax_scale=ctx.scale, dlse=None if dlse is None else dlse[:, hq], backend=ctx.backend)
+            acc = torch.promote_types(k.dtype, torch.float32)  # sum the ranks' shares in fp32
+            dkv = reduce_scatter_dim(torch.stack([dk_h, dv_h]).to(acc), 2, ctx.group)
+            dq[:, :, hq] = dq_h
             dk[:, :, lo:hi] = dkv[0].to(k.dtype)
             dv[:, :, lo:hi] = dkv[1].to(v.dtype)
         return dq, dk, dv, None, None, None, None, None

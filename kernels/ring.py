@@ -40,6 +40,7 @@ def _block_segments(segments, rank, src, q_len, kv_len):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, segments, scale, backend, group):
+        ctx.set_materialize_grads(False)  # an unused lse must arrive as dlse=None (fused backward)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         s_local = q.shape[1]
         bufs = [torch.stack([k, v]).contiguous(), None]
@@ -59,17 +60,18 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.segments, ctx.scale, ctx.group = segments, scale, group
+        ctx.segments, ctx.scale, ctx.backend, ctx.group = segments, scale, backend, group
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         s_local = q.shape[1]
-        if dout is None:
-            dout = torch.zeros_like(out)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         kv_bufs = [torch.stack([k, v]).contiguous(), None]
         dkv_bufs = [torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device), None]
@@ -85,7 +87,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_ring.start(kv, kv_bufs[(step + 1) % 2])
             seg = _block_segments(ctx.segments, rank, (rank - step) % world, s_local, s_local)
             dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, segments=seg,
-                                                  softmax_scale=ctx.scale, dlse=dlse)
+                                                  softmax_scale=ctx.scale, dlse=dlse, backend=ctx.backend)
             dq += dq_b
             if step > 0:
                 dkv_ring.wait()  # partial dK/dV of this block from the ranks before us

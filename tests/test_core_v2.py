@@ -180,3 +180,19 @@ def test_preview_spreads_many_classes_and_shows_latents_in_grey():
     latents = torch.randn(2, 4, 8, 8)
     assert torch.equal(viewable(latents), latents[:, :1])
     assert viewable(latents, decoder=lambda z: z[:, :3]).shape == (2, 3, 8, 8)
+
+
+def test_bf16_mixed_precision_tracks_fp32(tmp_path):
+    """trainer.bf16: bf16 parameters and compute, fp32 main weights in megatron's optimizer; the loss
+    follows the fp32 run closely (and is not secretly the fp32 run)."""
+    from test_training import losses
+    fp32 = losses(Trainer(tiny_run(tmp_path / "fp32", max_steps=6)).fit())
+    cfg = tiny_run(tmp_path / "bf16", max_steps=6)
+    cfg.trainer.bf16 = True
+    trainer = Trainer(cfg)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    main_params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert main_params and all(p.dtype == torch.float32 for p in main_params)
+    bf16 = losses(trainer.fit())
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=2e-2, atol=0)
+    assert bf16 != fp32

@@ -2,8 +2,10 @@
 
 One gloo spawn per world size runs every case; the child returns its local shards of out, lse
 and dq/dk/dv, the parent stitches the shards and compares with float64 attention computed per
-sample on the unpadded tokens. Also checked: padding rows give out 0, lse -inf and exactly zero
-gradients, collective counts per call, and bad configurations raise ValueError.
+sample on the unpadded tokens. Every method runs with an out-only loss (the backward on the fused
+kernels); the ``_lse_grad`` cases also weight lse (the backward that takes a gradient on lse).
+Also checked: padding rows give out 0, lse -inf and exactly zero gradients, collective counts per
+call, and bad configurations raise ValueError.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ PACKED_LENS = [5, 1, 9, 3]                    # uneven samples; padded per sampl
 PAD_MULTIPLE = 3                              # 21 padded tokens: inner padding, plus tail padding for P > 1
 PACKED_H, PACKED_HK = 4, 1                    # GQA 4:1 (Ulysses replicates kv heads when P > 1)
 TEXT_LENS = [2, 3, 1, 4]
+LSE_GRAD = "_lse_grad"                        # result keys whose loss also weights lse
 
 
 def _tensors(seed, b, s, h, hk, d):
@@ -32,15 +35,20 @@ def _tensors(seed, b, s, h, hk, d):
 
 
 def _loss(out, lse, w_out, w_lse):
+    """Weighted out, plus weighted lse when ``w_lse`` is given. Without it no gradient reaches lse
+    and the backward runs on the fused kernels; with it, on the math path that takes one."""
+    loss = (out * w_out).sum()
+    if w_lse is None:
+        return loss
     # lse is -inf on padding rows: weight only the finite entries
-    return (out * w_out).sum() + torch.where(torch.isfinite(lse), lse * w_lse, torch.zeros_like(lse)).sum()
+    return loss + torch.where(torch.isfinite(lse), lse * w_lse, torch.zeros_like(lse)).sum()
 
 
 def _run(fn, q, k, v, w_out, w_lse, sl, **kwargs):
     """Local shards in, (out, lse, dq, dk, dv) of this rank out."""
     qs, ks, vs = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
     out, lse = fn(qs, ks, vs, **kwargs)
-    _loss(out, lse, w_out[:, sl], w_lse[:, :, sl]).backward()
+    _loss(out, lse, w_out[:, sl], None if w_lse is None else w_lse[:, :, sl]).backward()
     return [t.detach() for t in (out, lse, qs.grad, ks.grad, vs.grad)]
 
 
@@ -71,14 +79,15 @@ def _child(rank, world):
     q, k, v, w_out, w_lse = _tensors(0, B, S_LOCAL * world, H, HK, D)
     sl = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL)
     for method in ("p2p", "a2a", "all_gather"):
-        res["dense"][method] = _run(context_parallel_attention, q, k, v, w_out, w_lse, sl, method=method,
-                                    cp_group=group, return_lse=True)
-    res["dense"]["all_gather_stride1"] = _run(all_gather_attention, q, k, v, w_out, w_lse, sl, group=group,
+        for suffix, w in (("", None), (LSE_GRAD, w_lse)):
+            res["dense"][method + suffix] = _run(context_parallel_attention, q, k, v, w_out, w, sl, method=method,
+                                                 cp_group=group, return_lse=True)
+    res["dense"]["all_gather_stride1"] = _run(all_gather_attention, q, k, v, w_out, None, sl, group=group,
                                               softmax_scale=D ** -0.5, kv_head_stride=1)
-    res["dense"]["p2p_sdpa"] = _run(context_parallel_attention, q, k, v, w_out, w_lse, sl, method="p2p",
-                                    cp_group=group, return_lse=True, backend="sdpa")
+    res["dense"]["p2p_math64"] = _run(context_parallel_attention, q, k, v, w_out, None, sl, method="p2p",
+                                      cp_group=group, return_lse=True, backend="math64")
     for inner, (a2a_g, p2p_g) in hybrid.items():
-        res["dense"][f"a2a+p2p_{inner}"] = _run(context_parallel_attention, q, k, v, w_out, w_lse, sl,
+        res["dense"][f"a2a+p2p_{inner}"] = _run(context_parallel_attention, q, k, v, w_out, None, sl,
                                                 method="a2a+p2p", cp_group=group, a2a_group=a2a_g,
                                                 p2p_group=p2p_g, return_lse=True)
 
@@ -90,9 +99,11 @@ def _child(rank, world):
     packed = dict(cp_group=group, cu_seqlens=layout.cu_seqlens, cu_seqlens_padded=layout.cu_seqlens_padded,
                   return_lse=True)
     for method in ("p2p", "a2a", "all_gather"):
-        res["packed"][method] = _run(context_parallel_attention, q, k, v, w_out, w_lse, sl, method=method, **packed)
+        res["packed"][method] = _run(context_parallel_attention, q, k, v, w_out, None, sl, method=method, **packed)
+    res["packed"]["p2p" + LSE_GRAD] = _run(context_parallel_attention, q, k, v, w_out, w_lse, sl, method="p2p",
+                                           **packed)
     for inner, (a2a_g, p2p_g) in hybrid.items():
-        res["packed"][f"a2a+p2p_{inner}"] = _run(context_parallel_attention, q, k, v, w_out, w_lse, sl,
+        res["packed"][f"a2a+p2p_{inner}"] = _run(context_parallel_attention, q, k, v, w_out, None, sl,
                                                  method="a2a+p2p", a2a_group=a2a_g, p2p_group=p2p_g, **packed)
     # cross-attention of the local query shard to replicated text K/V, one text per sample
     text_cu = torch.tensor([0] + TEXT_LENS).cumsum(0).to(torch.int32)
@@ -102,7 +113,7 @@ def _child(rank, world):
     qs = q[:, sl].clone().requires_grad_()
     out, lse = cross_attention(qs, kt_full, vt_full, cu_seqlens_q_local=cu_local, cu_seqlens_kv=text_cu,
                                cu_seqlens_q_local_padded=cu_local_padded, return_lse=True)
-    _loss(out, lse, w_out[:, sl], w_lse[:, :, sl]).backward()
+    _loss(out, lse, w_out[:, sl], None).backward()
     res["cross"] = [t.detach() for t in (out, lse, qs.grad, kt_full.grad, vt_full.grad)]
 
     # ---- collective counts, dense case ----
@@ -162,7 +173,7 @@ def _reference(q, k, v, w_out, w_lse, q_segs, kv_segs):
         scores = torch.einsum("bqhd,bkhd->bhqk", q[:, qi], kk) / d ** 0.5
         out = out.index_copy(1, qi, torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vv))
         lse = lse.index_copy(2, qi, torch.logsumexp(scores, -1))
-    _loss(out, lse, w_out.double(), w_lse.double()).backward()
+    _loss(out, lse, w_out.double(), None if w_lse is None else w_lse.double()).backward()
     return [t.detach() for t in (out, lse, q.grad, k.grad, v.grad)]
 
 
@@ -181,20 +192,20 @@ def _check_world(world):
 
     q, k, v, w_out, w_lse = _tensors(0, B, S_LOCAL * world, H, HK, D)
     full = [torch.arange(S_LOCAL * world)]
-    ref = _reference(q, k, v, w_out, w_lse, full, full)
+    refs = {w is not None: _reference(q, k, v, w_out, w, full, full) for w in (None, w_lse)}
     for method in per_rank[0]["dense"]:
-        _compare(_stitch(per_rank, "dense", method), ref, f"dense P={world} {method}")
+        _compare(_stitch(per_rank, "dense", method), refs[method.endswith(LSE_GRAD)], f"dense P={world} {method}")
 
     cu = torch.tensor([0] + PACKED_LENS).cumsum(0).to(torch.int32)
     layout = split_packed_for_cp(cu, world, multiple=PAD_MULTIPLE)
     q, k, v, w_out, w_lse = _tensors(1, 1, layout.total_len, PACKED_H, PACKED_HK, D)
     segs = [torch.arange(int(s), int(s) + n) for s, n in zip(layout.cu_seqlens_padded[:-1], PACKED_LENS)]
-    ref = _reference(q, k, v, w_out, w_lse, segs, segs)
+    refs = {w is not None: _reference(q, k, v, w_out, w, segs, segs) for w in (None, w_lse)}
     pad = ~layout.is_real()
     assert pad.any(), "the packed case must contain padding"
     for method in per_rank[0]["packed"]:
         got = _stitch(per_rank, "packed", method)
-        _compare(got, ref, f"packed P={world} {method}")
+        _compare(got, refs[method.endswith(LSE_GRAD)], f"packed P={world} {method}")
         out, lse, dq, dk, dv = got
         assert torch.isneginf(lse[:, :, pad]).all()
         for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -204,7 +215,7 @@ def _check_world(world):
     text_cu = torch.tensor([0] + TEXT_LENS).cumsum(0)
     _, kt, vt, _, _ = _tensors(2, 1, int(text_cu[-1]), PACKED_H, PACKED_HK, D)
     text_segs = [torch.arange(int(a), int(b)) for a, b in zip(text_cu[:-1], text_cu[1:])]
-    ref = _reference(q, kt, vt, w_out, w_lse, segs, text_segs)
+    ref = _reference(q, kt, vt, w_out, None, segs, text_segs)
     cross = [r["cross"] for r in per_rank]
     got = [torch.cat([c[0] for c in cross], 1), torch.cat([c[1] for c in cross], 2),
            torch.cat([c[2] for c in cross], 1), sum(c[3] for c in cross), sum(c[4] for c in cross)]
