@@ -60,7 +60,9 @@ class DiTConfig(TransformerConfig):
     diffusers' ``Timesteps(downscale_freq_shift=1)`` used by ``DiTTransformer2DModel``."""
 
     attention_backend_name: str = "auto"
-    """Local attention kernel from ``kernels`` ("auto", "sdpa", "flash_cpu", "flash_attn", "math64")."""
+    """Local attention kernel from ``kernels.attention_kernels.BACKENDS``: "auto" (the fastest for the
+    device and dtype, logged once), "sdpa" (torch's best fused kernel), "sdpa_flash", "sdpa_efficient",
+    "sdpa_cudnn", "flash_cpu", "flash_attn", or "math64" (the float64 reference)."""
 
     def __post_init__(self):
         _validate_dit_fields(self)
