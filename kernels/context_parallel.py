@@ -31,13 +31,15 @@ CP_METHODS = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 def context_parallel_attention(q, k, v, *, method, cp_group, cu_seqlens=None, return_lse=False,
                                a2a_group=None, p2p_group=None, softmax_scale=None, backend="auto",
-                               cu_seqlens_padded=None):
+                               cu_seqlens_padded=None, segments=None):
     """Non-causal attention of a sequence sharded contiguously over ``cp_group`` (see module doc).
 
     ``method``: ``"p2p"`` (ring), ``"a2a"`` (Ulysses), ``"all_gather"`` (gather K/V), or
     ``"a2a+p2p"`` (USP: Ulysses over ``a2a_group`` inside a ring over ``p2p_group``; build them
     with :func:`build_hybrid_groups`). ``backend`` picks the local kernel (see
-    :func:`kernels.local_attention.local_attention`).
+    :func:`kernels.local_attention.local_attention`). ``segments``: the packed pattern as a
+    prebuilt :class:`Segments` in global coordinates, instead of ``cu_seqlens`` (callers that run
+    many layers on one batch build it once; its kernel plans are cached on it).
     """
     if method not in CP_METHODS:
         raise ValueError(f"method={method!r} is unknown; choose one of {CP_METHODS}")
@@ -53,7 +55,10 @@ def context_parallel_attention(q, k, v, *, method, cp_group, cu_seqlens=None, re
                          f"v {tuple(v.shape)} (self-attention; use cross_attention for replicated text K/V)")
     if h % k.shape[2]:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[2]})")
-    segments = _global_segments(cu_seqlens, cu_seqlens_padded, b, s_local * degree)
+    if segments is None:
+        segments = _global_segments(cu_seqlens, cu_seqlens_padded, b, s_local * degree)
+    elif cu_seqlens is not None or cu_seqlens_padded is not None:
+        raise ValueError("pass the packed pattern once: either segments or cu_seqlens(_padded)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if method == "a2a+p2p":  # validated even at degree 1 so a bad layout fails on the smallest run too
         _check_hybrid_groups(cp_group, a2a_group, p2p_group, h, k.shape[2])

@@ -107,14 +107,6 @@ def test_data_parallel_matches_single_process(tmp_path, distopt):
     torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(single), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("field", ["pipeline_model_parallel_size", "context_parallel_size"])
-def test_unsupported_model_parallelism_is_refused_by_name(tmp_path, field):
-    cfg = tiny_run(tmp_path)
-    setattr(cfg.parallel, field, 2)
-    with pytest.raises(ConfigError, match=f"parallel.{field} > 1 is not supported"):
-        Trainer(cfg)
-
-
 def _tp_worker(rank, world, run_dir):
     cfg = tiny_run(f"{run_dir}/tp", max_steps=4, sample_interval=3)
     cfg.parallel.tensor_model_parallel_size = 2

@@ -2,16 +2,20 @@
 
 megatron's local ``DotProductAttention`` calls ``torch.cuda`` and needs a mask tensor; DiT attention
 is non-causal and block-diagonal over packed samples, which ``kernels.local_attention`` does from
-``cu_seqlens``. Context parallelism plugs in here later without touching the model.
+``cu_seqlens``. Under context parallelism each rank holds a contiguous piece of the token stream
+(:mod:`dit_mcore.parallel.token_shard`) and attention runs through
+``kernels.context_parallel_attention`` with the config's ``cp_comm_type`` over megatron's CP groups.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from kernels.context_parallel import context_parallel_attention
 from kernels.local_attention import Segments, segment_attention
 
 
@@ -50,6 +54,15 @@ class KernelsCoreAttention(MegatronModule):
                              "set attention_dropout=0.0 (DiT trains without it)")
         self.softmax_scale = softmax_scale
         self.backend = getattr(config, "attention_backend_name", "auto")
+        self.cp_method = cp_comm_type or config.cp_comm_type or "p2p"
+        if isinstance(self.cp_method, list):  # megatron allows one type per layer
+            self.cp_method = self.cp_method[layer_number - 1]
+        self.cp_groups = {}
+        if config.context_parallel_size > 1:
+            self.cp_groups["cp_group"] = parallel_state.get_context_parallel_group()
+            if self.cp_method == "a2a+p2p":
+                a2a, p2p = parallel_state.get_hierarchical_context_parallel_groups()
+                self.cp_groups.update(a2a_group=a2a, p2p_group=p2p)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **_unused):
@@ -66,8 +79,13 @@ class KernelsCoreAttention(MegatronModule):
             p = packed_seq_params
             segments = getattr(p, "segments", None) or Segments.from_cu_seqlens(
                 p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
-        out, _ = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
-                                   backend=self.backend)
+        if self.cp_groups:
+            out = context_parallel_attention(q, k, v, method=self.cp_method, segments=segments,
+                                             softmax_scale=self.softmax_scale, backend=self.backend,
+                                             **self.cp_groups)
+        else:
+            out, _ = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
+                                       backend=self.backend)
         if thd:
             return out.squeeze(0).flatten(-2)
         return out.transpose(0, 1).flatten(-2)

@@ -10,8 +10,10 @@ for layers that take per-sample conditioning.
   megatron's ``tensor_parallel.checkpoint`` (which restores the model-parallel RNG states).
   ``"selective"`` is handled inside the layers (megatron's attention checkpoints its core
   attention; DiT layers checkpoint their MLP branch when ``"mlp"`` is in ``recompute_modules``).
-- The points where sequence/context-parallel scatter and gather will go: :meth:`scatter_input`
-  and :meth:`gather_output` (identities until those layouts land).
+- Token sharding is not its concern: under sequence/context parallel the stack runs on this
+  rank's piece of the token stream, which the model cuts before its patch embedding and
+  reassembles after its final layer (:mod:`dit_mcore.parallel.token_shard`), so the per-token
+  inputs (positions, token -> sample map) are sliced once, not per layer.
 """
 from __future__ import annotations
 
@@ -55,24 +57,15 @@ class LayerStack(nn.ModuleList):
                          for i in range(n_local))
         self.config = config
 
-    def scatter_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Where sequence/context parallel will shard the stage input along tokens."""
-        return hidden
-
-    def gather_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Where sequence/context parallel will gather the stage output."""
-        return hidden
-
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
         kwargs = dict(context=context, rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
-        hidden = self.scatter_input(hidden)
         if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
             hidden = self._checkpointed(hidden, cond, kwargs)
         else:
             for layer in self:
                 hidden = layer(hidden, cond, **kwargs)
-        return self.gather_output(hidden)
+        return hidden
 
     def _chunks(self) -> list[tuple[int, int, bool]]:
         """``(start, end, recompute)`` ranges of layers, per megatron's recompute_method."""

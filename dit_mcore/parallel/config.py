@@ -1,7 +1,10 @@
-"""Parallel layout of a run."""
+"""Parallel layout of a run, with megatron-core's ``ModelParallelConfig`` field names."""
 from dataclasses import dataclass
+from typing import Optional
 
 from dit_mcore.config import ConfigError
+
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 
 @dataclass
@@ -13,12 +16,22 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages (splits layers)."""
     context_parallel_size: int = 1
-    """Context parallel degree (splits the token sequence)."""
+    """Context parallel degree (splits the token sequence of every micro-batch)."""
+    cp_comm_type: str = "p2p"
+    """Context-parallel attention: "p2p" (ring), "a2a" (Ulysses), "all_gather" (gather K/V) or
+    "a2a+p2p" (Ulysses inside a ring; needs ``hierarchical_context_parallel_sizes``)."""
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
+    """For ``cp_comm_type="a2a+p2p"``: ``[a2a_size, p2p_size]`` with product ``context_parallel_size``
+    (a2a groups are contiguous ranks: keep them inside a node)."""
     sequence_parallel: bool = False
     """Shard activations outside TP regions along the sequence (requires TP > 1)."""
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def token_shards(self) -> int:
+        """Ranks one micro-batch's token stream is split over (CP, times TP under sequence parallel)."""
+        return self.context_parallel_size * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
 
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.model_parallel_size()
@@ -28,11 +41,3 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size x context_parallel_size = {mp}; change the parallel sizes "
                 f"or the number of processes")
         return world_size // mp
-
-    def validate(self, world_size: int) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ConfigError("parallel.sequence_parallel=True needs tensor_model_parallel_size > 1")
-        self.data_parallel_size(world_size)

@@ -34,13 +34,14 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if on_gpu else "gloo")
-    parallel.validate(dist.get_world_size())
+    parallel.data_parallel_size(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -63,6 +63,8 @@ class ModelConfig:
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
                       context_parallel_size=parallel.context_parallel_size,
+                      cp_comm_type=parallel.cp_comm_type,
+                      hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
                       sequence_parallel=parallel.sequence_parallel,
                       bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                       pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,

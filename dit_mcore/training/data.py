@@ -132,10 +132,11 @@ class MockLatentSource(_GlobalBatchCounter):
     def next_global_batch(self) -> list[MicroBatch]:
         step, self.consumed_batches = self.consumed_batches, self.consumed_batches + 1
         per_rank = self.global_batch_size // self.dp_size
-        out = []
-        for micro in range(per_rank // self.micro_batch_size):
-            g = torch.Generator().manual_seed(
-                ((self.seed * 1_000_003 + step) * 65_537 + self.dp_rank) * 4_099 + micro)
+        out, n_micro = [], per_rank // self.micro_batch_size
+        for micro in range(n_micro):
+            # Keyed by the micro-batch's place in the global batch: any data-parallel split of the
+            # same global batch draws the same samples.
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + self.dp_rank * n_micro + micro)
             if self.packed:
                 out.append(self._packed_batch(g))
             else:

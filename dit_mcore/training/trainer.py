@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,9 @@ from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.registry import get_family
+from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import initialize_distributed, run_device
+from dit_mcore.parallel.layout import check_layout
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
@@ -36,6 +39,11 @@ from dit_mcore.training.preview import dataset_decoder, draw_preview
 log = logging.getLogger("dit_mcore.train")
 
 
+def _launched_world_size() -> int:
+    """Processes in this run (torchrun's ``WORLD_SIZE``; 1 for plain ``python``)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def step_generator(seed: int, step: int, global_micro: int, device="cpu") -> torch.Generator:
     """Independent, reproducible stream per (step, micro-batch of the global batch) on ``device``.
     Keyed by the micro-batch's place in the global batch, not by rank, so any data-parallel layout
@@ -43,23 +51,12 @@ def step_generator(seed: int, step: int, global_micro: int, device="cpu") -> tor
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 65_537 + global_micro)
 
 
-def _refuse_untested_parallelism(cfg: RunConfig) -> None:
-    """Model parallelism lands with its equivalence tests; until then refuse rather than train a
-    layout nobody has checked (CP would, e.g., give every rank the whole sequence)."""
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel is not supported by the trainer yet; set it to False")
-    for name in ("pipeline_model_parallel_size", "context_parallel_size"):
-        if getattr(cfg.parallel, name) > 1:
-            raise ConfigError(f"parallel.{name} > 1 is not supported by the trainer yet (data and "
-                              f"tensor parallelism are); set parallel.{name}=1")
-
-
 class Trainer:
     """Owns the model, optimizer, data and run directory of one training run."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        _refuse_untested_parallelism(cfg)
+        check_layout(cfg.parallel, cfg.model.build(ParallelConfig()), cfg.data, _launched_world_size())
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         self.device = run_device()
         self.family = get_family(cfg.model.family)
@@ -95,17 +92,10 @@ class Trainer:
         # bf16 parameters and compute; the optimizer keeps fp32 main weights (megatron mixed precision).
         return model.to(self.compute_dtype)
 
-    def _pad_multiple(self) -> int:
-        """Per-sample padding that lets context/sequence parallel split every sample evenly."""
-        p = self.cfg.parallel
-        if p.context_parallel_size > 1 or p.sequence_parallel:
-            return 2 * p.context_parallel_size * p.tensor_model_parallel_size
-        return 1
-
     def _build_data(self):
         cfg = self.cfg
         common = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, seed=cfg.trainer.seed,
-                      pad_multiple=self._pad_multiple())
+                      pad_multiple=cfg.data.pad_multiple)
         if cfg.data.uses_energon:
             from dit_mcore.training.energon_source import EnergonSource
             return EnergonSource(cfg.data, self.model_config, num_microbatches=self.num_microbatches, **common)
@@ -201,8 +191,11 @@ class Trainer:
         sums = per_token.new_zeros(n).index_add_(0, sample_of, per_token)
         counts = per_token.new_zeros(n).index_add_(0, sample_of, real.float())
         loss_sum = (sums / counts.clamp(min=1)).sum()
-        count = torch.tensor(n, dtype=torch.int, device=loss_sum.device)
-        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.float()])}
+        # Every context-parallel rank computes this same loss on the gathered output (each one's
+        # gradients cover its own tokens); megatron sums the counts over DP x CP, so count it once.
+        counted = n if parallel_state.get_context_parallel_rank() == 0 else 0
+        count = torch.tensor(counted, dtype=torch.int, device=loss_sum.device)
+        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(n))])}
 
     def train_step(self) -> dict:
         self.ddp_model.zero_grad_buffer()

@@ -24,6 +24,7 @@ from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.embeddings import LabelEmbedder, TimestepEmbedder, sincos_from_positions, sincos_pos_embed
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
+from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
 
 
 def _xavier_linear(in_features: int, out_features: int) -> nn.Linear:
@@ -72,6 +73,9 @@ class DiT(MegatronModule):
         self.layers = LayerStack(config, layer_spec or dit_layer_spec(), vp_stage=vp_stage)
         if post_process:
             self.final_layer = FinalLayer(config)
+        self.token_shard = TokenShard.from_config(config)
+        if config.sequence_parallel:
+            mark_sequence_parallel_params(self)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline parallel: the previous stage's output replaces the patch embedding."""
@@ -110,29 +114,42 @@ class DiT(MegatronModule):
                 config's image grid.
             context: cross-attention memory; the adaLN-Zero DiT has none.
         """
+        shard = self.token_shard
         hidden = tokens if self.pre_process else self.input_tensor
         cond_emb = self.conditioning(timesteps, labels)
         params = None
         if batch is not None and batch.is_packed:
-            cond = Conditioning(cond_emb, batch.token_to_sample.clamp(min=0))
+            # Tokens outside every sample (padding) point at sample 0: masked out of the loss.
+            cond = Conditioning(cond_emb, shard.scatter(batch.token_to_sample, pad_value=-1).clamp(min=0))
             params = packed_seq_params(batch)
             if self.pre_process:
                 max_coord = int(batch.grids.max())
-                pos = sincos_from_positions(batch.positions, self.config.hidden_size, max_coord).unsqueeze(1)
+                pos = sincos_from_positions(shard.scatter(batch.positions), self.config.hidden_size,
+                                            max_coord).unsqueeze(1)
         else:
             cond = Conditioning(cond_emb)
             if self.pre_process:
                 if batch is not None:
                     grid = batch.grids[0].tolist()
                 side = self.config.input_size // self.config.patch_size
-                pos = self._dense_positions(grid if grid is not None else (1, side, side), hidden.shape[0],
-                                            hidden.device)
+                pos = shard.scatter(self._dense_positions(grid if grid is not None else (1, side, side),
+                                                          tokens.shape[0], tokens.device))
         if self.pre_process:
-            hidden = self.x_embedder(tokens) + pos.to(tokens.dtype)
+            if shard.active and not (batch is not None and batch.is_packed) and tokens.shape[0] % shard.size:
+                raise ValueError(f"a dense batch of {tokens.shape[0]} tokens per sample cannot be split evenly "
+                                 f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
+                                 f"token count is a multiple of {shard.size}, or packed data")
+            hidden = self.x_embedder(shard.scatter(tokens)) + pos.to(tokens.dtype)
         hidden = self.layers(hidden, cond, context=context, packed_seq_params=params)
         if not self.post_process:
             return hidden
-        return self.final_layer(hidden, cond)
+        return shard.gather(self.final_layer(hidden, cond), self._stream_length(tokens, batch))
+
+    def _stream_length(self, tokens: torch.Tensor, batch) -> int:
+        """Tokens of the whole (unsharded) stream, known on every pipeline stage."""
+        if batch is not None:
+            return batch.tokens.shape[0] * batch.tokens.shape[1] if batch.is_packed else batch.tokens.shape[1]
+        return tokens.shape[0]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Layers are keyed by their global index so checkpoints reshard across pipeline layouts."""

@@ -1,0 +1,73 @@
+"""One check of a whole parallel layout against the model and the data, before any compute.
+
+Every failure is a :class:`ConfigError` naming the field and the fix; megatron would otherwise fail
+deep inside a collective, or worse, train a layout that silently differs from the one-process run.
+"""
+from __future__ import annotations
+
+from dit_mcore.config import ConfigError
+from dit_mcore.parallel.config import CP_COMM_TYPES, ParallelConfig
+
+# Layouts whose equivalence with one process is not proven yet are refused by name.
+NOT_YET = {"pipeline_model_parallel_size": "pipeline parallelism"}
+
+
+def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None:
+    """Check ``parallel`` for ``world_size`` processes, the model config ``model`` (a ``DiTConfig``
+    with the run's sizes; its parallel fields are ignored) and ``data`` (a ``DataConfig``)."""
+    p = parallel
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    for name, what in NOT_YET.items():
+        if getattr(p, name) > 1:
+            raise ConfigError(f"parallel.{name} > 1 is not supported by the trainer yet ({what} lands with "
+                              f"its equivalence tests); set parallel.{name}=1")
+    p.data_parallel_size(world_size)
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=True needs parallel.tensor_model_parallel_size > 1 "
+                          "(it shards the activations TP leaves replicated); set it to False or raise TP")
+    heads, kv_heads = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+    if heads % tp or kv_heads % tp:
+        raise ConfigError(f"the model's {heads} attention heads ({kv_heads} kv heads) must divide by "
+                          f"parallel.tensor_model_parallel_size={tp}; change TP or model.num_attention_heads")
+    _check_context_parallel(p, heads // tp, kv_heads // tp)
+    _check_token_split(p, model, data)
+
+
+def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads: int) -> None:
+    cp, method, sizes = p.context_parallel_size, p.cp_comm_type, p.hierarchical_context_parallel_sizes
+    if method not in CP_COMM_TYPES:
+        raise ConfigError(f"parallel.cp_comm_type={method!r} is unknown; use one of {CP_COMM_TYPES}")
+    if method == "a2a+p2p":
+        if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != cp:
+            raise ConfigError(
+                f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes="
+                f"[a2a_size, p2p_size] with product context_parallel_size={cp}, got {sizes} (without it "
+                "megatron-based stacks silently attend only to the local chunk)")
+    elif sizes:
+        raise ConfigError(f"parallel.hierarchical_context_parallel_sizes={sizes} is only used by "
+                          f"cp_comm_type='a2a+p2p' (got {method!r}); remove it or switch the method")
+    a2a = cp if method == "a2a" else (sizes[0] if method == "a2a+p2p" else 1)
+    if a2a > 1 and local_heads % a2a:
+        raise ConfigError(f"Ulysses (cp_comm_type={method!r}) splits each rank's {local_heads} attention heads "
+                          f"over {a2a} ranks; make the heads per TP rank a multiple of {a2a}, or use "
+                          "cp_comm_type='p2p' or 'all_gather'")
+    if a2a > 1 and a2a % local_kv_heads and local_kv_heads % a2a:
+        raise ConfigError(f"Ulysses over {a2a} ranks needs the {local_kv_heads} kv heads per TP rank to divide "
+                          f"or be divided by {a2a}; change model.num_query_groups or the a2a degree")
+
+
+def _check_token_split(p: ParallelConfig, model, data) -> None:
+    """Dense batches (one image per row) are split along each row, so every row must divide evenly;
+    packed streams are padded at their tail (outside every sample) and split anywhere."""
+    shards = p.token_shards()
+    if shards == 1 or data.packs or data.uses_energon:
+        return
+    side = data.image_size // model.patch_size
+    if (side * side) % shards:
+        raise ConfigError(f"dense images of data.image_size={data.image_size} (patch {model.patch_size}) have "
+                          f"{side * side} tokens, not a multiple of {shards}: the token stream is split over "
+                          f"context_parallel_size x (tensor_model_parallel_size under sequence_parallel) = "
+                          f"{shards} ranks; change the image size or the layout, or use packed data")
