@@ -16,6 +16,7 @@ from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, M
 from dit_mcore.training.trainer import Trainer
 
 STEPS = 3
+RESHARDED = "tp2_sp_cp2_a2a_packed"  # saved after its steps, resumed on one process
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
@@ -37,9 +38,11 @@ def layout_run(run_dir, data: str, **parallel) -> RunConfig:
         parallel=ParallelConfig(**parallel))
 
 
-def _train(cfg: RunConfig) -> dict:
+def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
     trainer = Trainer(cfg)
-    history = [trainer.train_step() for _ in range(STEPS)]
+    history = [trainer.train_step() for _ in range(steps)]
+    if save:
+        trainer.save()
     # A parameter every rank holds whole (not TP-sharded): it must stay identical across ranks.
     replicated = trainer.model.layers[0].adaLN_modulation.linear.weight.detach().clone()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
@@ -47,7 +50,8 @@ def _train(cfg: RunConfig) -> dict:
 
 
 def _layouts_worker(rank, world, run_dir, cases):
-    return {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel)) for name, data, parallel in cases}
+    return {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel), save=name == RESHARDED)
+            for name, data, parallel in cases}
 
 
 _REFERENCES = {}
@@ -55,7 +59,7 @@ _REFERENCES = {}
 
 def reference(tmp_path_factory, data: str) -> dict:
     if data not in _REFERENCES:
-        _REFERENCES[data] = _train(layout_run(tmp_path_factory.mktemp(f"single_{data}"), data))
+        _REFERENCES[data] = _train(layout_run(tmp_path_factory.mktemp(f"single_{data}"), data), steps=STEPS + 1)
     return _REFERENCES[data]
 
 
@@ -79,25 +83,37 @@ def world_results(tmp_path_factory):
 
     def get(world):
         if world not in results:
-            per_rank = run_distributed(_layouts_worker, world, str(tmp_path_factory.mktemp(f"w{world}")),
-                                       _cases(world))
-            results[world] = per_rank
+            run_dir = tmp_path_factory.mktemp(f"w{world}")
+            results[world] = (run_distributed(_layouts_worker, world, str(run_dir), _cases(world)), run_dir)
         return results[world]
     return get
 
 
 @pytest.mark.parametrize("world, name, data", [(w, n, d) for w in (2, 4) for n, d, _ in _cases(w)])
 def test_layout_equals_one_process(world_results, tmp_path_factory, world, name, data):
-    per_rank = world_results(world)
+    per_rank, _ = world_results(world)
     ref = reference(tmp_path_factory, data)
     for rank, result in enumerate(per_rank):
         got = result[name]
-        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{name} rank {rank} loss: {m}")
-        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-4,
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5,
+                                   atol=1e-7, msg=lambda m: f"{name} rank {rank} loss: {m}")
+        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]), rtol=1e-4,
                                    atol=1e-7, msg=lambda m: f"{name} rank {rank} grad norm: {m}")
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
+
+
+def test_checkpoint_from_tp_sp_cp_layout_resumes_on_one_process(world_results, tmp_path_factory):
+    """Weights, EMA and optimizer saved by TP2+SP x CP2 resume on one process and continue the
+    one-process run exactly."""
+    _, run_dir = world_results(4)
+    ref = reference(tmp_path_factory, "packed")
+    resumed = Trainer(layout_run(run_dir / RESHARDED, "packed"))
+    assert resumed.step == STEPS
+    nxt = resumed.train_step()
+    torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(nxt["grad_norm"]), torch.tensor(ref["grad_norm"][STEPS]), rtol=1e-4,
+                               atol=1e-7)
 
 
 # ---------------------------------------------------------------- validation errors, before compute
