@@ -64,6 +64,12 @@ class DiTConfig(TransformerConfig):
     device and dtype, logged once), "sdpa" (torch's best fused kernel), "sdpa_flash", "sdpa_efficient",
     "sdpa_cudnn", "flash_cpu", "flash_attn", or "math64" (the float64 reference)."""
 
+    has_cond_embedder: bool = True
+    """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
+    conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their
+    parameters (tagged ``pipeline_parallel``) over the pipeline ranks only when this is set, which
+    keeps the copies identical (NeMo leaves it unset and its replicated embedders drift)."""
+
     def __post_init__(self):
         _validate_dit_fields(self)
         super().__post_init__()

@@ -4,6 +4,8 @@ gloo), on dense images and on packed mixed image/video sequences.
 Layouts that share a world size run one after another inside one spawn (a gloo world takes seconds
 to start on 2 cores); the one-process references run in the pytest process.
 """
+import zlib
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, M
 from dit_mcore.training.trainer import Trainer
 
 STEPS = 3
-RESHARDED = "tp2_sp_cp2_a2a_packed"  # saved after its steps, resumed on one process
+RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense")  # saved, then resumed on one process
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
@@ -38,19 +40,45 @@ def layout_run(run_dir, data: str, **parallel) -> RunConfig:
         parallel=ParallelConfig(**parallel))
 
 
+@torch.no_grad()
+def _randomize(trainer: Trainer) -> None:
+    """Give every parameter random values keyed by its global name, identical on any layout (TP
+    ranks take their slice). adaLN-Zero starts every layer as the identity with zero gates, and
+    Adam's first steps follow gradient signs, so a few steps from the standard init barely depend
+    on the layer weights; from here, every weight shows in the loss."""
+    from megatron.core import parallel_state
+    tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_tensor_model_parallel_rank())
+    model = trainer.model
+    for name, param in model.named_parameters():
+        if name.startswith("layers."):
+            local, rest = name.split(".", 2)[1:]
+            name = f"layers.{model.layers[int(local)].layer_number - 1}.{rest}"
+        shape, dim = list(param.shape), getattr(param, "partition_dim", 0)
+        sharded = getattr(param, "tensor_model_parallel", False)
+        if sharded:
+            shape[dim] *= tp
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        full = torch.randn(shape, generator=g) * 0.2
+        param.copy_(full.chunk(tp, dim)[tp_rank] if sharded else full)
+    trainer.ema.module.load_state_dict(model.state_dict())
+
+
 def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
     trainer = Trainer(cfg)
+    _randomize(trainer)
     history = [trainer.train_step() for _ in range(steps)]
     if save:
         trainer.save()
-    # A parameter every rank holds whole (not TP-sharded): it must stay identical across ranks.
-    replicated = trainer.model.layers[0].adaLN_modulation.linear.weight.detach().clone()
+    # Every rank holds the conditioning embedders whole (every pipeline stage too): under SP and CP
+    # they see only some tokens, under PP only some layers; they must stay identical everywhere.
+    replicated = next(trainer.model.t_embedder.parameters()).detach().clone()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "replicated": replicated}
 
 
 def _layouts_worker(rank, world, run_dir, cases):
-    return {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel), save=name == RESHARDED)
+    return {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel), save=name in RESHARDED)
             for name, data, parallel in cases}
 
 
@@ -67,12 +95,17 @@ def _cases(world: int):
     two = [("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("cp2_p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
            ("cp2_a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
-           ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"})]
+           ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
+           ("pp2", {"pipeline_model_parallel_size": 2})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                 "context_parallel_size": 2, "cp_comm_type": "a2a"}),
-            ("cp2_dp2_distopt", {"context_parallel_size": 2, "distopt": True})]
+            ("cp2_dp2_distopt", {"context_parallel_size": 2, "distopt": True}),
+            ("pp2_dp2", {"pipeline_model_parallel_size": 2}),
+            ("tp2_sp_pp2_distopt", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                    "pipeline_model_parallel_size": 2, "distopt": True}),
+            ("pp2_cp2_p2p", {"pipeline_model_parallel_size": 2, "context_parallel_size": 2})]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)]
 
@@ -103,12 +136,14 @@ def test_layout_equals_one_process(world_results, tmp_path_factory, world, name,
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
 
 
-def test_checkpoint_from_tp_sp_cp_layout_resumes_on_one_process(world_results, tmp_path_factory):
-    """Weights, EMA and optimizer saved by TP2+SP x CP2 resume on one process and continue the
-    one-process run exactly."""
+@pytest.mark.parametrize("name", RESHARDED)
+def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name):
+    """Weights, EMA and optimizer (the distributed optimizer's too) saved under a model-parallel
+    layout resume on one process and continue the one-process run exactly."""
     _, run_dir = world_results(4)
-    ref = reference(tmp_path_factory, "packed")
-    resumed = Trainer(layout_run(run_dir / RESHARDED, "packed"))
+    data = name.rsplit("_", 1)[1]
+    ref = reference(tmp_path_factory, data)
+    resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" in name))
     assert resumed.step == STEPS
     nxt = resumed.train_step()
     torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
@@ -135,7 +170,7 @@ def _model():
     ({"tensor_model_parallel_size": 2, "context_parallel_size": 4, "cp_comm_type": "a2a"}, 8, "packed",
      "splits each rank's 2 attention heads over 4"),
     ({"context_parallel_size": 32}, 32, "dense", "have 16 tokens, not a multiple of 32"),
-    ({"pipeline_model_parallel_size": 2}, 2, "dense", "pipeline_model_parallel_size > 1 is not supported"),
+    ({"pipeline_model_parallel_size": 3}, 3, "dense", "2 layers do not split evenly over"),
 ])
 def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data, match):
     cfg = layout_run("/tmp/unused", data)

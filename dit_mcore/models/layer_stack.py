@@ -3,7 +3,8 @@ for layers that take per-sample conditioning.
 
 - Layer numbering: this stage (and virtual stage) builds its share of ``config.num_layers`` with
   global 1-based ``layer_number``s, so checkpoints key layers by global index and reshard across
-  pipeline layouts.
+  pipeline layouts; each layer is initialised from its own RNG stream (:mod:`.seeding`), so it
+  starts with the same weights on any layout.
 - Activation recompute from megatron's config: ``recompute_granularity="full"`` with
   ``recompute_method`` ``"uniform"`` (checkpoint chunks of ``recompute_num_layers`` layers) or
   ``"block"`` (checkpoint the first ``recompute_num_layers`` layers of the stage), through
@@ -27,6 +28,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from torch import nn
 
 from dit_mcore.models.modulation import Conditioning
+from dit_mcore.models.seeding import draw_base_seed, init_stream
 
 RECOMPUTE_METHODS = ("uniform", "block")
 
@@ -49,13 +51,21 @@ class LayerStack(nn.ModuleList):
     """This stage's layers, run in order with optional full-layer recompute. A ``ModuleList`` so
     parameters keep megatron's ``layers.<i>.`` names."""
 
-    def __init__(self, config, spec: ModuleSpec, vp_stage: Optional[int] = None):
+    def __init__(self, config, spec: ModuleSpec, vp_stage: Optional[int] = None, init_seed: Optional[int] = None):
         check_recompute_config(config)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
-        super().__init__(build_module(spec, config=config, layer_number=offset + i + 1, vp_stage=vp_stage)
-                         for i in range(n_local))
+        init_seed = draw_base_seed() if init_seed is None else init_seed
+        layers = []
+        for i in range(n_local):
+            with init_stream(init_seed, f"layers.{offset + i}"):  # the same weights on any stage
+                # megatron's TransformerLayer adds this stage's offset to the local layer number
+                layers.append(build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage))
+        super().__init__(layers)
         self.config = config
+        numbers = [layer.layer_number for layer in layers]
+        if numbers != list(range(offset + 1, offset + n_local + 1)):
+            raise RuntimeError(f"layers got global numbers {numbers}, expected {offset + 1}..{offset + n_local}")
 
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dit_mcore.config import ConfigError
 from dit_mcore.parallel.config import CP_COMM_TYPES, ParallelConfig
 
 # Layouts whose equivalence with one process is not proven yet are refused by name.
-NOT_YET = {"pipeline_model_parallel_size": "pipeline parallelism"}
+NOT_YET = {}
 
 
 def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None:
@@ -33,6 +33,7 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None
         raise ConfigError(f"the model's {heads} attention heads ({kv_heads} kv heads) must divide by "
                           f"parallel.tensor_model_parallel_size={tp}; change TP or model.num_attention_heads")
     _check_context_parallel(p, heads // tp, kv_heads // tp)
+    _check_pipeline(p, model.num_layers)
     _check_token_split(p, model, data)
 
 
@@ -57,6 +58,15 @@ def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads:
     if a2a > 1 and a2a % local_kv_heads and local_kv_heads % a2a:
         raise ConfigError(f"Ulysses over {a2a} ranks needs the {local_kv_heads} kv heads per TP rank to divide "
                           f"or be divided by {a2a}; change model.num_query_groups or the a2a degree")
+
+
+def _check_pipeline(p: ParallelConfig, num_layers: int) -> None:
+    pp = p.pipeline_model_parallel_size
+    if pp > 1 and num_layers % pp:
+        raise ConfigError(f"the model's {num_layers} layers do not split evenly over "
+                          f"parallel.pipeline_model_parallel_size={pp} stages; change model.num_layers or PP")
+    if pp > 1 and num_layers < pp:
+        raise ConfigError(f"{pp} pipeline stages need at least {pp} layers, the model has {num_layers}")
 
 
 def _check_token_split(p: ParallelConfig, model, data) -> None:

@@ -28,6 +28,7 @@ from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import initialize_distributed, run_device
 from dit_mcore.parallel.layout import check_layout
+from dit_mcore.parallel.pipeline import PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
@@ -61,6 +62,8 @@ class Trainer:
         self.device = run_device()
         self.family = get_family(cfg.model.family)
         self.model_config = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
+        # Pipeline p2p sends each micro-batch's shape first when packed streams may vary in length.
+        self.model_config.variable_seq_lengths = cfg.data.packs or cfg.data.uses_energon
         self.compute_dtype = torch.bfloat16 if cfg.trainer.bf16 else torch.float32
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -206,14 +209,18 @@ class Trainer:
         fwd_bwd = get_forward_backward_func()
         rows, seq = microbatches[0].tokens.shape[:2]
         reduced = fwd_bwd(forward_step_func=self._forward_step, data_iterator=iter(enumerate(microbatches)),
-                          model=[self.ddp_model], num_microbatches=len(microbatches), seq_length=seq,
-                          micro_batch_size=rows, forward_only=False)
+                          model=[self.ddp_model], num_microbatches=len(microbatches),
+                          seq_length=self.model.token_shard.padded(seq), micro_batch_size=rows,
+                          forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
             self.ema.update(self.model, self.step)
         totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # losses live on the last stage
+            dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
         totals = torch.cat([totals, counts])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         self.skipped_samples += int(totals[2])
@@ -262,7 +269,7 @@ class Trainer:
         if self.model_config.num_classes == 0:
             log.warning("preview grids need a class-conditional model; skipped")
             return None
-        return draw_preview(self.ema.module, self.model_config, self.family, self.objective, self.cfg, self.step,
+        return draw_preview(PipelinedForward(self.ema.module), self.model_config, self.family, self.objective, self.cfg, self.step,
                             self.run_dir / "samples", write=dist.get_rank() == 0, device=self.device,
                             decoder=self.preview_decoder)
 

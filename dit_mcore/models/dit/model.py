@@ -24,6 +24,7 @@ from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.embeddings import LabelEmbedder, TimestepEmbedder, sincos_from_positions, sincos_pos_embed
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
+from dit_mcore.models.seeding import draw_base_seed, init_stream
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
 
 
@@ -64,18 +65,33 @@ class DiT(MegatronModule):
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         self.input_tensor = None
         h = config.hidden_size
+        seed = draw_base_seed()  # every part from its own stream: the same weights on any layout
         if pre_process:
-            self.x_embedder = _xavier_linear(config.patch_dim, h)
+            with init_stream(seed, "x_embedder"):
+                self.x_embedder = _xavier_linear(config.patch_dim, h)
         # Conditioning is cheap: every pipeline stage computes it rather than receiving it.
-        self.t_embedder = TimestepEmbedder(h, config.frequency_embedding_size, config.timestep_freq_shift)
-        self.y_embedder = LabelEmbedder(config.num_classes, h, config.use_cfg_embedding) \
-            if config.num_classes > 0 else None
-        self.layers = LayerStack(config, layer_spec or dit_layer_spec(), vp_stage=vp_stage)
+        with init_stream(seed, "t_embedder"):
+            self.t_embedder = TimestepEmbedder(h, config.frequency_embedding_size, config.timestep_freq_shift)
+        with init_stream(seed, "y_embedder"):
+            self.y_embedder = LabelEmbedder(config.num_classes, h, config.use_cfg_embedding) \
+                if config.num_classes > 0 else None
+        self.layers = LayerStack(config, layer_spec or dit_layer_spec(), vp_stage=vp_stage, init_seed=seed)
         if post_process:
-            self.final_layer = FinalLayer(config)
+            with init_stream(seed, "final_layer"):
+                self.final_layer = FinalLayer(config)
         self.token_shard = TokenShard.from_config(config)
         if config.sequence_parallel:
             mark_sequence_parallel_params(self)
+        first_copy = parallel_state.get_pipeline_model_parallel_rank() == 0 and not vp_stage
+        for param in self.conditioning_parameters():
+            param.pipeline_parallel = True  # gradients summed over pipeline stages (config.has_cond_embedder)
+            param.shared = not first_copy  # counted once in the global grad norm
+
+    def conditioning_parameters(self):
+        """Parameters of the conditioning embedders, which every pipeline stage holds a copy of."""
+        for module in (self.t_embedder, self.y_embedder):
+            if module is not None:
+                yield from module.parameters()
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline parallel: the previous stage's output replaces the patch embedding."""
@@ -157,11 +173,18 @@ class DiT(MegatronModule):
         # Replicated (non-megatron) children must name the TP group, or megatron marks every TP
         # rank as the main replica of them.
         tp_group = parallel_state.get_tensor_model_parallel_group()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         for name, child in self.named_children():
             if name == "layers":
                 continue
-            sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
-                                                      tp_group=tp_group))
+            part = sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
+                                              tp_group=tp_group)
+            if name in ("t_embedder", "y_embedder") and (pp_rank > 0 or self.vp_stage):
+                # Every pipeline stage holds the conditioning embedders: only the first stage's
+                # first chunk is their main replica.
+                for item in part.values():
+                    item.replica_id = (1, *tuple(item.replica_id)[1:])
+            sharded.update(part)
         for layer in self.layers:
             global_idx = layer.layer_number - 1
             sharded.update(layer.sharded_state_dict(f"{prefix}layers.{global_idx}.", sharded_offsets, metadata))
