@@ -78,8 +78,13 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
 
 
 def _layouts_worker(rank, world, run_dir, cases):
-    return {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel), save=name in RESHARDED)
-            for name, data, parallel in cases}
+    results = {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel), save=name in RESHARDED)
+               for name, data, parallel in cases}
+    if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
+        resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
+                                     pipeline_model_parallel_size=2))
+        results["resumed_pp2_dp2"] = {"step": resumed.step, "next": resumed.train_step()}
+    return results
 
 
 _REFERENCES = {}
@@ -149,6 +154,17 @@ def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name
     torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.tensor(nxt["grad_norm"]), torch.tensor(ref["grad_norm"][STEPS]), rtol=1e-4,
                                atol=1e-7)
+
+
+def test_pipeline_checkpoint_resumes_under_another_pipeline_layout(world_results, tmp_path_factory):
+    """TP2+SP x PP2 -> PP2 x DP2: each stage loads its own layers by global index."""
+    per_rank, _ = world_results(4)
+    ref = reference(tmp_path_factory, "dense")
+    for result in per_rank:
+        got = result["resumed_pp2_dp2"]
+        assert got["step"] == STEPS
+        torch.testing.assert_close(torch.tensor(got["next"]["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5,
+                                   atol=1e-7)
 
 
 # ---------------------------------------------------------------- validation errors, before compute

@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
@@ -185,9 +186,13 @@ class DiT(MegatronModule):
                 for item in part.values():
                     item.replica_id = (1, *tuple(item.replica_id)[1:])
             sharded.update(part)
-        for layer in self.layers:
-            global_idx = layer.layer_number - 1
-            sharded.update(layer.sharded_state_dict(f"{prefix}layers.{global_idx}.", sharded_offsets, metadata))
+        for local_idx, layer in enumerate(self.layers):
+            # Local module names as dict keys (what load_state_dict expects on this stage), global
+            # layer indices as checkpoint keys (what makes checkpoints reshard across stages).
+            local, global_ = f"{prefix}layers.{local_idx}.", f"{prefix}layers.{layer.layer_number - 1}."
+            part = layer.sharded_state_dict(local, sharded_offsets, metadata)
+            replace_prefix_for_sharding(part, local, global_)
+            sharded.update(part)
         return sharded
 
 
