@@ -30,7 +30,7 @@ def layout_run(run_dir, data: str, **parallel) -> RunConfig:
         data_cfg = DataConfig(name="mock", image_size=8, mock_latent_shapes=PACKED_SHAPES, max_seq_len=62,
                               global_batch_size=4, micro_batch_size=1)
     return RunConfig(
-        model=ModelConfig(preset="tiny", num_layers=2, hidden_size=32, num_attention_heads=4, input_size=8,
+        model=ModelConfig(preset="tiny", num_layers=4, hidden_size=32, num_attention_heads=4, input_size=8,
                           in_channels=4, num_classes=10, class_dropout_prob=0.1, backend="local"),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False)),
@@ -49,11 +49,11 @@ def _randomize(trainer: Trainer) -> None:
     from megatron.core import parallel_state
     tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_tensor_model_parallel_rank())
-    model = trainer.model
-    for name, param in model.named_parameters():
+    for name, param in trainer.model.named_parameters():
+        chunk, name = name.split(".", 1)
         if name.startswith("layers."):
             local, rest = name.split(".", 2)[1:]
-            name = f"layers.{model.layers[int(local)].layer_number - 1}.{rest}"
+            name = f"layers.{trainer.model[int(chunk)].layers[int(local)].layer_number - 1}.{rest}"
         shape, dim = list(param.shape), getattr(param, "partition_dim", 0)
         sharded = getattr(param, "tensor_model_parallel", False)
         if sharded:
@@ -61,7 +61,7 @@ def _randomize(trainer: Trainer) -> None:
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         full = torch.randn(shape, generator=g) * 0.2
         param.copy_(full.chunk(tp, dim)[tp_rank] if sharded else full)
-    trainer.ema.module.load_state_dict(model.state_dict())
+    trainer.ema.module.load_state_dict(trainer.model.state_dict())
 
 
 def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
@@ -72,7 +72,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
         trainer.save()
     # Every rank holds the conditioning embedders whole (every pipeline stage too): under SP and CP
     # they see only some tokens, under PP only some layers; they must stay identical everywhere.
-    replicated = next(trainer.model.t_embedder.parameters()).detach().clone()
+    replicated = next(trainer.model[-1].t_embedder.parameters()).detach().clone()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "replicated": replicated}
 
@@ -101,7 +101,8 @@ def _cases(world: int):
            ("cp2_p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
            ("cp2_a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
            ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
-           ("pp2", {"pipeline_model_parallel_size": 2})]
+           ("pp2", {"pipeline_model_parallel_size": 2}),
+           ("pp2_vpp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
@@ -186,7 +187,14 @@ def _model():
     ({"tensor_model_parallel_size": 2, "context_parallel_size": 4, "cp_comm_type": "a2a"}, 8, "packed",
      "splits each rank's 2 attention heads over 4"),
     ({"context_parallel_size": 32}, 32, "dense", "have 16 tokens, not a multiple of 32"),
-    ({"pipeline_model_parallel_size": 3}, 3, "dense", "2 layers do not split evenly over"),
+    ({"pipeline_model_parallel_size": 3}, 3, "dense", "4 layers do not split over 3 pipeline stages"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4}, 2, "dense",
+     "4 layers do not split over 2 pipeline stages x 4 virtual chunks"),
+    ({"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 5}, 2, "dense",
+     "with 5 on the first"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 8, "dense",
+     "micro-batches per step \\(1\\) to be a multiple"),
+    ({"virtual_pipeline_model_parallel_size": 2}, 1, "dense", "need parallel.pipeline_model_parallel_size > 1"),
 ])
 def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data, match):
     cfg = layout_run("/tmp/unused", data)

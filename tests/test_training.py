@@ -57,7 +57,7 @@ def test_checkpoint_restores_model_ema_optimizer(tmp_path):
     for x, y in zip(sa.values(), sb.values()):
         assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
     assert restored.scheduler.num_steps == trainer.scheduler.num_steps
-    key = "final_layer.linear.weight"  # the only weight with a gradient at step 1 (adaLN-Zero)
+    key = "0.final_layer.linear.weight"  # the only weight with a gradient at step 1 (adaLN-Zero)
     assert trainer.model.state_dict()[key].abs().max() > 0
     assert not trainer.ema.module.state_dict()[key].equal(trainer.model.state_dict()[key])  # EMA lags
 

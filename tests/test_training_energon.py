@@ -33,13 +33,13 @@ def energon_run(run_dir, path, *, max_steps=4, num_workers=0, restart=False):
 def test_packed_step_draws_one_noise_level_per_sample(tmp_path, digits_dataset):
     trainer = Trainer(energon_run(tmp_path, digits_dataset))
     seen = {}
-    original = trainer.model.forward
+    original = trainer.model[0].forward
 
     def spy(tokens, timesteps, labels, **kw):
         seen.update(tokens=tokens.shape[0], timesteps=timesteps.clone(), cu=kw["batch"].cu_seqlens.clone())
         return original(tokens, timesteps, labels, **kw)
 
-    trainer.model.forward = spy
+    trainer.model[0].forward = spy
     metrics = trainer.train_step()
     n = seen["cu"].numel() - 1
     assert n == 4 and seen["timesteps"].shape == (n,) and seen["timesteps"].unique().numel() == n
@@ -77,13 +77,13 @@ def test_mixed_image_and_video_blend_trains(tmp_path, digits_dataset):
     cfg = energon_run(tmp_path / "run", str(blend), max_steps=3)
     trainer = Trainer(cfg)
     grids = []
-    original = trainer.model.forward
+    original = trainer.model[0].forward
 
     def spy(tokens, timesteps, labels, **kw):
         grids.extend(kw["batch"].grids[:, 0].tolist())
         return original(tokens, timesteps, labels, **kw)
 
-    trainer.model.forward = spy
+    trainer.model[0].forward = spy
     history = [trainer.train_step() for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
     assert 1 in grids and 2 in grids  # image (t=1) and video (t=2) samples both reached the model

@@ -15,6 +15,12 @@ class ParallelConfig:
     """Tensor parallel degree (splits attention heads and MLP width)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages (splits layers)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank (interleaved 1F1B); None: one chunk."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline split: layers on the first stage (the rest split evenly)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline split: layers on the last stage."""
     context_parallel_size: int = 1
     """Context parallel degree (splits the token sequence of every micro-batch)."""
     cp_comm_type: str = "p2p"

@@ -40,6 +40,7 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
     )

@@ -33,7 +33,7 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None
         raise ConfigError(f"the model's {heads} attention heads ({kv_heads} kv heads) must divide by "
                           f"parallel.tensor_model_parallel_size={tp}; change TP or model.num_attention_heads")
     _check_context_parallel(p, heads // tp, kv_heads // tp)
-    _check_pipeline(p, model.num_layers)
+    _check_pipeline(p, model.num_layers, data, world_size)
     _check_token_split(p, model, data)
 
 
@@ -60,13 +60,32 @@ def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads:
                           f"or be divided by {a2a}; change model.num_query_groups or the a2a degree")
 
 
-def _check_pipeline(p: ParallelConfig, num_layers: int) -> None:
-    pp = p.pipeline_model_parallel_size
-    if pp > 1 and num_layers % pp:
-        raise ConfigError(f"the model's {num_layers} layers do not split evenly over "
-                          f"parallel.pipeline_model_parallel_size={pp} stages; change model.num_layers or PP")
-    if pp > 1 and num_layers < pp:
-        raise ConfigError(f"{pp} pipeline stages need at least {pp} layers, the model has {num_layers}")
+def _check_pipeline(p: ParallelConfig, num_layers: int, data, world_size: int) -> None:
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if pp == 1:
+        if vpp > 1 or first is not None or last is not None:
+            raise ConfigError("parallel.virtual_pipeline_model_parallel_size and num_layers_in_first/last_"
+                              "pipeline_stage need parallel.pipeline_model_parallel_size > 1")
+        return
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers) or \
+            (middle_stages and middle_layers % (middle_stages * vpp)):
+        raise ConfigError(
+            f"{num_layers} layers do not split over {pp} pipeline stages x {vpp} virtual chunks"
+            + (f" with {first} on the first and {last} on the last stage" if first or last else "")
+            + "; change model.num_layers, parallel.pipeline_model_parallel_size, "
+              "virtual_pipeline_model_parallel_size or num_layers_in_first/last_pipeline_stage")
+    for name, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if n is not None and (n < 1 or n % vpp):
+            raise ConfigError(f"parallel.{name}={n} must be >= 1 and a multiple of the {vpp} virtual chunks")
+    if vpp > 1:
+        micro = data.num_microbatches(p.data_parallel_size(world_size))
+        if micro < pp or micro % pp:
+            raise ConfigError(f"the interleaved pipeline schedule needs the micro-batches per step ({micro}) to be "
+                              f"a multiple of pipeline_model_parallel_size={pp}; change data.global_batch_size "
+                              "or data.micro_batch_size")
 
 
 def _check_token_split(p: ParallelConfig, model, data) -> None:

@@ -1,13 +1,49 @@
-"""Calling a pipelined model outside training: a forward-only run of megatron's schedule whose
-output (the last stage's) reaches every rank, so samplers and previews need not know about stages."""
+"""A rank's pipeline chunks as one module, and calling a pipelined model outside training.
+
+Under pipeline parallelism a rank holds one model chunk per virtual stage (one without VPP).
+:class:`ModelChunks` keeps them together for the EMA, checkpoints and the optimizer;
+:class:`PipelinedForward` runs megatron's schedule forward-only and hands the last stage's output
+to every rank, so samplers and previews need not know about stages.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import nn
+
+
+class ModelChunks(nn.ModuleList):
+    """This rank's model chunks in virtual-stage order; state-dict keys are ``<chunk>.<name>``."""
+
+    @classmethod
+    def build(cls, build_chunk: Callable[..., nn.Module], vpp: Optional[int]) -> "ModelChunks":
+        """``build_chunk(pre_process=, post_process=, vp_stage=)`` for each virtual stage of this rank."""
+        if not vpp or vpp == 1:
+            return cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(),
+                                    post_process=parallel_state.is_pipeline_last_stage(), vp_stage=None)])
+        return cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+                                vp_stage=i) for i in range(vpp)])
+
+    @property
+    def config(self):
+        return self[0].config
+
+    @property
+    def token_shard(self):
+        return self[0].token_shard
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Every chunk's sharded state (checkpoint keys are global: chunks reshard like stages)."""
+        merged = {}
+        for i, chunk in enumerate(self):
+            part = chunk.sharded_state_dict(prefix, sharded_offsets, metadata)
+            merged.update({f"{prefix}{i}.{key[len(prefix):]}": value for key, value in part.items()})
+        return merged
 
 
 class PipelinedForward:
@@ -15,33 +51,47 @@ class PipelinedForward:
     of the pipeline calls it with the same arguments and gets the whole model's output
     ``[s, b, out_patch_dim]``. Without pipeline parallelism it is the model itself."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, chunks: ModelChunks):
+        self.chunks = chunks
 
     def __call__(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                  batch=None, grid=None) -> torch.Tensor:
+        chunks = self.chunks
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return self.model(tokens, timesteps, labels, batch=batch, grid=grid)
-        config, model = self.model.config, self.model
-        dtype = next(model.parameters()).dtype  # an fp32 EMA copy of a bf16 run sends fp32 activations
+            return chunks[0](tokens, timesteps, labels, batch=batch, grid=grid)
+        config = chunks.config
+        dtype = next(chunks.parameters()).dtype  # an fp32 EMA copy of a bf16 run sends fp32 activations
+        s, b = tokens.shape[:2]
+        # The interleaved schedule needs at least PP micro-batches: split a dense batch along its
+        # samples (padded by repeating the last one).
+        parts = 1 if len(chunks) == 1 else parallel_state.get_pipeline_model_parallel_world_size()
+        if parts > 1 and batch is not None and batch.is_packed:
+            raise NotImplementedError("forward-only calls of an interleaved pipeline take dense batches")
+        per = -(-b // parts)
+        if per * parts != b:
+            idx = torch.cat([torch.arange(b), torch.full((per * parts - b,), b - 1)]).to(tokens.device)
+            tokens, timesteps = tokens[:, idx], timesteps[idx]
+            labels = None if labels is None else labels[idx]
+        micro = [(tokens[:, j * per:(j + 1) * per], timesteps[j * per:(j + 1) * per],
+                  None if labels is None else labels[j * per:(j + 1) * per]) for j in range(parts)]
 
-        def step(_data, chunk):
-            out = chunk(tokens.to(dtype), timesteps, labels, batch=batch, grid=grid)
+        def step(data, chunk):
+            x, t, y = next(data)
+            out = chunk(x.to(dtype), t, y, batch=batch, grid=grid)
             return out, lambda output, non_loss_data=False: output
 
-        s, b = tokens.shape[:2]
         saved_dtype, config.pipeline_dtype = config.pipeline_dtype, dtype
         try:
             store = get_forward_backward_func()(
-                forward_step_func=step, data_iterator=None, model=[model], num_microbatches=1,
-                seq_length=model.token_shard.padded(s), micro_batch_size=b, forward_only=True,
-                collect_non_loss_data=True)
+                forward_step_func=step, data_iterator=[iter(micro) for _ in chunks], model=list(chunks),
+                num_microbatches=parts, seq_length=chunks.token_shard.padded(s), micro_batch_size=per,
+                forward_only=True, collect_non_loss_data=True)
         finally:
             config.pipeline_dtype = saved_dtype
         if parallel_state.is_pipeline_last_stage():
-            out = store[0].contiguous()
+            out = torch.cat(list(store), dim=1).contiguous()
         else:
-            out = torch.empty((s, b, config.out_patch_dim), dtype=dtype, device=tokens.device)
+            out = torch.empty((s, per * parts, config.out_patch_dim), dtype=dtype, device=tokens.device)
         dist.broadcast(out, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-        return out
+        return out[:, :b]

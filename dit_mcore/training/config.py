@@ -62,6 +62,13 @@ class ModelConfig:
         return get_family(self.family).make_config(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+                      virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+                      num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+                      num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+                      # At PP=2 the previous and next stage are one peer: megatron's batched p2p
+                      # then pairs sends with the wrong receives under VPP (silently wrong grads).
+                      batch_p2p_comm=not (parallel.pipeline_model_parallel_size == 2
+                                          and (parallel.virtual_pipeline_model_parallel_size or 1) > 1),
                       context_parallel_size=parallel.context_parallel_size,
                       cp_comm_type=parallel.cp_comm_type,
                       hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,

@@ -9,16 +9,19 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from dit_mcore.config import ConfigError
 
 
-def wrap_ddp(model, model_config, *, use_distributed_optimizer: bool) -> DistributedDataParallel:
+def wrap_ddp(chunks, model_config, *, use_distributed_optimizer: bool) -> list[DistributedDataParallel]:
+    """One megatron DDP per pipeline chunk (only the first bucketed, as megatron does)."""
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
-    ddp_model = DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=model)
+    ddp_chunks = [DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
+                                          disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
     model_config.finalize_model_grads_func = finalize_model_grads
-    model_config.no_sync_func = ddp_model.no_sync
-    return ddp_model
+    no_sync = [c.no_sync for c in ddp_chunks]
+    model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return ddp_chunks
 
 
-def build_optimizer(ddp_model, optim, *, bf16: bool, max_steps: int):
+def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
     if optim.decay_style not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.decay_style={optim.decay_style!r}; use 'cosine', 'linear' or 'constant'")
     if optim.warmup_steps >= max(max_steps, 1) and optim.warmup_steps > 0:
@@ -28,11 +31,11 @@ def build_optimizer(ddp_model, optim, *, bf16: bool, max_steps: int):
                              clip_grad=optim.clip_grad, bf16=bf16,
                              params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=optim.use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(config, [ddp_model])
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(max_steps, 1),
         wd_incr_style="constant")
-    ddp_model.config.grad_scale_func = optimizer.scale_loss
+    ddp_chunks[0].config.grad_scale_func = optimizer.scale_loss
     return optimizer, scheduler

@@ -28,7 +28,7 @@ from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import initialize_distributed, run_device
 from dit_mcore.parallel.layout import check_layout
-from dit_mcore.parallel.pipeline import PipelinedForward
+from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
@@ -71,13 +71,13 @@ class Trainer:
         self._check_data_matches_model()
         self.objective = build_objective(cfg.diffusion.objective)
 
-        self.model = self._build_model()
+        self.model = self._build_model()  # this rank's pipeline chunks (one without VPP)
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         self.ema = EMA(self.model, self._build_model(), cfg.trainer.ema_decay)
         torch.set_rng_state(rng)
-        self.ddp_model = wrap_ddp(self.model, self.model_config,
-                                  use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
-        self.optimizer, self.scheduler = build_optimizer(self.ddp_model, cfg.optim, bf16=cfg.trainer.bf16,
+        self.ddp_chunks = wrap_ddp(self.model, self.model_config,
+                                   use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.loader = self._build_data()
         self.skipped_samples = 0
@@ -87,11 +87,11 @@ class Trainer:
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup helpers
-    def _build_model(self):
+    def _build_model(self) -> ModelChunks:
+        def chunk(**stage):
+            return self.family.build(self.model_config, backend=self.cfg.model.backend, **stage)
         with torch.device(self.device):
-            model = self.family.build(self.model_config, backend=self.cfg.model.backend,
-                                      pre_process=parallel_state.is_pipeline_first_stage(),
-                                      post_process=parallel_state.is_pipeline_last_stage())
+            model = ModelChunks.build(chunk, self.model_config.virtual_pipeline_model_parallel_size)
         # bf16 parameters and compute; the optimizer keeps fp32 main weights (megatron mixed precision).
         return model.to(self.compute_dtype)
 
@@ -201,15 +201,17 @@ class Trainer:
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(n))])}
 
     def train_step(self) -> dict:
-        self.ddp_model.zero_grad_buffer()
+        for chunk in self.ddp_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
         counts = torch.tensor([float(sum(b.num_skipped for b in microbatches)),
                                float(sum(b.num_real_tokens for b in microbatches))], device=self.device)
         fwd_bwd = get_forward_backward_func()
         rows, seq = microbatches[0].tokens.shape[:2]
-        reduced = fwd_bwd(forward_step_func=self._forward_step, data_iterator=iter(enumerate(microbatches)),
-                          model=[self.ddp_model], num_microbatches=len(microbatches),
+        reduced = fwd_bwd(forward_step_func=self._forward_step,
+                          data_iterator=[iter(enumerate(microbatches)) for _ in self.ddp_chunks],
+                          model=self.ddp_chunks, num_microbatches=len(microbatches),
                           seq_length=self.model.token_shard.padded(seq), micro_batch_size=rows,
                           forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
