@@ -102,7 +102,8 @@ def _cases(world: int):
            ("cp2_a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
            ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
            ("pp2", {"pipeline_model_parallel_size": 2}),
-           ("pp2_vpp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2})]
+           ("pp2_vpp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+           ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
