@@ -165,6 +165,16 @@ def _preset_table() -> dict[str, dict]:
 
 PRESETS = _preset_table()
 
+# The MoE variant (``num_moe_experts`` set): megatron's all-to-all token dispatcher (the one that
+# takes variable-length packed batches), top-k aux-loss load balancing, and no linear biases
+# (megatron 0.16's expert MLP adds its bias in place into a view and fails in backward).
+_MOE_COMMON = dict(
+    add_bias_linear=False,
+    moe_token_dispatcher_type="alltoall",
+    moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=1e-2,
+)
+
 
 def preset(name: str, **overrides) -> DiTConfig:
     """Build a ``DiTConfig`` from a named preset (``DiT-XL/2``, ``DiT-B/4``, ``tiny`` …).
@@ -178,6 +188,8 @@ def preset(name: str, **overrides) -> DiTConfig:
     if unknown:
         raise ConfigError(f"unknown DiTConfig field(s) {unknown} in overrides for preset {name!r}")
     kwargs = {**_COMMON, "ffn_hidden_size": None, **PRESETS[name], **overrides}
+    if kwargs.get("num_moe_experts"):
+        kwargs = {**_MOE_COMMON, **kwargs, **{k: v for k, v in _MOE_COMMON.items() if k not in overrides}}
     if kwargs["ffn_hidden_size"] is None:
         kwargs["ffn_hidden_size"] = 4 * kwargs["hidden_size"]
     return DiTConfig(**kwargs)

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims app
 @pytest.fixture(scope="module", autouse=True)
 def shims():
     single_process_world()  # applies the shims like every CPU run does
-    assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "adam_state"}
+    assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "adam_state", "streams",
+                                         "moe_split_sizes", "uneven_collectives"}
     assert cpu_shims.apply_cpu_shims() == []  # idempotent
 
 
@@ -53,3 +54,17 @@ def test_init_adam_state_lets_a_fresh_distributed_optimizer_describe_its_state(t
     sharded = trainer.optimizer.sharded_state_dict(trainer.model.sharded_state_dict(), is_loading=True,
                                                    metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     assert sharded
+
+
+def test_cuda_streams_are_inert_for_the_moe_dispatcher():
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        stream.record_event().wait()
+
+
+def test_moe_split_sizes_reach_all_to_all_as_numpy():
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+    sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert isinstance(sizes, np.ndarray) and sizes.tolist() == [3, 1]

@@ -18,12 +18,14 @@ from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, M
 from dit_mcore.training.trainer import Trainer
 
 STEPS = 3
-RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense")  # saved, then resumed on one process
+RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense")  # resumed on one process
+EXPERT_RESHARDED = "ep2_tp2_sp_dense"  # resumed under EP4
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
-def layout_run(run_dir, data: str, **parallel) -> RunConfig:
-    """A tiny DiT (4 heads so Ulysses splits over TP2 x CP2) on mock latents, dense or packed."""
+def layout_run(run_dir, data: str, moe: bool = False, **parallel) -> RunConfig:
+    """A tiny DiT (4 heads so Ulysses splits over TP2 x CP2) on mock latents, dense or packed; with
+    ``moe``, its MoE variant (4 experts, top-2)."""
     if data == "dense":
         data_cfg = DataConfig(name="mock", image_size=8, global_batch_size=8, micro_batch_size=2)
     else:  # packs of 62 tokens; samples straddle CP pieces and are padded at the stream tail
@@ -31,7 +33,9 @@ def layout_run(run_dir, data: str, **parallel) -> RunConfig:
                               global_batch_size=4, micro_batch_size=1)
     return RunConfig(
         model=ModelConfig(preset="tiny", num_layers=4, hidden_size=32, num_attention_heads=4, input_size=8,
-                          in_channels=4, num_classes=10, class_dropout_prob=0.1, backend="local"),
+                          in_channels=4, num_classes=10, class_dropout_prob=0.1, backend="local",
+                          num_moe_experts=4 if moe else None, moe_router_topk=2 if moe else None,
+                          moe_aux_loss_coeff=0.1 if moe else None),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False)),
         diffusion=DiffusionConfig(objective="flow", sample_steps=2),
@@ -46,14 +50,19 @@ def _randomize(trainer: Trainer) -> None:
     ranks take their slice). adaLN-Zero starts every layer as the identity with zero gates, and
     Adam's first steps follow gradient signs, so a few steps from the standard init barely depend
     on the layer weights; from here, every weight shows in the loss."""
-    from megatron.core import parallel_state
-    tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_tensor_model_parallel_rank())
+    from megatron.core import parallel_state as ps
     for name, param in trainer.model.named_parameters():
         chunk, name = name.split(".", 1)
         if name.startswith("layers."):
             local, rest = name.split(".", 2)[1:]
             name = f"layers.{trainer.model[int(chunk)].layers[int(local)].layer_number - 1}.{rest}"
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        if ".local_experts." in name:  # experts: global index over EP ranks, split over expert-TP
+            head, tail = name.split(".local_experts.")
+            index, rest = tail.split(".", 1)
+            per_rank = trainer.model_config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+            name = f"{head}.local_experts.{ps.get_expert_model_parallel_rank() * per_rank + int(index)}.{rest}"
+            tp, tp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
         shape, dim = list(param.shape), getattr(param, "partition_dim", 0)
         sharded = getattr(param, "tensor_model_parallel", False)
         if sharded:
@@ -78,22 +87,28 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
 
 
 def _layouts_worker(rank, world, run_dir, cases):
-    results = {name: _train(layout_run(f"{run_dir}/{name}", data, **parallel), save=name in RESHARDED)
+    results = {name: _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"), **parallel),
+                            save=name in RESHARDED or name == EXPERT_RESHARDED)
                for name, data, parallel in cases}
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
                                      pipeline_model_parallel_size=2))
         results["resumed_pp2_dp2"] = {"step": resumed.step, "next": resumed.train_step()}
+        # Experts saved sharded over EP2 (x expert-TP2) and loaded over EP4.
+        resumed = Trainer(layout_run(f"{run_dir}/{EXPERT_RESHARDED}", "dense", moe=True, expert_model_parallel_size=4))
+        results["resumed_ep4"] = {"step": resumed.step, "next": resumed.train_step()}
     return results
 
 
 _REFERENCES = {}
 
 
-def reference(tmp_path_factory, data: str) -> dict:
-    if data not in _REFERENCES:
-        _REFERENCES[data] = _train(layout_run(tmp_path_factory.mktemp(f"single_{data}"), data), steps=STEPS + 1)
-    return _REFERENCES[data]
+def reference(tmp_path_factory, data: str, moe: bool = False) -> dict:
+    """The one-process run of the same model and data (MoE layouts compare with the same MoE)."""
+    if (data, moe) not in _REFERENCES:
+        run_dir = tmp_path_factory.mktemp(f"single_{data}_{'moe' if moe else 'dense'}")
+        _REFERENCES[data, moe] = _train(layout_run(run_dir, data, moe=moe), steps=STEPS + 1)
+    return _REFERENCES[data, moe]
 
 
 def _cases(world: int):
@@ -103,7 +118,8 @@ def _cases(world: int):
            ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
            ("pp2", {"pipeline_model_parallel_size": 2}),
            ("pp2_vpp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
-           ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1})]
+           ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}),
+           ("ep2", {"expert_model_parallel_size": 2})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
@@ -112,7 +128,10 @@ def _cases(world: int):
             ("pp2_dp2", {"pipeline_model_parallel_size": 2}),
             ("tp2_sp_pp2_distopt", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                     "pipeline_model_parallel_size": 2, "distopt": True}),
-            ("pp2_cp2_p2p", {"pipeline_model_parallel_size": 2, "context_parallel_size": 2})]
+            ("pp2_cp2_p2p", {"pipeline_model_parallel_size": 2, "context_parallel_size": 2}),
+            ("ep2_tp2_sp", {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                            "sequence_parallel": True}),
+            ("ep4_distopt", {"expert_model_parallel_size": 4, "distopt": True})]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)]
 
@@ -132,7 +151,7 @@ def world_results(tmp_path_factory):
 @pytest.mark.parametrize("world, name, data", [(w, n, d) for w in (2, 4) for n, d, _ in _cases(w)])
 def test_layout_equals_one_process(world_results, tmp_path_factory, world, name, data):
     per_rank, _ = world_results(world)
-    ref = reference(tmp_path_factory, data)
+    ref = reference(tmp_path_factory, data, moe=name.startswith("ep"))
     for rank, result in enumerate(per_rank):
         got = result[name]
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5,
@@ -158,12 +177,14 @@ def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name
                                atol=1e-7)
 
 
-def test_pipeline_checkpoint_resumes_under_another_pipeline_layout(world_results, tmp_path_factory):
-    """TP2+SP x PP2 -> PP2 x DP2: each stage loads its own layers by global index."""
+@pytest.mark.parametrize("key, moe", [("resumed_pp2_dp2", False), ("resumed_ep4", True)])
+def test_checkpoint_resumes_under_another_model_parallel_layout(world_results, tmp_path_factory, key, moe):
+    """TP2+SP x PP2 -> PP2 x DP2 (each stage loads its own layers by global index) and
+    EP2 x TP2+SP -> EP4 (each rank loads its own experts)."""
     per_rank, _ = world_results(4)
-    ref = reference(tmp_path_factory, "dense")
+    ref = reference(tmp_path_factory, "dense", moe=moe)
     for result in per_rank:
-        got = result["resumed_pp2_dp2"]
+        got = result[key]
         assert got["step"] == STEPS
         torch.testing.assert_close(torch.tensor(got["next"]["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5,
                                    atol=1e-7)
@@ -196,11 +217,23 @@ def _model():
     ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 8, "dense",
      "micro-batches per step \\(1\\) to be a multiple"),
     ({"virtual_pipeline_model_parallel_size": 2}, 1, "dense", "need parallel.pipeline_model_parallel_size > 1"),
+    ({"expert_model_parallel_size": 2}, 2, "dense", "needs an MoE model: set model.num_moe_experts"),
 ])
 def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data, match):
     cfg = layout_run("/tmp/unused", data)
     with pytest.raises(ConfigError, match=match):
         check_layout(ParallelConfig(**parallel), _model(), cfg.data, world)
+
+
+@pytest.mark.parametrize("parallel, world, match", [
+    ({"expert_model_parallel_size": 3}, 3, "num_moe_experts=4 must be a multiple of parallel.expert_model_parallel_size=3"),
+    ({"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2}, 4,
+     "world size 4 is not divisible by expert_model_parallel_size x expert_tensor_parallel_size"),
+])
+def test_bad_expert_layouts_fail_before_compute(parallel, world, match):
+    cfg = layout_run("/tmp/unused", "dense", moe=True)
+    with pytest.raises(ConfigError, match=match):
+        check_layout(ParallelConfig(**parallel), cfg.model.build(ParallelConfig()), cfg.data, world)
 
 
 def test_packed_streams_need_no_layout_specific_padding():

@@ -31,6 +31,10 @@ class ParallelConfig:
     (a2a groups are contiguous ranks: keep them inside a node)."""
     sequence_parallel: bool = False
     """Shard activations outside TP regions along the sequence (requires TP > 1)."""
+    expert_model_parallel_size: int = 1
+    """MoE: ranks the experts of each layer are spread over (tokens travel by all-to-all)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """MoE: tensor-parallel degree inside each expert; None: the same as tensor_model_parallel_size."""
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size

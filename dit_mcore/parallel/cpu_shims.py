@@ -22,12 +22,21 @@ is covered by ``tests/test_cpu_shims.py``.
   and ``load_state_dict`` gives every param the same ``step`` tensor, which torch Adam then
   increments once per param: each param gets its own copy back.
   :func:`init_adam_state` fills a fresh optimizer's state before a load; the load skips absent keys.
+- ``streams``: the MoE all-to-all dispatcher builds ``torch.cuda.Stream``/``Event`` objects at
+  construction and enters ``torch.cuda.stream(...)``. -> inert stand-ins (CPU work is in order).
+- ``moe_split_sizes``: the dispatcher turns its split-size tensors into numpy arrays only when they
+  are on CUDA; CPU tensors reach ``all_to_all_single`` as tensors, which it rejects. -> numpy.
+- ``uneven_collectives``: gloo has no all-gather / reduce-scatter with unequal sizes, which the MoE
+  dispatcher uses under expert tensor parallelism. -> padded ``all_gather_into_tensor`` and
+  all-reduce + slice (the same results, more bytes; CPU only).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
@@ -123,11 +132,89 @@ def _shim_adam_state_load() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
+class _InertEvent:
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _InertStream(_InertEvent):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _InertEvent()
+
+
+def _shim_streams() -> None:
+    stream = _InertStream()
+    torch.cuda.Stream, torch.cuda.Event = _InertStream, _InertEvent
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *args, **kwargs: stream
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def _shim_moe_split_sizes() -> None:
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def _shim_uneven_collectives() -> None:
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest, rest = max(sizes), tuple(input_.shape[1:])
+        padded = input_.new_zeros((longest, *rest))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((longest * group.size(), *rest))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(out.chunk(group.size()), sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.split([int(n) for n in input_split_sizes])[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 _SHIMS = {
     "device": _shim_device,
     "rng": _shim_rng,
     "cuda_literals": _shim_cuda_literals,
     "adam_state": _shim_adam_state_load,
+    "streams": _shim_streams,
+    "moe_split_sizes": _shim_moe_split_sizes,
+    "uneven_collectives": _shim_uneven_collectives,
 }
 
 

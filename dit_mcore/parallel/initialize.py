@@ -43,12 +43,15 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    log.info("distributed: world=%d backend=%s tp=%d pp=%d cp=%d dp=%d", dist.get_world_size(),
+    log.info("distributed: world=%d backend=%s tp=%d pp=%d cp=%d ep=%d dp=%d", dist.get_world_size(),
              dist.get_backend(), parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-             parallel.context_parallel_size, parallel_state.get_data_parallel_world_size())
+             parallel.context_parallel_size, parallel.expert_model_parallel_size,
+             parallel_state.get_data_parallel_world_size())
 
 
 def run_device() -> torch.device:

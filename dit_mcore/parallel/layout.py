@@ -34,6 +34,7 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None
                           f"parallel.tensor_model_parallel_size={tp}; change TP or model.num_attention_heads")
     _check_context_parallel(p, heads // tp, kv_heads // tp)
     _check_pipeline(p, model.num_layers, data, world_size)
+    _check_experts(p, model.num_moe_experts, world_size)
     _check_token_split(p, model, data)
 
 
@@ -86,6 +87,23 @@ def _check_pipeline(p: ParallelConfig, num_layers: int, data, world_size: int) -
             raise ConfigError(f"the interleaved pipeline schedule needs the micro-batches per step ({micro}) to be "
                               f"a multiple of pipeline_model_parallel_size={pp}; change data.global_batch_size "
                               "or data.micro_batch_size")
+
+
+def _check_experts(p: ParallelConfig, experts, world_size: int) -> None:
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if ep < 1 or etp < 1:
+        raise ConfigError("parallel.expert_model_parallel_size and expert_tensor_parallel_size must be >= 1")
+    if ep > 1 and not experts:
+        raise ConfigError(f"parallel.expert_model_parallel_size={ep} needs an MoE model: set model.num_moe_experts "
+                          "(a multiple of it), or expert_model_parallel_size=1")
+    if experts and experts % ep:
+        raise ConfigError(f"model.num_moe_experts={experts} must be a multiple of "
+                          f"parallel.expert_model_parallel_size={ep}")
+    span = ep * etp * p.pipeline_model_parallel_size
+    if world_size % span:
+        raise ConfigError(f"world size {world_size} is not divisible by expert_model_parallel_size x "
+                          f"expert_tensor_parallel_size x pipeline_model_parallel_size = {span}; change the "
+                          "expert layout or the number of processes")
 
 
 def _check_token_split(p: ParallelConfig, model, data) -> None:

@@ -52,6 +52,15 @@ class ModelConfig:
     recompute_modules: Optional[list[str]] = None
     """With selective recompute: which parts ("core_attn", "mlp"); None: megatron's default."""
 
+    num_moe_experts: Optional[int] = None
+    """MoE variant: experts per layer (megatron's ``MoELayer`` replaces each MLP); None: dense."""
+    moe_router_topk: Optional[int] = None
+    """Experts each token is routed to (megatron's default: 2)."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """Load-balancing loss weight (default 1e-2; logged as ``load_balancing_loss``)."""
+    moe_grouped_gemm: Optional[bool] = None
+    """Run the local experts as one grouped GEMM (Transformer Engine on GPU)."""
+
     _NOT_CONFIG_FIELDS = ("family", "preset", "backend")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
@@ -73,6 +82,8 @@ class ModelConfig:
                       cp_comm_type=parallel.cp_comm_type,
                       hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
                       sequence_parallel=parallel.sequence_parallel,
+                      expert_model_parallel_size=parallel.expert_model_parallel_size,
+                      expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
                       bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                       pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
                       calculate_per_token_loss=True)

@@ -214,6 +214,7 @@ class Trainer:
                           model=self.ddp_chunks, num_microbatches=len(microbatches),
                           seq_length=self.model.token_shard.padded(seq), micro_batch_size=rows,
                           forward_only=False)
+        moe = self._moe_metrics(len(microbatches))
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -231,7 +232,18 @@ class Trainer:
                 "tokens": totals[3].item(),
                 "skipped_samples": float(self.skipped_samples),
                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": lr, "skipped": 0.0 if ok else 1.0}
+                "lr": lr, "skipped": 0.0 if ok else 1.0, **moe}
+
+    def _moe_metrics(self, num_microbatches: int) -> dict:
+        """The MoE router losses of this step (mean over layers and micro-batches, all ranks), as
+        megatron's tracker collected them; empty for dense models."""
+        if not self.model_config.num_moe_experts:
+            return {}
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+        losses = {}
+        track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=self.step, total_loss_dict=losses,
+                          num_layers=self.model_config.num_layers)
+        return {name: float(value) for name, value in losses.items()}
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:

@@ -199,5 +199,6 @@ class DiT(MegatronModule):
 def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool = True,
                 post_process: bool = True, vp_stage: Optional[int] = None) -> DiT:
     """Build a DiT for this rank (its pipeline stage's layers, tensor-parallel shards)."""
-    return DiT(config, dit_layer_spec(backend), pre_process=pre_process, post_process=post_process,
+    spec = dit_layer_spec(backend, num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    return DiT(config, spec, pre_process=pre_process, post_process=post_process,
                vp_stage=vp_stage)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -10,17 +11,24 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dit_mcore.models.core_attention import KernelsCoreAttention
 from dit_mcore.models.dit.layer import DiTLayer, DiTLayerSubmodules
+from dit_mcore.models.moe import moe_spec
 from dit_mcore.models.specs import linears, norm_spec
 
 log = logging.getLogger(__name__)
 
 
-def dit_layer_spec(backend: str = "local", norm: str = "layernorm") -> ModuleSpec:
+def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_experts: Optional[int] = None,
+                   moe_grouped_gemm: bool = False) -> ModuleSpec:
     """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"``, ``"te"`` or ``"auto"`` (TE linears
     when installed on a GPU, else local, with a log line); ``norm``: ``"layernorm"`` (the paper's) or
-    ``"rmsnorm"``, both without affine parameters (modulation replaces them)."""
+    ``"rmsnorm"``, both without affine parameters (modulation replaces them); ``num_moe_experts``:
+    megatron's ``MoELayer`` (top-k router, token dispatcher, experts) instead of the MLP."""
     column, row = linears(backend)
-    log.info("DiT layer spec: %s linears, %s, kernels core attention", column.__name__, norm)
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
+    if num_moe_experts:
+        mlp = moe_spec(column, num_moe_experts, grouped_gemm=moe_grouped_gemm)
+    log.info("DiT layer spec: %s linears, %s, kernels core attention%s", column.__name__, norm,
+             f", MoE with {num_moe_experts} experts" if num_moe_experts else "")
     return ModuleSpec(
         module=DiTLayer,
         submodules=DiTLayerSubmodules(
@@ -28,7 +36,7 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm") -> ModuleSpe
                 module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=KernelsCoreAttention,
                                                    linear_proj=row)),
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+            mlp=mlp,
             norm=norm_spec(norm, affine=False),
         ),
     )

@@ -1,0 +1,59 @@
+"""The MoE MLP of the DiT families: megatron's ``MoELayer`` with a router whose load-balancing
+loss gradient does not depend on how a micro-batch's tokens are split over ranks.
+
+megatron computes the switch load-balancing loss under sequence/context parallelism as a sum of
+per-rank parts (each rank's router probabilities against the token counts of the whole group) and
+scales each part by the rank's *own* token count before megatron's per-token normalisation. Summed
+over the ranks, the gradient is then ``1/(TP*CP)`` of the one-process gradient. Scaling every part
+by the group's token count instead makes TP+SP, CP and one process train the same router.
+"""
+from __future__ import annotations
+
+import megatron.core.transformer.moe.moe_utils as moe_utils
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+# megatron 0.16's router gating reads this module global, defined only when Transformer Engine
+# imports: without TE every router forward fails with a NameError (on any device).
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+LOAD_BALANCING = ("aux_loss", "none")
+
+
+class LayoutInvariantRouter(TopKRouter):
+    """``TopKRouter`` whose aux-loss gradient is the same on any token split (see module doc)."""
+
+    def __init__(self, config, pg_collection=None):
+        if config.moe_router_load_balancing_type not in LOAD_BALANCING:
+            raise ValueError(f"moe_router_load_balancing_type={config.moe_router_load_balancing_type!r}: the DiT "
+                             f"MoE supports {LOAD_BALANCING}")
+        if config.moe_z_loss_coeff:
+            raise ValueError("moe_z_loss_coeff is not supported by the DiT MoE router yet; set it to None")
+        super().__init__(config=config, pg_collection=pg_collection)
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                           reduce_group, reduce_group_has_dp=False, valid_token_count=None):
+        if valid_token_count is None:
+            valid_token_count = activation.shape[0]
+        # This rank's part of the loss, scaled by the tokens of every rank that holds a part.
+        return super().attach_and_log_load_balancing_loss(
+            activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+            reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count * reduce_group.size())
+
+
+def moe_spec(column_linear, num_experts: int, *, grouped_gemm: bool = False) -> ModuleSpec:
+    """megatron's ``MoELayer`` spec for the backend of ``column_linear`` (local experts run one
+    after another; Transformer Engine's grouped GEMM with ``grouped_gemm``)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    if column_linear is ColumnParallelLinear:
+        provider = LocalSpecProvider()
+    else:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+        provider = TESpecProvider()
+    spec = get_moe_module_spec_for_backend(provider, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+    spec.submodules.router = LayoutInvariantRouter
+    return spec
