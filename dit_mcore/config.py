@@ -189,7 +189,7 @@ def preset(name: str, **overrides) -> DiTConfig:
         raise ConfigError(f"unknown DiTConfig field(s) {unknown} in overrides for preset {name!r}")
     kwargs = {**_COMMON, "ffn_hidden_size": None, **PRESETS[name], **overrides}
     if kwargs.get("num_moe_experts"):
-        kwargs = {**_MOE_COMMON, **kwargs, **{k: v for k, v in _MOE_COMMON.items() if k not in overrides}}
+        kwargs.update({k: v for k, v in _MOE_COMMON.items() if k not in overrides})
     if kwargs["ffn_hidden_size"] is None:
         kwargs["ffn_hidden_size"] = 4 * kwargs["hidden_size"]
     return DiTConfig(**kwargs)

@@ -75,6 +75,9 @@ def _randomize(trainer: Trainer) -> None:
 
 def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
     trainer = Trainer(cfg)
+    # Standard init is layout-independent: every chunk of every stage starts its conditioning
+    # embedders like the one-process model.
+    init = [next(chunk.t_embedder.parameters()).detach().clone() for chunk in trainer.model]
     _randomize(trainer)
     history = [trainer.train_step() for _ in range(steps)]
     if save:
@@ -83,7 +86,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
     # they see only some tokens, under PP only some layers; they must stay identical everywhere.
     replicated = next(trainer.model[-1].t_embedder.parameters()).detach().clone()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "replicated": replicated}
+            "replicated": replicated, "init": init}
 
 
 def _layouts_worker(rank, world, run_dir, cases):
@@ -125,7 +128,7 @@ def _cases(world: int):
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                 "context_parallel_size": 2, "cp_comm_type": "a2a"}),
             ("cp2_dp2_distopt", {"context_parallel_size": 2, "distopt": True}),
-            ("pp2_dp2", {"pipeline_model_parallel_size": 2}),
+            ("pp2_dp2_distopt", {"pipeline_model_parallel_size": 2, "distopt": True}),
             ("tp2_sp_pp2_distopt", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                     "pipeline_model_parallel_size": 2, "distopt": True}),
             ("pp2_cp2_p2p", {"pipeline_model_parallel_size": 2, "context_parallel_size": 2}),
@@ -158,6 +161,7 @@ def test_layout_equals_one_process(world_results, tmp_path_factory, world, name,
                                    atol=1e-7, msg=lambda m: f"{name} rank {rank} loss: {m}")
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]), rtol=1e-4,
                                    atol=1e-7, msg=lambda m: f"{name} rank {rank} grad norm: {m}")
+        assert all(torch.equal(w, ref["init"][0]) for w in got["init"]), f"{name}: rank {rank} init differs"
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
 

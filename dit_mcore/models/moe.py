@@ -1,13 +1,16 @@
 """The MoE MLP of the DiT families: megatron's ``MoELayer`` with a router whose load-balancing
-loss gradient does not depend on how a micro-batch's tokens are split over ranks.
+loss has the same weight on any layout and under the trainer's per-sample loss normalisation.
 
-megatron computes the switch load-balancing loss under sequence/context parallelism as a sum of
-per-rank parts (each rank's router probabilities against the token counts of the whole group) and
-scales each part by the rank's *own* token count before megatron's per-token normalisation. Summed
-over the ranks, the gradient is then ``1/(TP*CP)`` of the one-process gradient. Scaling every part
-by the group's token count instead makes TP+SP, CP and one process train the same router.
+megatron multiplies each rank's part of the switch load-balancing loss by the rank's *own* token
+count, expecting the trainer to divide all gradients by the global token count
+(``calculate_per_token_loss``). The DiT trainer divides by the global *sample* count instead, and
+under sequence/context parallelism the loss is a sum of per-rank parts. This router multiplies
+every part by the micro-batch's sample count (set by the layer before each forward), so the loss
+enters the gradient averaged over micro-batches, as megatron intends, whatever the token split.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import megatron.core.transformer.moe.moe_utils as moe_utils
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -33,14 +36,17 @@ class LayoutInvariantRouter(TopKRouter):
             raise ValueError("moe_z_loss_coeff is not supported by the DiT MoE router yet; set it to None")
         super().__init__(config=config, pg_collection=pg_collection)
 
+    samples: Optional[int] = None
+    """Samples in the micro-batch being routed (set by the owning layer)."""
+
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name,
                                            reduce_group, reduce_group_has_dp=False, valid_token_count=None):
-        if valid_token_count is None:
-            valid_token_count = activation.shape[0]
-        # This rank's part of the loss, scaled by the tokens of every rank that holds a part.
+        if self.samples is None:
+            raise RuntimeError("LayoutInvariantRouter.samples is unset: the layer owning the MoE MLP must set "
+                               "it to the micro-batch's sample count before the forward")
         return super().attach_and_log_load_balancing_loss(
             activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
-            reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count * reduce_group.size())
+            reduce_group_has_dp=reduce_group_has_dp, valid_token_count=self.samples)
 
 
 def moe_spec(column_linear, num_experts: int, *, grouped_gemm: bool = False) -> ModuleSpec:

@@ -18,7 +18,8 @@ class ModelFamily:
     layer_spec: Callable[..., object]
     """``(backend, ...) -> ModuleSpec`` of one layer."""
     build: Callable[..., object]
-    """``(config, *, backend, pre_process, post_process, vp_stage) -> model`` for this rank."""
+    """``(config, *, backend, pre_process, post_process, vp_stage, init_seed) -> model`` for this rank
+    (``init_seed``: one per rank for all its pipeline chunks, see ``dit_mcore.models.seeding``)."""
     token_model_fn: Callable[..., Callable]
     """``(model, config, batch) -> fn(x [b,s,D], timestep [n], labels) -> prediction [b,s,patch_dim]``:
     the objective adapter used by training and sampling."""

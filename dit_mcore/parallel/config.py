@@ -36,6 +36,10 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     """MoE: tensor-parallel degree inside each expert; None: the same as tensor_model_parallel_size."""
 
+    def __post_init__(self):
+        if self.virtual_pipeline_model_parallel_size == 1:  # one chunk per stage: megatron's None
+            self.virtual_pipeline_model_parallel_size = None
+
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 

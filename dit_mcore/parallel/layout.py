@@ -8,9 +8,6 @@ from __future__ import annotations
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.config import CP_COMM_TYPES, ParallelConfig
 
-# Layouts whose equivalence with one process is not proven yet are refused by name.
-NOT_YET = {}
-
 
 def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None:
     """Check ``parallel`` for ``world_size`` processes, the model config ``model`` (a ``DiTConfig``
@@ -19,10 +16,6 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    for name, what in NOT_YET.items():
-        if getattr(p, name) > 1:
-            raise ConfigError(f"parallel.{name} > 1 is not supported by the trainer yet ({what} lands with "
-                              f"its equivalence tests); set parallel.{name}=1")
     p.data_parallel_size(world_size)
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     if p.sequence_parallel and tp == 1:
@@ -92,7 +85,8 @@ def _check_pipeline(p: ParallelConfig, num_layers: int, data, world_size: int) -
 def _check_experts(p: ParallelConfig, experts, world_size: int) -> None:
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
     if ep < 1 or etp < 1:
-        raise ConfigError("parallel.expert_model_parallel_size and expert_tensor_parallel_size must be >= 1")
+        raise ConfigError(f"parallel.expert_model_parallel_size ({ep}) and expert_tensor_parallel_size ({etp}) "
+                          "must be >= 1")
     if ep > 1 and not experts:
         raise ConfigError(f"parallel.expert_model_parallel_size={ep} needs an MoE model: set model.num_moe_experts "
                           "(a multiple of it), or expert_model_parallel_size=1")
@@ -107,14 +101,19 @@ def _check_experts(p: ParallelConfig, experts, world_size: int) -> None:
 
 
 def _check_token_split(p: ParallelConfig, model, data) -> None:
-    """Dense batches (one image per row) are split along each row, so every row must divide evenly;
-    packed streams are padded at their tail (outside every sample) and split anywhere."""
+    """Dense batches (one image per row) are split along each row, so every row must divide evenly:
+    the data's images, and the model's ``input_size`` grid that previews sample on. Packed streams
+    are padded at their tail (outside every sample) and split anywhere."""
     shards = p.token_shards()
-    if shards == 1 or data.packs or data.uses_energon:
+    if shards == 1:
         return
-    side = data.image_size // model.patch_size
-    if (side * side) % shards:
-        raise ConfigError(f"dense images of data.image_size={data.image_size} (patch {model.patch_size}) have "
-                          f"{side * side} tokens, not a multiple of {shards}: the token stream is split over "
-                          f"context_parallel_size x (tensor_model_parallel_size under sequence_parallel) = "
-                          f"{shards} ranks; change the image size or the layout, or use packed data")
+    why = (f"the token stream is split over context_parallel_size x (tensor_model_parallel_size under "
+           f"sequence_parallel) = {shards} ranks")
+    sizes = [("model.input_size", model.input_size)]
+    if not (data.packs or data.uses_energon):
+        sizes.insert(0, ("data.image_size", data.image_size))
+    for field, size in sizes:
+        side = size // model.patch_size
+        if (side * side) % shards:
+            raise ConfigError(f"dense images of {field}={size} (patch {model.patch_size}) have {side * side} "
+                              f"tokens, not a multiple of {shards}: {why}; change the image size or the layout")

@@ -15,19 +15,24 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import nn
 
+from dit_mcore.models.seeding import draw_base_seed
+
 
 class ModelChunks(nn.ModuleList):
     """This rank's model chunks in virtual-stage order; state-dict keys are ``<chunk>.<name>``."""
 
     @classmethod
     def build(cls, build_chunk: Callable[..., nn.Module], vpp: Optional[int]) -> "ModelChunks":
-        """``build_chunk(pre_process=, post_process=, vp_stage=)`` for each virtual stage of this rank."""
+        """``build_chunk(pre_process=, post_process=, vp_stage=, init_seed=)`` for each virtual stage of
+        this rank; all chunks share one init seed, so their parts start as in a one-process model."""
+        seed = draw_base_seed()
         if not vpp or vpp == 1:
             return cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(),
-                                    post_process=parallel_state.is_pipeline_last_stage(), vp_stage=None)])
+                                    post_process=parallel_state.is_pipeline_last_stage(), vp_stage=None,
+                                    init_seed=seed)])
         return cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
                                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
-                                vp_stage=i) for i in range(vpp)])
+                                vp_stage=i, init_seed=seed) for i in range(vpp)])
 
     @property
     def config(self):

@@ -186,7 +186,8 @@ class Trainer:
     def _loss(self, inputs, batch, output):
         """(sum of per-sample losses, sample count, logged pair): megatron divides by the global
         sample count (``calculate_per_token_loss``), so every sample weighs the same whatever its
-        micro-batch, pack or rank."""
+        micro-batch, pack or rank. Context-parallel ranks other than the first report a count of 0
+        (they compute the same loss); the logged pair always carries the real count."""
         pred = prediction(output, self.model_config).reshape(-1, self.model_config.patch_dim)
         real = batch.token_to_sample >= 0
         per_token = self.objective.loss(pred, inputs).mean(-1) * real

@@ -53,6 +53,9 @@ class DiTLayer(TransformerLayer):
             raise ValueError("the adaLN-Zero DiT layer has no cross-attention; pass context=None "
                              "(use a text-conditioned family for text)")
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(conditioning)
+        router = getattr(self.mlp, "router", None)
+        if router is not None:  # MoE: the load-balancing loss is weighted per sample, like the loss
+            router.samples = conditioning.emb.shape[0]
         attn_out, attn_bias = self.self_attention(
             conditioning.modulate(self.norm(hidden_states), shift_a, scale_a), attention_mask=None,
             rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)

@@ -60,13 +60,16 @@ class DiT(MegatronModule):
     share_embeddings_and_output_weights = False  # read by finalize_model_grads under PP
 
     def __init__(self, config: DiTConfig, layer_spec: Optional[ModuleSpec] = None,
-                 pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
+                 pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                 init_seed: Optional[int] = None):
         super().__init__(config)
         self.config: DiTConfig = config
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         self.input_tensor = None
         h = config.hidden_size
-        seed = draw_base_seed()  # every part from its own stream: the same weights on any layout
+        # Every part from its own stream: the same weights on any layout (pass one init_seed to all
+        # pipeline chunks of a rank; the default draws it from the caller's RNG).
+        seed = draw_base_seed() if init_seed is None else init_seed
         if pre_process:
             with init_stream(seed, "x_embedder"):
                 self.x_embedder = _xavier_linear(config.patch_dim, h)
@@ -83,10 +86,19 @@ class DiT(MegatronModule):
         self.token_shard = TokenShard.from_config(config)
         if config.sequence_parallel:
             mark_sequence_parallel_params(self)
-        first_copy = parallel_state.get_pipeline_model_parallel_rank() == 0 and not vp_stage
         for param in self.conditioning_parameters():
             param.pipeline_parallel = True  # gradients summed over pipeline stages (config.has_cond_embedder)
-            param.shared = not first_copy  # counted once in the global grad norm
+            param.shared = not self.holds_main_conditioning  # counted once in the global grad norm
+            # Known risk (PP x DP>1 with the distributed optimizer): megatron sums these gradients over
+            # the stages after the DP reduce-scatter, which is right only while the same DP rank owns
+            # them on every stage (true for the DiT's parameter order: they sit at the same end of
+            # every stage's buffer; tests/test_parallel_layouts.py::pp2_dp2_distopt). megatron's fix,
+            # ``shared_embedding`` buckets, breaks fully-reshardable optimizer checkpoints in 0.16.1.
+
+    @property
+    def holds_main_conditioning(self) -> bool:
+        """Whether this chunk's conditioning embedders are the main copy (first stage, first chunk)."""
+        return parallel_state.get_pipeline_model_parallel_rank() == 0 and not self.vp_stage
 
     def conditioning_parameters(self):
         """Parameters of the conditioning embedders, which every pipeline stage holds a copy of."""
@@ -174,13 +186,12 @@ class DiT(MegatronModule):
         # Replicated (non-megatron) children must name the TP group, or megatron marks every TP
         # rank as the main replica of them.
         tp_group = parallel_state.get_tensor_model_parallel_group()
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         for name, child in self.named_children():
             if name == "layers":
                 continue
             part = sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
                                               tp_group=tp_group)
-            if name in ("t_embedder", "y_embedder") and (pp_rank > 0 or self.vp_stage):
+            if name in ("t_embedder", "y_embedder") and not self.holds_main_conditioning:
                 # Every pipeline stage holds the conditioning embedders: only the first stage's
                 # first chunk is their main replica.
                 for item in part.values():
@@ -197,8 +208,8 @@ class DiT(MegatronModule):
 
 
 def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool = True,
-                post_process: bool = True, vp_stage: Optional[int] = None) -> DiT:
+                post_process: bool = True, vp_stage: Optional[int] = None, init_seed: Optional[int] = None) -> DiT:
     """Build a DiT for this rank (its pipeline stage's layers, tensor-parallel shards)."""
     spec = dit_layer_spec(backend, num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    return DiT(config, spec, pre_process=pre_process, post_process=post_process,
+    return DiT(config, spec, pre_process=pre_process, post_process=post_process, init_seed=init_seed,
                vp_stage=vp_stage)

@@ -1,0 +1,147 @@
+"""Training-step time and communication per parallel layout, beside the analytic volumes.
+
+Each layout trains the same small DiT on the same mock packed batches (CPU/gloo here; NCCL on a GPU
+node) for a few warm-up steps, then a few timed steps with ``kernels.comm_counter`` counting every
+``torch.distributed`` call megatron and our kernels make (DP gradient reduction, TP/SP activations,
+CP attention, PP point-to-point, MoE all-to-all, the output gather, loss reductions). Bytes are
+the most any rank sends per step; the analytic column models the bulk traffic:
+
+- DP (and DP x CP) gradients: ``2 (D-1)/D x grad bytes`` (all-reduce, or reduce-scatter + all-gather
+  with the distributed optimizer);
+- TP (with or without SP): ``8 (T-1)/T x activation bytes`` per layer (4 all-gathers/reduce-scatters
+  or 2+2 all-reduces of ``[tokens/CP, hidden]``, forward and backward);
+- CP attention: ``benchmarks.attention_comm.analytic`` per layer (K/V ring, Ulysses a2a, …);
+- PP: one activation (and its gradient) per micro-batch across each stage boundary;
+- the model's output gather over the token shards; EP's all-to-all is measured only.
+
+Wall times on a shared 2-core CPU only rank layouts against each other roughly; bytes are exact.
+
+    python benchmarks/parallel_step.py            # writes benchmarks/results/parallel_step_<device>.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+
+HIDDEN, HEADS, LAYERS, SEQ, MICRO = 128, 4, 4, 256, 4
+LAYOUTS = {
+    2: {"dp2": {}, "tp2": {"tensor_model_parallel_size": 2},
+        "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        "cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
+        "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
+        "cp2_all_gather": {"context_parallel_size": 2, "cp_comm_type": "all_gather"},
+        "pp2": {"pipeline_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2}},
+    4: {"dp4": {}, "tp2_sp_cp2_a2a": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                      "context_parallel_size": 2, "cp_comm_type": "a2a"},
+        "cp4_a2a_p2p": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                        "hierarchical_context_parallel_sizes": [2, 2]},
+        "pp2_dp2": {"pipeline_model_parallel_size": 2}},
+}
+
+
+def run_config(run_dir: str, moe: bool, parallel: dict):
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
+                                           RunConfig, TrainerConfig)
+    return RunConfig(
+        model=ModelConfig(preset="tiny", num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                          input_size=16, in_channels=4, num_classes=10, backend="local",
+                          num_moe_experts=4 if moe else None),
+        data=DataConfig(name="mock", image_size=16, mock_latent_shapes=[[1, 16, 16], [2, 16, 16], [1, 8, 8]],
+                        max_seq_len=SEQ, global_batch_size=MICRO, micro_batch_size=1),
+        optim=OptimConfig(lr=1e-4), diffusion=DiffusionConfig(objective="flow"),
+        trainer=TrainerConfig(max_steps=100, save_interval=10_000),
+        log=LogConfig(dir=run_dir, sample_interval=0, progress_bar=False, tensorboard=False),
+        parallel=ParallelConfig(**parallel))
+
+
+def analytic_bytes(trainer) -> dict:
+    """Bulk bytes one rank sends per step, by source (see the module doc)."""
+    from megatron.core import parallel_state as ps
+
+    from attention_comm import CommBenchConfig, analytic
+    p, mc = trainer.cfg.parallel, trainer.model_config
+    micro = trainer.num_microbatches
+    cp, tp, pp = p.context_parallel_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = ps.get_data_parallel_world_size()
+    act = SEQ // cp * mc.hidden_size * 4  # one [tokens/CP, hidden] fp32 activation
+    layers = sum(len(chunk.layers) for chunk in trainer.model)
+    grads = sum(q.numel() for q in trainer.model.parameters()) * 4
+    out = {"dp_grads": 2 * (dp * cp - 1) / (dp * cp) * grads,
+           "tp": 8 * (tp - 1) / tp * act * layers * micro,
+           "pp": act * micro * (pp > 1),
+           "output_gather": (p.token_shards() - 1) * SEQ // p.token_shards() * mc.out_patch_dim * 4 * micro}
+    if cp > 1:
+        cfg = CommBenchConfig(seq=SEQ, heads=mc.num_attention_heads // tp, head_dim=mc.kv_channels, degree=cp,
+                              a2a_size=(p.hierarchical_context_parallel_sizes or [None])[0])
+        out["cp_attention"] = analytic(p.cp_comm_type, cfg)[1] * layers * micro
+    out["total"] = sum(out.values())
+    return out
+
+
+def measure(rank: int, world: int, run_dir: str, warmup: int, steps: int) -> dict:
+    from dit_mcore.training.trainer import Trainer
+    from kernels.comm_counter import count_comm
+    results = {}
+    for name, parallel in LAYOUTS[world].items():
+        trainer = Trainer(run_config(f"{run_dir}/{name}", name.startswith("ep"), dict(parallel)))
+        for _ in range(warmup):
+            trainer.train_step()
+        times, sent, by_op = [], [], {}
+        for _ in range(steps):
+            with count_comm() as comm:
+                start = time.perf_counter()
+                trainer.train_step()
+                times.append(time.perf_counter() - start)
+            sent.append(comm.bytes_sent())
+            by_op = comm.summary()
+        results[name] = {"step_s": statistics.median(times), "bytes_sent": statistics.median(sent),
+                         "bytes_by_op": by_op, "analytic": analytic_bytes(trainer)}
+    return results
+
+
+def main(argv=None) -> list[dict]:
+    from dist_utils import run_distributed
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in LAYOUTS:
+            per_rank = run_distributed(measure, world, f"{tmp}/w{world}", args.warmup, args.steps)
+            for name in LAYOUTS[world]:
+                ranks = [r[name] for r in per_rank]
+                rows.append({"layout": name, "world": world, "step_s": max(r["step_s"] for r in ranks),
+                             "bytes_sent_max_rank": max(r["bytes_sent"] for r in ranks),
+                             "analytic_bulk_bytes_max_rank": max(r["analytic"]["total"] for r in ranks),
+                             "analytic_by_source_rank0": ranks[0]["analytic"],
+                             "measured_by_op_rank0": ranks[0]["bytes_by_op"]})
+    print(f"{'layout':16s} {'world':>5s} {'step s':>8s} {'sent MB':>9s} {'analytic MB':>12s} {'ratio':>6s}")
+    for r in rows:
+        ratio = r["bytes_sent_max_rank"] / r["analytic_bulk_bytes_max_rank"] if r["analytic_bulk_bytes_max_rank"] else 0
+        print(f"{r['layout']:16s} {r['world']:5d} {r['step_s']:8.3f} {r['bytes_sent_max_rank'] / 1e6:9.3f} "
+              f"{r['analytic_bulk_bytes_max_rank'] / 1e6:12.3f} {ratio:6.2f}")
+    device = f"cpu-{platform.machine()}" if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"parallel_step_{device.replace(' ', '_')}.json"
+    out.write_text(json.dumps({"device": device, "command": "python benchmarks/parallel_step.py "
+                               + " ".join(argv if argv is not None else sys.argv[1:]),
+                               "model": {"hidden": HIDDEN, "heads": HEADS, "layers": LAYERS, "tokens_per_micro": SEQ,
+                                         "micro_batches": MICRO}, "rows": rows}, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
