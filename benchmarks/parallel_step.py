@@ -8,11 +8,15 @@ the most any rank sends per step; the analytic column models the bulk traffic:
 
 - DP (and DP x CP) gradients: ``2 (D-1)/D x grad bytes`` (all-reduce, or reduce-scatter + all-gather
   with the distributed optimizer);
-- TP (with or without SP): ``8 (T-1)/T x activation bytes`` per layer (4 all-gathers/reduce-scatters
-  or 2+2 all-reduces of ``[tokens/CP, hidden]``, forward and backward);
+- TP without SP: ``8 (T-1)/T x activation bytes`` per layer (2 all-reduces of ``[tokens/CP, hidden]``
+  forward, 2 backward); with SP ``10 (T-1)/T x``: 4 all-gathers/reduce-scatters forward, 6 backward
+  (megatron gathers each column-parallel input again for its weight gradient), plus the TP
+  all-reduce of the gradients of replicated parameters (adaLN, embedders) that see only a rank's tokens;
 - CP attention: ``benchmarks.attention_comm.analytic`` per layer (K/V ring, Ulysses a2a, …);
-- PP: one activation (and its gradient) per micro-batch across each stage boundary;
-- the model's output gather over the token shards; EP's all-to-all is measured only.
+- PP: one activation (and its gradient) per micro-batch across each stage boundary, plus the
+  all-reduce of the conditioning embedders' gradients over the stages;
+- the model's output gather over the token shards; EP's token all-to-all is measured only (the
+  ratio of an EP layout shows its share).
 
 Wall times on a shared 2-core CPU only rank layouts against each other roughly; bytes are exact.
 
@@ -77,10 +81,18 @@ def analytic_bytes(trainer) -> dict:
     dp = ps.get_data_parallel_world_size()
     act = SEQ // cp * mc.hidden_size * 4  # one [tokens/CP, hidden] fp32 activation
     layers = sum(len(chunk.layers) for chunk in trainer.model)
-    grads = sum(q.numel() for q in trainer.model.parameters()) * 4
+    experts = [q for q in trainer.model.parameters() if not getattr(q, "allreduce", True)]
+    grads = (sum(q.numel() for q in trainer.model.parameters()) - sum(q.numel() for q in experts)) * 4
+    edp = ps.get_expert_data_parallel_world_size() if experts else 1
     out = {"dp_grads": 2 * (dp * cp - 1) / (dp * cp) * grads,
-           "tp": 8 * (tp - 1) / tp * act * layers * micro,
+           "expert_dp_grads": 2 * (edp - 1) / edp * 4 * sum(q.numel() for q in experts),
+           "tp": (10 if p.sequence_parallel else 8) * (tp - 1) / tp * act * layers * micro,
+           "sp_replicated_grads": 2 * (tp - 1) / tp * 4 * sum(
+               q.numel() for q in trainer.model.parameters() if getattr(q, "sequence_parallel", False))
+           * p.sequence_parallel,
            "pp": act * micro * (pp > 1),
+           "pp_conditioning_grads": 2 * (pp - 1) / pp * 4 * sum(
+               q.numel() for chunk in trainer.model for q in chunk.conditioning_parameters()),
            "output_gather": (p.token_shards() - 1) * SEQ // p.token_shards() * mc.out_patch_dim * 4 * micro}
     if cp > 1:
         cfg = CommBenchConfig(seq=SEQ, heads=mc.num_attention_heads // tp, head_dim=mc.kv_channels, degree=cp,
@@ -90,9 +102,21 @@ def analytic_bytes(trainer) -> dict:
     return out
 
 
+def _route_megatron_collectives_through_torch_distributed() -> None:
+    """megatron binds ``all_gather_into_tensor``/``reduce_scatter_tensor`` to module aliases at import
+    (its SP and TP gathers call those), which the counter, wrapping ``torch.distributed``, cannot
+    see; call them through the public namespace instead (same collectives, now counted)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers, mappings
+    for module in (layers, mappings):
+        module.dist_all_gather_func = lambda *a, **k: dist.all_gather_into_tensor(*a, **k)
+        module.dist_reduce_scatter_func = lambda *a, **k: dist.reduce_scatter_tensor(*a, **k)
+
+
 def measure(rank: int, world: int, run_dir: str, warmup: int, steps: int) -> dict:
     from dit_mcore.training.trainer import Trainer
     from kernels.comm_counter import count_comm
+    _route_megatron_collectives_through_torch_distributed()
     results = {}
     for name, parallel in LAYOUTS[world].items():
         trainer = Trainer(run_config(f"{run_dir}/{name}", name.startswith("ep"), dict(parallel)))

@@ -100,7 +100,7 @@ def _own_block_bytes(t: torch.Tensor, splits, size: int, rank: int) -> int:
     if t.dim() == 0 or t.numel() == 0:
         return 0
     row = _nbytes(t) // t.shape[0]
-    if splits:
+    if splits is not None and len(splits):  # a list, tensor or numpy array (megatron's MoE dispatcher)
         return int(splits[rank]) * row
     return (t.shape[0] // size) * row
 

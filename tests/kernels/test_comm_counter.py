@@ -140,3 +140,14 @@ def test_benchmark_bytes_equal_the_analytic_formulas():
     assert by["st_dsp"]["fwd_bytes"] * 4 == 2 * by["a2a"]["fwd_bytes"]
     assert by["st_dsp_overlap"]["fwd_ops"]["all_to_all_single"] == {"calls": 4, "bytes_sent": by["st_dsp"]["fwd_bytes"]}
     assert analytic("p2p", BENCH)[0] == 2 * 64 * 16 * 4 * 3 / 4  # 2 N C b (P-1)/P by hand
+
+
+def test_uneven_split_sizes_may_be_numpy_arrays():
+    """megatron's MoE dispatcher passes all_to_all_single split sizes as numpy arrays."""
+    import numpy as np
+
+    from kernels.comm_counter import _own_block_bytes
+    t = torch.zeros(5, 2)
+    assert _own_block_bytes(t, np.array([3, 2]), 2, 1) == 2 * 2 * 4
+    assert _own_block_bytes(t, [3, 2], 2, 0) == 3 * 2 * 4
+    assert _own_block_bytes(torch.zeros(4, 2), None, 2, 0) == 2 * 2 * 4
