@@ -26,14 +26,19 @@ PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 def layout_run(run_dir, data: str, moe: bool = False, **parallel) -> RunConfig:
     """A tiny DiT (4 heads so Ulysses splits over TP2 x CP2) on mock latents, dense or packed; with
     ``moe``, its MoE variant (4 experts, top-2)."""
+    channels = 4
     if data == "dense":
         data_cfg = DataConfig(name="mock", image_size=8, global_batch_size=8, micro_batch_size=2)
+    elif data.startswith("energon:"):  # a prepared energon dataset (8x8 digits), packed by energon
+        data_cfg = DataConfig(path=data.split(":", 1)[1], max_seq_len=62, packing_buffer_size=16,
+                              global_batch_size=2, micro_batch_size=1)
+        channels = 1
     else:  # packs of 62 tokens; samples straddle CP pieces and are padded at the stream tail
         data_cfg = DataConfig(name="mock", image_size=8, mock_latent_shapes=PACKED_SHAPES, max_seq_len=62,
                               global_batch_size=4, micro_batch_size=1)
     return RunConfig(
         model=ModelConfig(preset="tiny", num_layers=4, hidden_size=32, num_attention_heads=4, input_size=8,
-                          in_channels=4, num_classes=10, class_dropout_prob=0.1, backend="local",
+                          in_channels=channels, num_classes=10, class_dropout_prob=0.1, backend="local",
                           num_moe_experts=4 if moe else None, moe_router_topk=2 if moe else None,
                           moe_aux_loss_coeff=0.1 if moe else None),
         data=data_cfg,
@@ -109,7 +114,7 @@ _REFERENCES = {}
 def reference(tmp_path_factory, data: str, moe: bool = False) -> dict:
     """The one-process run of the same model and data (MoE layouts compare with the same MoE)."""
     if (data, moe) not in _REFERENCES:
-        run_dir = tmp_path_factory.mktemp(f"single_{data}_{'moe' if moe else 'dense'}")
+        run_dir = tmp_path_factory.mktemp(f"single_{data.split(':')[0]}_{'moe' if moe else 'dense'}")
         _REFERENCES[data, moe] = _train(layout_run(run_dir, data, moe=moe), steps=STEPS + 1)
     return _REFERENCES[data, moe]
 
@@ -140,13 +145,27 @@ def _cases(world: int):
 
 
 @pytest.fixture(scope="module")
-def world_results(tmp_path_factory):
+def energon_digits(tmp_path_factory) -> str:
+    """``energon:<path>`` of a prepared dataset of 8x8 digits (pixel space)."""
+    from energon_data.prepare import prepare_dataset
+    out = tmp_path_factory.mktemp("digits_energon")
+    prepare_dataset("digits", str(out), encoder="identity", image_size=(8, 8), samples_per_shard=300,
+                    progress=False, workers=1)
+    return f"energon:{out}"
+
+
+ENERGON_CASE = ("cp2_p2p_energon", {"context_parallel_size": 2, "cp_comm_type": "p2p"})
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory, energon_digits):
     results = {}
 
     def get(world):
         if world not in results:
             run_dir = tmp_path_factory.mktemp(f"w{world}")
-            results[world] = (run_distributed(_layouts_worker, world, str(run_dir), _cases(world)), run_dir)
+            cases = _cases(world) + ([(ENERGON_CASE[0], energon_digits, ENERGON_CASE[1])] if world == 2 else [])
+            results[world] = (run_distributed(_layouts_worker, world, str(run_dir), cases), run_dir)
         return results[world]
     return get
 
@@ -164,6 +183,18 @@ def test_layout_equals_one_process(world_results, tmp_path_factory, world, name,
         assert all(torch.equal(w, ref["init"][0]) for w in got["init"]), f"{name}: rank {rank} init differs"
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
+
+
+def test_context_parallel_on_energon_packed_data_equals_one_process(world_results, tmp_path_factory,
+                                                                     energon_digits):
+    """The front door's data path: energon packs, CP2 splits them, the loss is the one-process loss."""
+    per_rank, _ = world_results(2)
+    ref = reference(tmp_path_factory, energon_digits)
+    for result in per_rank:
+        got = result[ENERGON_CASE[0]]
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]),
+                                   rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", RESHARDED)
