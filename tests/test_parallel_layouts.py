@@ -127,7 +127,8 @@ def _cases(world: int):
            ("pp2", {"pipeline_model_parallel_size": 2}),
            ("pp2_vpp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
            ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}),
-           ("ep2", {"expert_model_parallel_size": 2})]
+           ("ep2", {"expert_model_parallel_size": 2}),
+           ("dp2_overlap_distopt", {"distopt": True, "overlap_grad_reduce": True, "overlap_param_gather": True})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,

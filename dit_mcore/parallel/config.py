@@ -31,6 +31,11 @@ class ParallelConfig:
     (a2a groups are contiguous ranks: keep them inside a node)."""
     sequence_parallel: bool = False
     """Shard activations outside TP regions along the sequence (requires TP > 1)."""
+    overlap_grad_reduce: bool = False
+    """megatron DDP: start each gradient bucket's reduction during the backward pass."""
+    overlap_param_gather: bool = False
+    """megatron DDP with the distributed optimizer: gather updated parameters during the next
+    forward (the EMA update forces the gather first, so the EMA sees the new weights)."""
     expert_model_parallel_size: int = 1
     """MoE: ranks the experts of each layer are spread over (tokens travel by all-to-all)."""
     expert_tensor_parallel_size: Optional[int] = None

@@ -9,15 +9,27 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from dit_mcore.config import ConfigError
 
 
-def wrap_ddp(chunks, model_config, *, use_distributed_optimizer: bool) -> list[DistributedDataParallel]:
-    """One megatron DDP per pipeline chunk (only the first bucketed, as megatron does)."""
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+def wrap_ddp(chunks, model_config, *, use_distributed_optimizer: bool, overlap_grad_reduce: bool = False,
+             overlap_param_gather: bool = False) -> list[DistributedDataParallel]:
+    """One megatron DDP per pipeline chunk (only the first bucketed, as megatron does), with the
+    schedule hooks megatron's own training loop installs."""
+    if overlap_param_gather and not use_distributed_optimizer:
+        raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
+                          "(only sharded parameters are gathered)")
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                               overlap_param_gather=overlap_param_gather,
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp_chunks = [DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+
+    def per_chunk(name):
+        hooks = [getattr(c, name) for c in ddp_chunks]
+        return hooks[0] if len(hooks) == 1 else hooks
+
     model_config.finalize_model_grads_func = finalize_model_grads
-    no_sync = [c.no_sync for c in ddp_chunks]
-    model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    model_config.no_sync_func = per_chunk("no_sync")
+    model_config.grad_sync_func = per_chunk("start_grad_sync") if overlap_grad_reduce else None
+    model_config.param_sync_func = per_chunk("start_param_sync") if overlap_param_gather else None
     return ddp_chunks
 
 
@@ -30,7 +42,8 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                              clip_grad=optim.clip_grad, bf16=bf16,
                              params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                             use_distributed_optimizer=optim.use_distributed_optimizer)
+                             use_distributed_optimizer=optim.use_distributed_optimizer,
+                             overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,

@@ -76,7 +76,9 @@ class Trainer:
         self.ema = EMA(self.model, self._build_model(), cfg.trainer.ema_decay)
         torch.set_rng_state(rng)
         self.ddp_chunks = wrap_ddp(self.model, self.model_config,
-                                   use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+                                   use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+                                   overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                                   overlap_param_gather=cfg.parallel.overlap_param_gather)
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.loader = self._build_data()
@@ -220,6 +222,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+            self._sync_params()
             self.ema.update(self.model, self.step)
         totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # losses live on the last stage
@@ -234,6 +237,13 @@ class Trainer:
                 "skipped_samples": float(self.skipped_samples),
                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                 "lr": lr, "skipped": 0.0 if ok else 1.0, **moe}
+
+    def _sync_params(self) -> None:
+        """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
+        forward; gather them now for readers outside the forward (EMA, checkpoints)."""
+        if self.cfg.parallel.overlap_param_gather:
+            for chunk in self.ddp_chunks:
+                chunk.start_param_sync(force_sync=True)
 
     def _moe_metrics(self, num_microbatches: int) -> dict:
         """The MoE router losses of this step (mean over layers and micro-batches, all ranks), as
