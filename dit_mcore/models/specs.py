@@ -41,4 +41,3 @@ def norm_spec(kind: str, *, affine: bool) -> ModuleSpec:
         raise ValueError(f"norm={kind!r} is unknown; use one of {NORMS}")
     module = nn.LayerNorm if kind == "layernorm" else nn.RMSNorm
     return ModuleSpec(module=module, params={"elementwise_affine": affine})
-

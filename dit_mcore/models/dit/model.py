@@ -172,13 +172,8 @@ class DiT(MegatronModule):
         hidden = self.layers(hidden, cond, context=context, packed_seq_params=params)
         if not self.post_process:
             return hidden
-        return shard.gather(self.final_layer(hidden, cond), self._stream_length(tokens, batch))
-
-    def _stream_length(self, tokens: torch.Tensor, batch) -> int:
-        """Tokens of the whole (unsharded) stream, known on every pipeline stage."""
-        if batch is not None:
-            return batch.tokens.shape[0] * batch.tokens.shape[1] if batch.is_packed else batch.tokens.shape[1]
-        return tokens.shape[0]
+        # Every stage is called with the whole stream's tokens, so its length is known on the last.
+        return shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Layers are keyed by their global index so checkpoints reshard across pipeline layouts."""
