@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dist_utils import run_distributed
 from dit_mcore.config import ConfigError
@@ -18,7 +19,7 @@ from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, M
 from dit_mcore.training.trainer import Trainer
 
 STEPS = 3
-RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense")  # resumed on one process
+RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense", "hsdp_2x2_dense")  # resumed on one process
 EXPERT_RESHARDED = "ep2_tp2_sp_dense"  # resumed under EP4
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
@@ -74,22 +75,30 @@ def _randomize(trainer: Trainer) -> None:
             shape[dim] *= tp
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         full = torch.randn(shape, generator=g) * 0.2
-        param.copy_(full.chunk(tp, dim)[tp_rank] if sharded else full)
+        value = full.chunk(tp, dim)[tp_rank] if sharded else full
+        if isinstance(param, DTensor):  # FSDP: this rank's dim-0 shard
+            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(value)
     trainer.ema.module.load_state_dict(trainer.model.state_dict())
+
+
+def _whole(param) -> torch.Tensor:
+    """A parameter's value on this rank (gathered from its FSDP shards)."""
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
 
 
 def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
     trainer = Trainer(cfg)
     # Standard init is layout-independent: every chunk of every stage starts its conditioning
     # embedders like the one-process model.
-    init = [next(chunk.t_embedder.parameters()).detach().clone() for chunk in trainer.model]
+    init = [_whole(next(chunk.t_embedder.parameters())) for chunk in trainer.model]
     _randomize(trainer)
     history = [trainer.train_step() for _ in range(steps)]
     if save:
         trainer.save()
     # Every rank holds the conditioning embedders whole (every pipeline stage too): under SP and CP
     # they see only some tokens, under PP only some layers; they must stay identical everywhere.
-    replicated = next(trainer.model[-1].t_embedder.parameters()).detach().clone()
+    replicated = _whole(next(trainer.model[-1].t_embedder.parameters()))
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "replicated": replicated, "init": init}
 
@@ -105,6 +114,9 @@ def _layouts_worker(rank, world, run_dir, cases):
         # Experts saved sharded over EP2 (x expert-TP2) and loaded over EP4.
         resumed = Trainer(layout_run(f"{run_dir}/{EXPERT_RESHARDED}", "dense", moe=True, expert_model_parallel_size=4))
         results["resumed_ep4"] = {"step": resumed.step, "next": resumed.train_step()}
+        # A TP2+SP x CP2 checkpoint loaded into HSDP shards.
+        resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="torch", fsdp_shard_size=2))
+        results["resumed_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
     return results
 
 
@@ -128,7 +140,8 @@ def _cases(world: int):
            ("pp2_vpp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
            ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}),
            ("ep2", {"expert_model_parallel_size": 2}),
-           ("dp2_overlap_distopt", {"distopt": True, "overlap_grad_reduce": True, "overlap_param_gather": True})]
+           ("dp2_overlap_distopt", {"distopt": True, "overlap_grad_reduce": True, "overlap_param_gather": True}),
+           ("fsdp2", {"fsdp": "torch"})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
@@ -140,7 +153,10 @@ def _cases(world: int):
             ("pp2_cp2_p2p", {"pipeline_model_parallel_size": 2, "context_parallel_size": 2}),
             ("ep2_tp2_sp", {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
                             "sequence_parallel": True}),
-            ("ep4_distopt", {"expert_model_parallel_size": 4, "distopt": True})]
+            ("ep4_distopt", {"expert_model_parallel_size": 4, "distopt": True}),
+            ("hsdp_2x2", {"fsdp": "torch", "fsdp_shard_size": 2}),
+            ("tp2_sp_fsdp2", {"tensor_model_parallel_size": 2, "sequence_parallel": True, "fsdp": "torch"}),
+            ("cp2_a2a_fsdp2", {"context_parallel_size": 2, "cp_comm_type": "a2a", "fsdp": "torch"})]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)]
 
@@ -205,7 +221,7 @@ def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name
     _, run_dir = world_results(4)
     data = name.rsplit("_", 1)[1]
     ref = reference(tmp_path_factory, data)
-    resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" in name))
+    resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" in name))  # FSDP -> plain DP too
     assert resumed.step == STEPS
     nxt = resumed.train_step()
     torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
@@ -213,12 +229,14 @@ def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name
                                atol=1e-7)
 
 
-@pytest.mark.parametrize("key, moe", [("resumed_pp2_dp2", False), ("resumed_ep4", True)])
-def test_checkpoint_resumes_under_another_model_parallel_layout(world_results, tmp_path_factory, key, moe):
-    """TP2+SP x PP2 -> PP2 x DP2 (each stage loads its own layers by global index) and
-    EP2 x TP2+SP -> EP4 (each rank loads its own experts)."""
+@pytest.mark.parametrize("key, data, moe", [("resumed_pp2_dp2", "dense", False), ("resumed_ep4", "dense", True),
+                                            ("resumed_hsdp", "packed", False)])
+def test_checkpoint_resumes_under_another_model_parallel_layout(world_results, tmp_path_factory, key, data, moe):
+    """TP2+SP x PP2 -> PP2 x DP2 (each stage loads its own layers by global index),
+    EP2 x TP2+SP -> EP4 (each rank loads its own experts) and TP2+SP x CP2 -> HSDP 2x2 (each
+    rank keeps its shard of the whole tensors)."""
     per_rank, _ = world_results(4)
-    ref = reference(tmp_path_factory, "dense", moe=moe)
+    ref = reference(tmp_path_factory, data, moe=moe)
     for result in per_rank:
         got = result[key]
         assert got["step"] == STEPS
@@ -254,6 +272,12 @@ def _model():
      "micro-batches per step \\(1\\) to be a multiple"),
     ({"virtual_pipeline_model_parallel_size": 2}, 1, "dense", "need parallel.pipeline_model_parallel_size > 1"),
     ({"expert_model_parallel_size": 2}, 2, "dense", "needs an MoE model: set model.num_moe_experts"),
+    ({"fsdp": "zero3"}, 2, "dense", "parallel.fsdp='zero3' is unknown"),
+    ({"fsdp_shard_size": 2}, 4, "dense", "fsdp_shard_size=2 needs parallel.fsdp='torch'"),
+    ({"fsdp": "torch", "fsdp_shard_size": 3}, 4, "dense", "fsdp_shard_size=3 must divide the 4 data x context"),
+    ({"fsdp": "torch", "pipeline_model_parallel_size": 2}, 2, "dense", "does not combine with pipeline_model_parallel"),
+    ({"fsdp": "torch", "overlap_grad_reduce": True}, 2, "dense", "FSDP overlaps its own"),
+    ({"fsdp": "megatron"}, 2, "dense", "Megatron-FSDP\\) is not wired in yet"),
 ])
 def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data, match):
     cfg = layout_run("/tmp/unused", data)
@@ -265,11 +289,18 @@ def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data,
     ({"expert_model_parallel_size": 3}, 3, "num_moe_experts=4 must be a multiple of parallel.expert_model_parallel_size=3"),
     ({"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2}, 4,
      "world size 4 is not divisible by expert_model_parallel_size x expert_tensor_parallel_size"),
+    ({"expert_model_parallel_size": 2, "fsdp": "torch"}, 2, "experts differ per expert-parallel rank"),
 ])
 def test_bad_expert_layouts_fail_before_compute(parallel, world, match):
     cfg = layout_run("/tmp/unused", "dense", moe=True)
     with pytest.raises(ConfigError, match=match):
         check_layout(ParallelConfig(**parallel), cfg.model.build(ParallelConfig()), cfg.data, world)
+
+
+def test_fsdp_refuses_the_distributed_optimizer_before_compute():
+    cfg = layout_run("/tmp/unused", "dense")
+    with pytest.raises(ConfigError, match="FSDP already shards the optimizer state; set optim.use_distributed"):
+        check_layout(ParallelConfig(fsdp="torch"), _model(), cfg.data, 2, use_distributed_optimizer=True)
 
 
 def test_packed_streams_need_no_layout_specific_padding():

@@ -5,6 +5,7 @@ from typing import Optional
 from dit_mcore.config import ConfigError
 
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+FSDP_KINDS = ("none", "torch", "megatron")
 
 
 @dataclass
@@ -40,6 +41,14 @@ class ParallelConfig:
     """MoE: ranks the experts of each layer are spread over (tokens travel by all-to-all)."""
     expert_tensor_parallel_size: Optional[int] = None
     """MoE: tensor-parallel degree inside each expert; None: the same as tensor_model_parallel_size."""
+    fsdp: str = "none"
+    """Fully sharded data parallelism over the data x context parallel ranks: "none" (megatron DDP,
+    optionally with the distributed optimizer), "torch" (FSDP2 through megatron's
+    ``TorchFullyShardedDataParallel``: parameters, gradients and optimizer state sharded) or
+    "megatron" (Megatron-FSDP, GPU only)."""
+    fsdp_shard_size: Optional[int] = None
+    """HSDP: shard within groups of this many data x context parallel ranks and replicate across the
+    groups (keep a group inside a node); None: shard over all of them."""
 
     def __post_init__(self):
         if self.virtual_pipeline_model_parallel_size == 1:  # one chunk per stage: megatron's None
@@ -51,6 +60,12 @@ class ParallelConfig:
     def token_shards(self) -> int:
         """Ranks one micro-batch's token stream is split over (CP, times TP under sequence parallel)."""
         return self.context_parallel_size * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
+
+    def fsdp_replicas(self, world_size: int) -> int:
+        """HSDP replica groups (1 without HSDP): data x context parallel ranks / ``fsdp_shard_size``."""
+        if self.fsdp == "none" or not self.fsdp_shard_size:
+            return 1
+        return self.data_parallel_size(world_size) * self.context_parallel_size // self.fsdp_shard_size
 
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.model_parallel_size()

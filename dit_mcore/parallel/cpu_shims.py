@@ -29,6 +29,8 @@ is covered by ``tests/test_cpu_shims.py``.
 - ``uneven_collectives``: gloo has no all-gather / reduce-scatter with unequal sizes, which the MoE
   dispatcher uses under expert tensor parallelism. -> padded ``all_gather_into_tensor`` and
   all-reduce + slice (the same results, more bytes; CPU only).
+- ``fsdp_mesh``: megatron's ``TorchFullyShardedDataParallel`` builds its FSDP2 mesh with
+  ``DeviceMesh.from_group(group, "cuda")``, which fails without CUDA. -> the same mesh on ``"cpu"``.
 """
 from __future__ import annotations
 
@@ -207,6 +209,18 @@ def _shim_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
 
 
+def _shim_fsdp_mesh() -> None:
+    import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class CpuDeviceMesh:
+        @staticmethod
+        def from_group(group, device_type="cpu", *args, **kwargs):
+            return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+    torch_fsdp.DeviceMesh = CpuDeviceMesh
+
+
 _SHIMS = {
     "device": _shim_device,
     "rng": _shim_rng,
@@ -215,6 +229,7 @@ _SHIMS = {
     "streams": _shim_streams,
     "moe_split_sizes": _shim_moe_split_sizes,
     "uneven_collectives": _shim_uneven_collectives,
+    "fsdp_mesh": _shim_fsdp_mesh,
 }
 
 

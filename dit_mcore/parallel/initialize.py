@@ -45,6 +45,7 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
         hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=parallel.fsdp_replicas(dist.get_world_size()),
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -6,12 +6,14 @@ deep inside a collective, or worse, train a layout that silently differs from th
 from __future__ import annotations
 
 from dit_mcore.config import ConfigError
-from dit_mcore.parallel.config import CP_COMM_TYPES, ParallelConfig
+from dit_mcore.parallel.config import CP_COMM_TYPES, FSDP_KINDS, ParallelConfig
 
 
-def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None:
+def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
+                 use_distributed_optimizer: bool = False) -> None:
     """Check ``parallel`` for ``world_size`` processes, the model config ``model`` (a ``DiTConfig``
-    with the run's sizes; its parallel fields are ignored) and ``data`` (a ``DataConfig``)."""
+    with the run's sizes; its parallel fields are ignored), ``data`` (a ``DataConfig``) and whether
+    the optimizer is megatron's distributed one."""
     p = parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, name) < 1:
@@ -29,6 +31,7 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int) -> None
     _check_pipeline(p, model.num_layers, data, world_size)
     _check_experts(p, model.num_moe_experts, world_size)
     _check_token_split(p, model, data)
+    _check_fsdp(p, world_size, use_distributed_optimizer)
 
 
 def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads: int) -> None:
@@ -117,3 +120,35 @@ def _check_token_split(p: ParallelConfig, model, data) -> None:
         if (side * side) % shards:
             raise ConfigError(f"dense images of {field}={size} (patch {model.patch_size}) have {side * side} "
                               f"tokens, not a multiple of {shards}: {why}; change the image size or the layout")
+
+
+def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: bool) -> None:
+    if p.fsdp not in FSDP_KINDS:
+        raise ConfigError(f"parallel.fsdp={p.fsdp!r} is unknown; use one of {FSDP_KINDS}")
+    if p.fsdp == "none":
+        if p.fsdp_shard_size is not None:
+            raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} needs parallel.fsdp='torch' "
+                              "(it sets the HSDP shard group); remove it or turn FSDP on")
+        return
+    if p.fsdp == "megatron":
+        raise ConfigError("parallel.fsdp='megatron' (Megatron-FSDP) is not wired in yet; use parallel.fsdp='torch' "
+                          "(FSDP2 through megatron's TorchFullyShardedDataParallel)")
+    refusals = [
+        (p.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size > 1",
+         "FSDP shards whole models over data-parallel ranks; use pipeline_model_parallel_size=1 or "
+         "parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
+        (p.expert_model_parallel_size > 1, "expert_model_parallel_size > 1",
+         "experts differ per expert-parallel rank and cannot share an FSDP group yet; use "
+         "parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
+        (use_distributed_optimizer, "optim.use_distributed_optimizer=True",
+         "FSDP already shards the optimizer state; set optim.use_distributed_optimizer=False"),
+        (p.overlap_grad_reduce or p.overlap_param_gather, "overlap_grad_reduce / overlap_param_gather",
+         "FSDP overlaps its own gathers and reductions; set both to False"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(f"parallel.fsdp={p.fsdp!r} does not combine with {what}: {fix}")
+    ranks = p.data_parallel_size(world_size) * p.context_parallel_size
+    if p.fsdp_shard_size is not None and (p.fsdp_shard_size < 1 or ranks % p.fsdp_shard_size):
+        raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} must divide the {ranks} data x context "
+                          f"parallel ranks that FSDP spans; use a divisor of {ranks}")

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
+
 log = logging.getLogger(__name__)
 
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -86,8 +88,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    state = sharded_state(model, ema_model, optimizer, extra=extra, per_rank={**per_rank, "rng": rng_state()})
-    dist_checkpointing.save(state, str(partial))
+    with whole_checkpoint_view((model, ema_model), optimizer, loading=False):  # FSDP: global keys and shapes
+        state = sharded_state(model, ema_model, optimizer, extra=extra, per_rank={**per_rank, "rng": rng_state()})
+        dist_checkpointing.save(state, str(partial))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -111,11 +114,12 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
     if not torch.cuda.is_available():
         init_adam_state(optimizer)
     rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
-    template = sharded_state(model, ema_model, optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
-    loaded = dist_checkpointing.load(template, str(path))
-    model.load_state_dict(loaded.pop("model"))
-    ema_model.load_state_dict({k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()})
-    optimizer.load_state_dict(loaded.pop("optimizer"))
+    with whole_checkpoint_view((model, ema_model), optimizer, loading=True):  # FSDP: loads into whole copies
+        template = sharded_state(model, ema_model, optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
+        loaded = dist_checkpointing.load(template, str(path))
+        optimizer.load_state_dict(loaded.pop("optimizer"))
+    model.load_state_dict(shard_like(loaded.pop("model"), model))
+    ema_model.load_state_dict(shard_like({k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()}, ema_model))
     if restore_rng:
         set_rng_state(loaded.pop("rank_rng"))
     ranks = {key: loaded.pop(f"rank_{key}") for key in per_rank}

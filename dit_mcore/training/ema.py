@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from dit_mcore.parallel.fsdp import local
+
 
 class EMA:
     """``ema = decay * ema + (1 - decay) * param`` after every optimizer step. The shadow is a full
@@ -32,8 +34,8 @@ class EMA:
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Fold in the weights after optimizer step ``step`` (0-based): one foreach lerp over all
         parameters (a few fused kernels on GPU instead of one launch per parameter), in fp32."""
-        shadow = list(self.module.parameters())
-        params = [p.detach().float() for p in model.parameters()]
+        shadow = [local(p) for p in self.module.parameters()]  # FSDP: this rank's shards
+        params = [local(p.detach()).float() for p in model.parameters()]
         if len(params) != len(shadow):
             raise ValueError(f"EMA.update: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")

@@ -9,28 +9,34 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from dit_mcore.config import ConfigError
 
 
-def wrap_ddp(chunks, model_config, *, use_distributed_optimizer: bool, overlap_grad_reduce: bool = False,
-             overlap_param_gather: bool = False) -> list[DistributedDataParallel]:
-    """One megatron DDP per pipeline chunk (only the first bucketed, as megatron does), with the
-    schedule hooks megatron's own training loop installs."""
-    if overlap_param_gather and not use_distributed_optimizer:
+def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool) -> list:
+    """One data-parallel wrapper per pipeline chunk, with the schedule hooks megatron's own training
+    loop installs: megatron DDP (only the first chunk bucketed, as megatron does), or FSDP2 under
+    ``parallel.fsdp="torch"`` (which shards the optimizer state itself)."""
+    if parallel.overlap_param_gather and not use_distributed_optimizer:
         raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                           "(only sharded parameters are gathered)")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-                                               overlap_param_gather=overlap_param_gather,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=parallel.overlap_grad_reduce,
+                                               overlap_param_gather=parallel.overlap_param_gather,
                                                use_distributed_optimizer=use_distributed_optimizer)
-    ddp_chunks = [DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
-                                          disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    if parallel.fsdp == "torch":
+        from dit_mcore.parallel.fsdp import fsdp_groups, shard_module
+        groups = fsdp_groups()
+        wrapped = [shard_module(chunk, model_config, ddp_config, groups) for chunk in chunks]
+    else:
+        wrapped = [DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
+                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
     def per_chunk(name):
-        hooks = [getattr(c, name) for c in ddp_chunks]
+        hooks = [getattr(c, name) for c in wrapped]
         return hooks[0] if len(hooks) == 1 else hooks
 
     model_config.finalize_model_grads_func = finalize_model_grads
     model_config.no_sync_func = per_chunk("no_sync")
-    model_config.grad_sync_func = per_chunk("start_grad_sync") if overlap_grad_reduce else None
-    model_config.param_sync_func = per_chunk("start_param_sync") if overlap_param_gather else None
-    return ddp_chunks
+    model_config.grad_sync_func = per_chunk("start_grad_sync") if parallel.overlap_grad_reduce else None
+    model_config.param_sync_func = per_chunk("start_param_sync") if parallel.overlap_param_gather else None
+    return wrapped
 
 
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):

@@ -34,7 +34,7 @@ from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
 from dit_mcore.training.metrics import MetricsLogger
-from dit_mcore.training.optim import build_optimizer, wrap_ddp
+from dit_mcore.training.optim import build_optimizer, wrap_data_parallel
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 
 log = logging.getLogger("dit_mcore.train")
@@ -57,7 +57,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        check_layout(cfg.parallel, cfg.model.build(ParallelConfig()), cfg.data, _launched_world_size())
+        check_layout(cfg.parallel, cfg.model.build(ParallelConfig()), cfg.data, _launched_world_size(),
+                     use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         self.device = run_device()
         self.family = get_family(cfg.model.family)
@@ -75,10 +76,12 @@ class Trainer:
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         self.ema = EMA(self.model, self._build_model(), cfg.trainer.ema_decay)
         torch.set_rng_state(rng)
-        self.ddp_chunks = wrap_ddp(self.model, self.model_config,
-                                   use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
-                                   overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                                   overlap_param_gather=cfg.parallel.overlap_param_gather)
+        self.ddp_chunks = wrap_data_parallel(self.model, self.model_config, cfg.parallel,
+                                             use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        if cfg.parallel.fsdp == "torch":  # the EMA shadow is sharded like the model
+            from dit_mcore.parallel.fsdp import fsdp_groups, shard_module
+            for chunk in self.ema.module:
+                shard_module(chunk, self.model_config, self.ddp_chunks[0].ddp_config, fsdp_groups())
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.loader = self._build_data()

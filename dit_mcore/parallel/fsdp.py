@@ -1,0 +1,182 @@
+"""Fully sharded data parallelism: FSDP2 through megatron-core's ``TorchFullyShardedDataParallel``,
+and HSDP (shard inside groups of ``parallel.fsdp_shard_size`` ranks, replicate across them).
+
+Parameters, gradients and optimizer state are sharded along dim 0 over the data x context parallel
+ranks (of one HSDP group); each transformer layer is gathered just in time for its forward and
+backward. Three things megatron's wrapper leaves to its caller are done here:
+
+- the loss is a sum over samples that megatron divides by the global sample count
+  (``calculate_per_token_loss``), so the gradient reduce-scatter must sum, not average;
+- under HSDP the reduce-scattered shards are summed across the replica groups (megatron's
+  ``num_distributed_optimizer_instances`` groups: the intra-instance group shards, the
+  inter-instance group replicates);
+- checkpoints stay megatron ``dist_checkpointing`` checkpoints with global keys, so an FSDP run
+  resumes under any other layout and the other way round: while a checkpoint is written or read
+  the model and optimizer are viewed whole (:func:`whole_checkpoint_view`), and loaded whole
+  tensors are cut back to this rank's shards. (megatron's own FSDP2 checkpoint path writes the
+  shards directly but assumes every dim 0 divides evenly and matches optimizer states to
+  parameters by the identity of ``to_local()`` views, which are new objects each call.)
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def fsdp_groups() -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    """(shard group, replicate group or None): megatron's partial data-parallel groups when the run
+    was initialised with ``num_distributed_optimizer_instances > 1`` (HSDP), else DP x CP."""
+    shard = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    full = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if shard.size() == full.size():
+        return shard, None
+    replicate = parallel_state.get_inter_distributed_optimizer_instance_group()
+    ranks = [set(dist.get_process_group_ranks(g)) for g in (shard, replicate, full)]
+    if ranks[0] & ranks[1] != {dist.get_rank()} or not ranks[1] <= ranks[2] \
+            or shard.size() * replicate.size() != full.size():
+        raise RuntimeError(f"HSDP groups do not tile the data x context parallel group {sorted(ranks[2])}: "
+                           f"shard {sorted(ranks[0])}, replicate {sorted(ranks[1])}")
+    return shard, replicate
+
+
+class FSDPChunk(TorchFullyShardedDataParallel):
+    """One model chunk under FSDP2 (HSDP when ``replicate_group`` is given); the same hooks as
+    megatron's DDP for the schedule and ``finalize_model_grads``."""
+
+    def __init__(self, config, ddp_config, module: torch.nn.Module, *, shard_group: dist.ProcessGroup,
+                 replicate_group: Optional[dist.ProcessGroup] = None):
+        # Each transformer layer is its own FSDP unit; embedders and the final layer go with the root.
+        super().__init__(config, ddp_config, module, sub_modules_to_wrap={TransformerLayer},
+                         process_group=shard_group)
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):  # megatron divides by the global sample count itself:
+                unit.set_gradient_divide_factor(1.0)  # reduce-scatter with a plain sum
+                unit.set_force_sum_reduction_for_comms(True)
+        self.replicate_group = replicate_group
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """FSDP2 reduce-scattered every gradient inside the shard group during backward; under HSDP
+        sum the shards across the replica groups (one flat all-reduce)."""
+        if self.replicate_group is None or self.replicate_group.size() == 1:
+            return
+        grads = self._local_grads()
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.replicate_group)
+        for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        torch._foreach_mul_(self._local_grads(), scaling_factor)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        self.module.load_state_dict(state_dict, strict=strict)
+
+
+def shard_module(module: torch.nn.Module, config, ddp_config, groups) -> FSDPChunk:
+    """Shard ``module`` in place (its parameters become ``DTensor`` shards) and wrap it."""
+    shard_group, replicate_group = groups
+    return FSDPChunk(config, ddp_config, module, shard_group=shard_group, replicate_group=replicate_group)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (the tensor itself when it is not sharded)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+_OPTIMIZER_GROUPS = ("float16_groups", "fp32_from_float16_groups", "fp32_from_fp32_groups")
+
+
+@contextlib.contextmanager
+def whole_checkpoint_view(modules, optimizer, *, loading: bool):
+    """Inside, FSDP-sharded ``modules`` and ``optimizer`` look like their unsharded selves, so
+    megatron builds (and loads into) the same sharded state dict as under any other layout: every
+    ``DTensor`` among the modules' parameters and the optimizer's parameters, main weights and
+    states is swapped for a whole copy (gathered; one object per tensor, so megatron still matches
+    optimizer states to parameters). With ``loading``, whatever was loaded into the whole copies is
+    cut back into this rank's shards on exit. Costs one unsharded model and optimizer state per rank
+    while open; a no-op without FSDP."""
+    if not any(isinstance(p, DTensor) for module in modules for p in module.parameters()):
+        yield
+        return
+    whole, pairs = {}, []  # id(shard) -> whole copy; (shard, whole) for the write-back
+
+    def swap(x):
+        if not isinstance(x, DTensor):
+            return x
+        if id(x) not in whole:
+            full = x.full_tensor()
+            if isinstance(x, torch.nn.Parameter):
+                full = torch.nn.Parameter(full, requires_grad=x.requires_grad)
+                for attr, value in vars(x).items():  # megatron's tensor/pipeline-parallel tags
+                    if not attr.startswith("_"):
+                        setattr(full, attr, value)
+            whole[id(x)] = full
+            pairs.append((x, full))
+        return whole[id(x)]
+
+    # Module parameters, swapped in place: FSDP2's state-dict hook only reshards an unsharded
+    # group, and these groups stay sharded, so state_dict() sees the whole copies.
+    owners = [(m, name, p) for module in modules for m in module.modules()
+              for name, p in m._parameters.items() if isinstance(p, DTensor)]
+    for m, name, p in owners:
+        m._parameters[name] = swap(p)
+    saved = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        params = [group["params"] for group in inner.param_groups]
+        groups = {name: getattr(opt, name) for name in _OPTIMIZER_GROUPS if hasattr(opt, name)}
+        saved.append((opt, inner, params, groups))
+        for group in inner.param_groups:
+            group["params"] = [swap(p) for p in group["params"]]
+        inner.state = collections.defaultdict(dict, {swap(p): {k: swap(v) for k, v in state.items()}
+                                                     for p, state in inner.state.items()})
+        for name, value in groups.items():
+            setattr(opt, name, [[swap(p) for p in group] for group in value])
+    try:
+        yield
+    finally:
+        for m, name, p in owners:
+            m._parameters[name] = p
+        for opt, inner, params, groups in saved:
+            back = {id(whole[id(p)]): p for group in params for p in group}
+            inner.state = collections.defaultdict(dict, {
+                back.get(id(p), p): {k: _shard_as(v, back[id(p)]) if loading and id(p) in back else v
+                                     for k, v in state.items()}
+                for p, state in inner.state.items()})
+            for group, original in zip(inner.param_groups, params):
+                group["params"] = original
+            for name, value in groups.items():
+                setattr(opt, name, value)
+        if loading:
+            with torch.no_grad():
+                for shard, full in pairs:
+                    shard.to_local().copy_(_shard_as(full.detach(), shard).to_local())
+
+
+def shard_like(state_dict: dict, module: torch.nn.Module) -> dict:
+    """Cut the whole tensors of a loaded state dict to the shards ``module``'s ``DTensor``
+    parameters hold (load it with ``module.load_state_dict`` outside ``whole_checkpoint_view``)."""
+    own = dict(module.named_parameters())
+    return {name: _shard_as(value, own.get(name)) for name, value in state_dict.items()}
+
+
+def _shard_as(value, reference):
+    if not isinstance(reference, DTensor) or isinstance(value, DTensor) or not torch.is_tensor(value) \
+            or value.shape != reference.shape:
+        return value
+    piece = distribute_tensor(value.to(reference.device), reference.device_mesh, reference.placements,
+                              src_data_rank=None)
+    return DTensor.from_local(piece.to_local().clone(), reference.device_mesh, reference.placements,
+                              shape=reference.shape, stride=reference.stride())
