@@ -7,7 +7,9 @@ CP attention, PP point-to-point, MoE all-to-all, the output gather, loss reducti
 the most any rank sends per step; the analytic column models the bulk traffic:
 
 - DP (and DP x CP) gradients: ``2 (D-1)/D x grad bytes`` (all-reduce, or reduce-scatter + all-gather
-  with the distributed optimizer);
+  with the distributed optimizer); FSDP over S ranks: ``3 (S-1)/S x param bytes`` per micro-batch
+  (gather for forward, again for backward, reduce-scatter), plus under HSDP the all-reduce of each
+  shard's gradients across the R replica groups, ``2 (R-1)/R x grad bytes / S`` per step;
 - TP without SP: ``8 (T-1)/T x activation bytes`` per layer (2 all-reduces of ``[tokens/CP, hidden]``
   forward, 2 backward); with SP ``10 (T-1)/T x``: 4 all-gathers/reduce-scatters forward, 6 backward
   (megatron gathers each column-parallel input again for its weight gradient), plus the TP
@@ -45,12 +47,14 @@ LAYOUTS = {
         "cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
         "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
         "cp2_all_gather": {"context_parallel_size": 2, "cp_comm_type": "all_gather"},
-        "pp2": {"pipeline_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2}},
+        "pp2": {"pipeline_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2},
+        "fsdp2": {"fsdp": "torch"}},
     4: {"dp4": {}, "tp2_sp_cp2_a2a": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                       "context_parallel_size": 2, "cp_comm_type": "a2a"},
         "cp4_a2a_p2p": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                         "hierarchical_context_parallel_sizes": [2, 2]},
-        "pp2_dp2": {"pipeline_model_parallel_size": 2}},
+        "pp2_dp2": {"pipeline_model_parallel_size": 2},
+        "hsdp_2x2": {"fsdp": "torch", "fsdp_shard_size": 2}},
 }
 
 
@@ -84,7 +88,13 @@ def analytic_bytes(trainer) -> dict:
     experts = [q for q in trainer.model.parameters() if not getattr(q, "allreduce", True)]
     grads = (sum(q.numel() for q in trainer.model.parameters()) - sum(q.numel() for q in experts)) * 4
     edp = ps.get_expert_data_parallel_world_size() if experts else 1
-    out = {"dp_grads": 2 * (dp * cp - 1) / (dp * cp) * grads,
+    if p.fsdp == "torch":  # per micro-batch: gather for forward and again for backward, reduce-scatter
+        shard = p.fsdp_shard_size or dp * cp
+        replicas = dp * cp // shard
+        dp_traffic = 3 * (shard - 1) / shard * grads * micro + 2 * (replicas - 1) / replicas * grads / shard
+    else:
+        dp_traffic = 2 * (dp * cp - 1) / (dp * cp) * grads
+    out = {"dp_grads": dp_traffic,
            "expert_dp_grads": 2 * (edp - 1) / edp * 4 * sum(q.numel() for q in experts),
            "tp": (10 if p.sequence_parallel else 8) * (tp - 1) / tp * act * layers * micro,
            "sp_replicated_grads": 2 * (tp - 1) / tp * 4 * sum(
