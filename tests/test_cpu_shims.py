@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims app
 def shims():
     single_process_world()  # applies the shims like every CPU run does
     assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "adam_state", "streams",
-                                         "moe_split_sizes", "uneven_collectives"}
+                                         "moe_split_sizes", "uneven_collectives", "fsdp_mesh"}
     assert cpu_shims.apply_cpu_shims() == []  # idempotent
 
 
@@ -68,3 +68,11 @@ def test_moe_split_sizes_reach_all_to_all_as_numpy():
     from megatron.core.transformer.moe import token_dispatcher
     sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
     assert isinstance(sizes, np.ndarray) and sizes.tolist() == [3, 1]
+
+
+def test_fsdp_mesh_is_built_on_cpu():
+    import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp
+    import torch.distributed as dist
+
+    mesh = torch_fsdp.DeviceMesh.from_group(dist.group.WORLD, "cuda")  # what megatron asks for
+    assert mesh.device_type == "cpu" and mesh.size() == dist.get_world_size()

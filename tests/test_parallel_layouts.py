@@ -21,6 +21,7 @@ from dit_mcore.training.trainer import Trainer
 STEPS = 3
 RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense", "hsdp_2x2_dense")  # resumed on one process
 EXPERT_RESHARDED = "ep2_tp2_sp_dense"  # resumed under EP4
+EXPERT_TO_ONE = "ep2_dense"  # resumed on one process (EP = 1)
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
@@ -41,7 +42,8 @@ def layout_run(run_dir, data: str, moe: bool = False, **parallel) -> RunConfig:
         model=ModelConfig(preset="tiny", num_layers=4, hidden_size=32, num_attention_heads=4, input_size=8,
                           in_channels=channels, num_classes=10, class_dropout_prob=0.1, backend="local",
                           num_moe_experts=4 if moe else None, moe_router_topk=2 if moe else None,
-                          moe_aux_loss_coeff=0.1 if moe else None),
+                          moe_aux_loss_coeff=0.1 if moe else None,
+                          init_model_with_meta_device=parallel.pop("meta_init", None)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False)),
         diffusion=DiffusionConfig(objective="flow", sample_steps=2),
@@ -105,7 +107,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
 
 def _layouts_worker(rank, world, run_dir, cases):
     results = {name: _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"), **parallel),
-                            save=name in RESHARDED or name == EXPERT_RESHARDED)
+                            save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE))
                for name, data, parallel in cases}
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
@@ -141,7 +143,8 @@ def _cases(world: int):
            ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}),
            ("ep2", {"expert_model_parallel_size": 2}),
            ("dp2_overlap_distopt", {"distopt": True, "overlap_grad_reduce": True, "overlap_param_gather": True}),
-           ("fsdp2", {"fsdp": "torch"})]
+           ("fsdp2", {"fsdp": "torch"}),
+           ("fsdp2_meta_init", {"fsdp": "torch", "meta_init": True})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
@@ -222,6 +225,18 @@ def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name
     data = name.rsplit("_", 1)[1]
     ref = reference(tmp_path_factory, data)
     resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" in name))  # FSDP -> plain DP too
+    assert resumed.step == STEPS
+    nxt = resumed.train_step()
+    torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(nxt["grad_norm"]), torch.tensor(ref["grad_norm"][STEPS]), rtol=1e-4,
+                               atol=1e-7)
+
+
+def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_path_factory):
+    """EP2 -> EP = 1: experts from both ranks, and their optimizer state, on one process."""
+    _, run_dir = world_results(2)
+    ref = reference(tmp_path_factory, "dense", moe=True)
+    resumed = Trainer(layout_run(run_dir / EXPERT_TO_ONE, "dense", moe=True))
     assert resumed.step == STEPS
     nxt = resumed.train_step()
     torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)

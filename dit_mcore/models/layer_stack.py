@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from torch import nn
 
 from dit_mcore.models.modulation import Conditioning
+from dit_mcore.models.moe import mark_expert_params
 from dit_mcore.models.seeding import draw_base_seed, init_stream
 
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -63,6 +64,8 @@ class LayerStack(nn.ModuleList):
                 layers.append(build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage))
         super().__init__(layers)
         self.config = config
+        if config.num_moe_experts:
+            mark_expert_params(self)
         numbers = [layer.layer_number for layer in layers]
         if numbers != list(range(offset + 1, offset + n_local + 1)):
             raise RuntimeError(f"layers got global numbers {numbers}, expected {offset + 1}..{offset + n_local}")

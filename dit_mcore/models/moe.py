@@ -63,3 +63,16 @@ def moe_spec(column_linear, num_experts: int, *, grouped_gemm: bool = False) -> 
     spec = get_moe_module_spec_for_backend(provider, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
     spec.submodules.router = LayoutInvariantRouter
     return spec
+
+
+def mark_expert_params(module) -> None:
+    """Tag every expert parameter ``allreduce=False``, as megatron does only when EP > 1: the expert
+    weights then always live in megatron's expert gradient buffer and expert optimizer, so the
+    optimizer (a ``ChainedOptimizer`` of dense and expert parts) and its checkpoints have the same
+    structure on every expert layout, and an EP>1 checkpoint resumes on EP = 1 and back. At EP = 1
+    the expert data-parallel group is the DP x CP group, so the gradients are reduced as before."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    for layer in module.modules():
+        if isinstance(layer, MoELayer):
+            for param in layer.experts.parameters():
+                param.allreduce = False

@@ -172,6 +172,15 @@ def shard_like(state_dict: dict, module: torch.nn.Module) -> dict:
     return {name: _shard_as(value, own.get(name)) for name, value in state_dict.items()}
 
 
+@torch.no_grad()
+def copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy ``whole`` into ``target``, or into this rank's shard of it when it is a ``DTensor``."""
+    if isinstance(target, DTensor):
+        target.to_local().copy_(_shard_as(whole, target).to_local())
+    else:
+        target.copy_(whole)
+
+
 def _shard_as(value, reference):
     if not isinstance(reference, DTensor) or isinstance(value, DTensor) or not torch.is_tensor(value) \
             or value.shape != reference.shape:

@@ -22,17 +22,22 @@ class ModelChunks(nn.ModuleList):
     """This rank's model chunks in virtual-stage order; state-dict keys are ``<chunk>.<name>``."""
 
     @classmethod
-    def build(cls, build_chunk: Callable[..., nn.Module], vpp: Optional[int]) -> "ModelChunks":
+    def build(cls, build_chunk: Callable[..., nn.Module], vpp: Optional[int],
+              seed: Optional[int] = None) -> "ModelChunks":
         """``build_chunk(pre_process=, post_process=, vp_stage=, init_seed=)`` for each virtual stage of
-        this rank; all chunks share one init seed, so their parts start as in a one-process model."""
-        seed = draw_base_seed()
+        this rank; all chunks share one init seed (drawn from the caller's RNG unless given, and kept
+        as ``init_seed``), so their parts start as in a one-process model."""
+        seed = draw_base_seed() if seed is None else seed
         if not vpp or vpp == 1:
-            return cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(),
-                                    post_process=parallel_state.is_pipeline_last_stage(), vp_stage=None,
-                                    init_seed=seed)])
-        return cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
-                                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
-                                vp_stage=i, init_seed=seed) for i in range(vpp)])
+            chunks = cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(),
+                                      post_process=parallel_state.is_pipeline_last_stage(), vp_stage=None,
+                                      init_seed=seed)])
+        else:
+            chunks = cls([build_chunk(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                                      post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+                                      vp_stage=i, init_seed=seed) for i in range(vpp)])
+        chunks.init_seed = seed
+        return chunks
 
     @property
     def config(self):

@@ -60,6 +60,10 @@ class ModelConfig:
     """Load-balancing loss weight (default 1e-2; logged as ``load_balancing_loss``)."""
     moe_grouped_gemm: Optional[bool] = None
     """Run the local experts as one grouped GEMM (Transformer Engine on GPU)."""
+    init_model_with_meta_device: Optional[bool] = None
+    """Build the model on the meta device, let FSDP shard it, then fill each rank's shards part by
+    part (initialised on the host, the same values as a direct build): for models bigger than one
+    device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
     _NOT_CONFIG_FIELDS = ("family", "preset", "backend")
 
@@ -68,6 +72,8 @@ class ModelConfig:
                      if f.name not in self._NOT_CONFIG_FIELDS and getattr(self, f.name) is not None}
         if self.hidden_size is not None:
             overrides["ffn_hidden_size"] = 4 * self.hidden_size
+        if self.init_model_with_meta_device:  # layers then follow the meta device context
+            overrides["use_cpu_initialization"] = True
         return get_family(self.family).make_config(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,

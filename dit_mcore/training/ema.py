@@ -22,7 +22,8 @@ class EMA:
         self.module = shadow.eval()
         for p in self.module.parameters():
             p.requires_grad_(False)
-            p.data = p.data.float()
+            if p.dtype != torch.float32:  # (an FSDP-sharded shadow is made fp32 before sharding)
+                p.data = p.data.float()
 
     def decay_at(self, step: int) -> float:
         """Warmed-up decay ``min(decay, (1 + step) / (10 + step))``: early on the average follows the

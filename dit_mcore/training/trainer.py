@@ -7,6 +7,7 @@ resumed run replays exactly the steps an uninterrupted run would have taken.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -25,6 +26,7 @@ from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.registry import get_family
+from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import initialize_distributed, run_device
 from dit_mcore.parallel.layout import check_layout
@@ -72,16 +74,26 @@ class Trainer:
         self._check_data_matches_model()
         self.objective = build_objective(cfg.diffusion.objective)
 
-        self.model = self._build_model()  # this rank's pipeline chunks (one without VPP)
+        # This rank's pipeline chunks (one without VPP) and the EMA shadow; with
+        # model.init_model_with_meta_device both start on the meta device and are filled part by
+        # part after FSDP has sharded them (each rank allocates only its shards).
+        parts = []
+        with on_each_part(lambda key, owned: parts.append((key, owned))) if self.meta_init else contextlib.nullcontext():
+            self.model = self._build_model()
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
-        self.ema = EMA(self.model, self._build_model(), cfg.trainer.ema_decay)
+        shadow = self._build_model().float()
         torch.set_rng_state(rng)
+        fsdp = cfg.parallel.fsdp == "torch"
+        if not fsdp:
+            self._materialize(parts, shadow)
         self.ddp_chunks = wrap_data_parallel(self.model, self.model_config, cfg.parallel,
                                              use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
-        if cfg.parallel.fsdp == "torch":  # the EMA shadow is sharded like the model
+        if fsdp:  # the EMA shadow is sharded like the model
             from dit_mcore.parallel.fsdp import fsdp_groups, shard_module
-            for chunk in self.ema.module:
+            for chunk in shadow:
                 shard_module(chunk, self.model_config, self.ddp_chunks[0].ddp_config, fsdp_groups())
+            self._materialize(parts, shadow)
+        self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay)
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.loader = self._build_data()
@@ -92,13 +104,28 @@ class Trainer:
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup helpers
-    def _build_model(self) -> ModelChunks:
+    @property
+    def meta_init(self) -> bool:
+        return bool(self.cfg.model.init_model_with_meta_device)
+
+    def _build_model(self, device=None, seed: Optional[int] = None) -> ModelChunks:
         def chunk(**stage):
             return self.family.build(self.model_config, backend=self.cfg.model.backend, **stage)
-        with torch.device(self.device):
-            model = ModelChunks.build(chunk, self.model_config.virtual_pipeline_model_parallel_size)
+        device = device or ("meta" if self.meta_init else self.device)
+        with torch.device(device):
+            model = ModelChunks.build(chunk, self.model_config.virtual_pipeline_model_parallel_size, seed=seed)
         # bf16 parameters and compute; the optimizer keeps fp32 main weights (megatron mixed precision).
         return model.to(self.compute_dtype)
+
+    def _materialize(self, parts: list, shadow: ModelChunks) -> None:
+        """Allocate a meta-built model (its shards only, under FSDP) and fill it part by part with
+        the values a direct build gives; the shadow is only allocated (the EMA copies the model)."""
+        if not self.meta_init:
+            return
+        self.model.to_empty(device=self.device)
+        shadow.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[]):
+            materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts)
 
     def _build_data(self):
         cfg = self.cfg
