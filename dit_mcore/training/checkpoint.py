@@ -2,11 +2,16 @@
 renamed into place only once every rank has finished, so a half-written checkpoint never replaces
 a good one.
 
-Layout: ``<dir>/step_00000100/`` (a dist-checkpoint) and ``<dir>/latest`` (name of the newest
-complete one, replaced atomically).
+Layout: ``<dir>/step_00000100/`` (a dist-checkpoint whose ``manifest.json``, written last, lists
+every file and its size) and ``<dir>/latest`` (name of the newest complete one, replaced
+atomically). ``latest`` is only a hint: resuming scans the ``step_*`` directories for the newest
+*intact* one, so a deleted pointer or a truncated newest checkpoint never restarts a run from step
+0 over its own checkpoints. Rotation keeps the newest ``keep`` plus any ``protect``-ed ones (the
+last checkpoint before a divergence).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -17,8 +22,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from dit_mcore.config import ConfigError
 from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
 
 log = logging.getLogger(__name__)
@@ -30,16 +37,62 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one is expected (the message names the path and the fix)."""
+
+
+def _write_manifest(path: Path) -> None:
+    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+    tmp = path / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=1))
+    tmp.replace(path / MANIFEST)
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not an intact checkpoint, or None when it is: every file the manifest lists
+    is there with its recorded size (checkpoints from before manifests: dist_checkpointing's
+    ``metadata.json`` is present)."""
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        if (path / "metadata.json").exists():
+            return None
+        return "incomplete (no manifest.json: the save did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest.json ({e})"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is truncated or altered ({f.stat().st_size} bytes, manifest says {size})"
+    return None
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or None."""
+    """The newest intact ``step_*`` checkpoint under ``root``; None when there is none at all.
+    Newer broken ones are reported and passed over; only broken ones is an error."""
     root = Path(root)
-    marker = root / "latest"
-    if not marker.exists():
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for path in reversed(steps):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            break
+        log.warning("checkpoint %s is not usable: %s; trying the previous one", path, problem)
+    else:
+        if steps:
+            raise CheckpointError(f"no intact checkpoint in {root} ({len(steps)} step_* directories, all broken, "
+                                  "see the warnings above); move them away to start over, or restore one")
         return None
-    path = root / marker.read_text().strip()
-    if not (path / "metadata.json").exists():
-        raise RuntimeError(f"{marker} names {path.name}, which is missing or incomplete; "
-                           f"point {marker} at an intact step_* directory or remove it to start over")
+    marker = root / "latest"
+    hint = marker.read_text().strip() if marker.exists() else None
+    if hint != path.name:
+        log.warning("%s names %s, but the newest intact checkpoint is %s: resuming from it", marker,
+                    hint or "nothing (missing)", path.name)
     return path
 
 
@@ -80,8 +133,9 @@ def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, i
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimizer, *, extra: dict,
-                    per_rank: dict, keep: int = 2) -> Path:
-    """Save and publish ``step``. ``extra`` is common (rank-0) state; ``per_rank`` differs per rank."""
+                    per_rank: dict, keep: int = 2, protect: frozenset = frozenset()) -> Path:
+    """Save and publish ``step``. ``extra`` is common (rank-0) state; ``per_rank`` differs per rank.
+    Rotation keeps the newest ``keep`` checkpoints and every one named in ``protect``."""
     root = Path(root)
     final, partial = _step_dir(root, step), root / f".partial_step_{step:08d}"
     if dist.get_rank() == 0:
@@ -93,29 +147,75 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
         dist_checkpointing.save(state, str(partial))
     dist.barrier()
     if dist.get_rank() == 0:
+        _write_manifest(partial)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         tmp = root / "latest.tmp"
         tmp.write_text(final.name)
         tmp.replace(root / "latest")
         for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name not in protect:
+                shutil.rmtree(old, ignore_errors=True)
         log.info("saved checkpoint %s", final)
     dist.barrier()
     return final
 
 
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "kv_channels", "patch_size", "patch_size_t", "in_channels", "input_size", "learn_sigma",
+                       "num_classes", "frequency_embedding_size", "num_moe_experts")
+
+
+def architecture(model_cfg, family: str, preset: str) -> dict:
+    """What a checkpoint records about its model, to explain a mismatch by config field."""
+    return {"family": family, "preset": preset, **{f: getattr(model_cfg, f, None) for f in ARCHITECTURE_FIELDS}}
+
+
+def _tensor_shapes(sharded: dict) -> dict:
+    return {t.key: tuple(t.global_shape) for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
+
+
+def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict], arch: dict) -> None:
+    """Fail before loading when the checkpoint's weights are not this model's: tensors missing,
+    extra (e.g. a layer fewer) or of another shape. The message lists the config fields that
+    differ. Compared on the EMA copy, which holds exactly the model's tensors."""
+    saved = {k: tuple(t.global_shape) for k, t in dist_checkpointing.load_tensors_metadata(str(path)).items()
+             if k.startswith("ema.")}
+    ours = _tensor_shapes(template_ema)
+    missing, extra = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
+    reshaped = [f"{k} {saved[k]} -> {ours[k]}" for k in sorted(ours.keys() & saved.keys())
+                if ours[k] != saved[k]]
+    fields = [f"model.{k}: checkpoint {saved_arch[k]!r}, this run {arch.get(k)!r}"
+              for k in (saved_arch or {}) if saved_arch[k] != arch.get(k)]
+    if not (missing or extra or reshaped):
+        if fields:
+            log.warning("checkpoint %s was written with other model settings but the same weights (%s)",
+                        path, "; ".join(fields))
+        return
+    details = ([f"{len(missing)} tensors missing from the checkpoint (e.g. {missing[0].removeprefix('ema.')})"]
+               if missing else []) + \
+              ([f"{len(extra)} tensors not in this model (e.g. {extra[0].removeprefix('ema.')})"] if extra else []) + \
+              ([f"{len(reshaped)} of another shape (e.g. {reshaped[0].removeprefix('ema.')})"] if reshaped else [])
+    raise ConfigError(f"checkpoint {path} holds another model: "
+                      f"{'; '.join(fields) or ('same recorded settings' if saved_arch else 'settings not recorded')}; "
+                      f"{'; '.join(details)}. "
+                      "Resume with the checkpoint's model settings, or set log.dir to a new run directory")
+
+
 def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per_rank: dict,
-                    restore_rng: bool = True) -> dict:
+                    restore_rng: bool = True, saved_arch: Optional[dict] = None, arch: Optional[dict] = None) -> dict:
     """Load ``path`` into model, EMA and optimizer in place; returns the common ``extra`` values and
     this rank's ``per_rank`` values. RNG states are restored too unless ``restore_rng`` is False
-    (a checkpoint from another world size: per-rank states do not map onto the new ranks)."""
+    (a checkpoint from another world size: per-rank states do not map onto the new ranks).
+    Refuses a checkpoint of another model before loading anything (``saved_arch`` and ``arch``
+    name the differing fields)."""
     from dit_mcore.parallel.cpu_shims import init_adam_state
     if not torch.cuda.is_available():
         init_adam_state(optimizer)
     rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
     with whole_checkpoint_view((model, ema_model), optimizer, loading=True):  # FSDP: loads into whole copies
         template = sharded_state(model, ema_model, optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
+        refuse_other_model(path, template["ema"], saved_arch, arch or {})
         loaded = dist_checkpointing.load(template, str(path))
         optimizer.load_state_dict(loaded.pop("optimizer"))
     model.load_state_dict(shard_like(loaded.pop("model"), model))

@@ -149,7 +149,10 @@ class TrainerConfig:
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2
-    """Most recent checkpoints to keep."""
+    """Most recent checkpoints to keep (plus the last one before a non-finite step)."""
+    max_skipped_steps: int = 3
+    """Steps in a row whose loss or gradient norm is not finite (each skipped, not applied) after
+    which the run stops with an error instead of saving diverged weights."""
 
 
 @dataclass

@@ -12,8 +12,11 @@ log = logging.getLogger("dit_mcore.train")
 
 
 def format_line(step: int, max_steps: int, m: dict) -> str:
-    return (f"step {step:>7d}/{max_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+    line = (f"step {step:>7d}/{max_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
             f"lr {m['lr']:.3e} | {m['samples_per_s']:.1f} samples/s | {m['tokens_per_s']:.0f} tokens/s")
+    if m.get("skipped"):
+        line += " | SKIPPED (not finite)"
+    return line
 
 
 class MetricsLogger:
@@ -54,8 +57,12 @@ class MetricsLogger:
         self.file.flush()
         if self.writer is not None:
             for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
+                if not isinstance(value, (int, float)):
+                    continue
+                if math.isfinite(value):
                     self.writer.add_scalar(f"train/{key}", value, step)
+                else:  # TensorBoard's charts drop NaN/inf points: mark them on a chart of their own
+                    self.writer.add_scalar(f"nonfinite/{key}", 1.0, step)
         line = format_line(step, self.max_steps, metrics)
         if self.bar is not None:
             self.bar.write(line)

@@ -1,9 +1,12 @@
 """megatron-core DDP, optimizer and LR scheduler from the run config."""
 from __future__ import annotations
 
+import math
+
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dit_mcore.config import ConfigError
@@ -58,3 +61,23 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
         wd_incr_style="constant")
     ddp_chunks[0].config.grad_scale_func = optimizer.scale_loss
     return optimizer, scheduler
+
+
+@torch.no_grad()
+def step_if_finite(optimizer, loss_is_finite: bool) -> tuple[bool, float]:
+    """megatron's optimizer step (``ChainedOptimizer.step``: its own overflow check, the global
+    gradient norm, clipping, the update), skipped when the loss or the gradient norm is not finite,
+    so a diverging step never reaches the weights or the Adam moments. The norm is the one clipping
+    needs anyway (reduced over the model-parallel groups, identical on every rank), so the check
+    adds no communication. Returns ``(updated, grad_norm)``."""
+    if not loss_is_finite or optimizer.prepare_grads():
+        return False, math.nan
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = part.get_parameters()
+        if params and part.config.clip_grad > 0.0 and not getattr(part, "is_stub_optimizer", False):
+            clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm

@@ -36,7 +36,8 @@ from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
 from dit_mcore.training.metrics import MetricsLogger
-from dit_mcore.training.optim import build_optimizer, wrap_data_parallel
+from dit_mcore.training.divergence import DivergenceGuard
+from dit_mcore.training.optim import build_optimizer, step_if_finite, wrap_data_parallel
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 
 log = logging.getLogger("dit_mcore.train")
@@ -98,6 +99,8 @@ class Trainer:
                                                          max_steps=cfg.trainer.max_steps)
         self.loader = self._build_data()
         self.skipped_samples = 0
+        self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
+        self.last_saved: Optional[str] = None  # the newest checkpoint's name (kept if training diverges)
         self.run_dir = Path(cfg.log.dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.step = 0
@@ -151,15 +154,19 @@ class Trainer:
 
     def _common_state(self) -> dict:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
-                 "skipped_samples": self.skipped_samples}
+                 "skipped_samples": self.skipped_samples, "model_arch": self._architecture(),
+                 "divergence": self.divergence.state_dict()}
         if self._data_per_rank():
             state["data_layout"] = self.loader.layout()
         else:
             state["data"] = self.loader.state_dict()
         return state
 
+    def _architecture(self) -> dict:
+        return ckpt.architecture(self.model_config, self.cfg.model.family, self.cfg.model.preset)
+
     def _maybe_resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir.exists() else None
+        path = ckpt.latest_checkpoint(self.ckpt_dir)
         if path is None:
             return
         # The common state tells the saved world size before any per-rank object is requested:
@@ -174,10 +181,13 @@ class Trainer:
             log.info("checkpoint was written by %d ranks, this run has %d: weights and optimizer are "
                      "resharded, per-rank RNG states are not restored", common["world_size"], dist.get_world_size())
         loaded = ckpt.load_checkpoint(path, self.model, self.ema.module, self.optimizer,
-                                      extra=self._common_state(), per_rank=per_rank, restore_rng=same_world)
+                                      extra=self._common_state(), per_rank=per_rank, restore_rng=same_world,
+                                      saved_arch=common.get("model_arch"), arch=self._architecture())
         state = loaded["extra"]
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])
+        self.divergence.load_state_dict(state["divergence"])
+        self.last_saved = path.name
         self.scheduler.load_state_dict(state["scheduler"])
         if "data" in loaded["per_rank"]:
             self.loader.load_state_dict(loaded["per_rank"]["data"])
@@ -187,9 +197,12 @@ class Trainer:
 
     def save(self) -> Path:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
-        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.ema.module, self.optimizer,
+        path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.ema.module, self.optimizer,
                                     extra=self._common_state(), per_rank=per_rank,
-                                    keep=self.cfg.trainer.keep_checkpoints)
+                                    keep=self.cfg.trainer.keep_checkpoints,
+                                    protect=frozenset(self.divergence.protected))
+        self.last_saved = path.name
+        return path
 
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator: Iterator, model):
@@ -249,24 +262,25 @@ class Trainer:
                           forward_only=False)
         moe = self._moe_metrics(len(microbatches))
         lr = self.optimizer.param_groups[0]["lr"]
-        ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
-            self._sync_params()
-            self.ema.update(self.model, self.step)
         totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # losses live on the last stage
             dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
         totals = torch.cat([totals, counts])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        totals = totals.tolist()  # the one host sync of the step (the logged loss)
+        loss = totals[0] / max(totals[1], 1.0)
+        ok, grad_norm = step_if_finite(self.optimizer, math.isfinite(loss))
+        if ok:
+            self.scheduler.step(increment=1)
+            self._sync_params()
+            self.ema.update(self.model, self.step)
+        self.divergence.record(ok, self.step + 1, self.last_saved)
         self.skipped_samples += int(totals[2])
         self.step += 1
-        return {"loss": (totals[0] / totals[1].clamp(min=1)).item(), "samples": totals[1].item(),
-                "tokens": totals[3].item(),
-                "skipped_samples": float(self.skipped_samples),
-                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": lr, "skipped": 0.0 if ok else 1.0, **moe}
+        return {"loss": loss, "samples": totals[1], "tokens": totals[3],
+                "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
+                "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps), **moe}
 
     def _sync_params(self) -> None:
         """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
@@ -297,15 +311,18 @@ class Trainer:
                 metrics = self.train_step()
                 history.append({"step": self.step, **metrics})
                 window = {k: window[k] + metrics.pop(k) for k in window}
-                log_now = self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
+                log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
+                           or metrics["skipped"])  # a skipped step is always shown
                 if log_now:
                     elapsed = time.perf_counter() - window_start
                     metrics.update(samples_per_s=window["samples"] / elapsed, tokens_per_s=window["tokens"] / elapsed)
                     window_start, window = time.perf_counter(), {"samples": 0.0, "tokens": 0.0}
                 logger.step(self.step, metrics if log_now else None)
+                self.divergence.raise_if_diverged(self.step, self.last_saved)
                 if cfg.log.sample_interval and self.step % cfg.log.sample_interval == 0:
                     self.preview()
-                if self.step % cfg.trainer.save_interval == 0 and self.step < cfg.trainer.max_steps:
+                if (self.step % cfg.trainer.save_interval == 0 and self.step < cfg.trainer.max_steps
+                        and not self.divergence.consecutive):  # not in the middle of non-finite steps
                     self.save()
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
                 self.save()
