@@ -6,6 +6,7 @@ named ``DiT-XL/2`` etc., and a ``tiny`` preset for tests and CPU demos.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,29 +94,36 @@ class DiTConfig(TransformerConfig):
 
 
 def _validate_dit_fields(cfg: DiTConfig) -> None:
-    """Checks done before megatron's own, so errors name our field and the fix."""
+    """Checks done before megatron's own, so errors name our field (``model.*`` on the command
+    line) and a fix that passes every check."""
     def need(cond: bool, msg: str):
         if not cond:
             raise ConfigError(msg)
 
-    need(cfg.num_attention_heads > 0, "num_attention_heads must be > 0")
-    need(cfg.hidden_size % cfg.num_attention_heads == 0,
-         f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads "
-         f"({cfg.num_attention_heads}); pick heads that divide the width, e.g. "
-         f"hidden_size={cfg.num_attention_heads * max(1, cfg.hidden_size // cfg.num_attention_heads)}")
-    need(cfg.patch_size >= 1, f"patch_size must be >= 1, got {cfg.patch_size}")
-    need(cfg.patch_size_t >= 1, f"patch_size_t must be >= 1, got {cfg.patch_size_t}")
+    need(cfg.num_attention_heads > 0, f"model.num_attention_heads={cfg.num_attention_heads}: must be > 0")
+    need(cfg.hidden_size % 4 == 0 and cfg.hidden_size % cfg.num_attention_heads == 0,
+         f"model.hidden_size={cfg.hidden_size}, model.num_attention_heads={cfg.num_attention_heads}: the width must "
+         f"divide by the heads and by 4 (2D sin-cos positions); {_width_fix(cfg.hidden_size, cfg.num_attention_heads)}")
+    need(cfg.patch_size >= 1, f"model.patch_size={cfg.patch_size}: must be >= 1")
+    need(cfg.patch_size_t >= 1, f"model.patch_size_t={cfg.patch_size_t}: must be >= 1")
     need(cfg.input_size % cfg.patch_size == 0,
-         f"patch_size ({cfg.patch_size}) must divide input_size ({cfg.input_size}); "
+         f"model.patch_size={cfg.patch_size}: must divide model.input_size={cfg.input_size}; "
          f"use a patch size from {[p for p in (1, 2, 4, 8, 16) if cfg.input_size % p == 0]}")
-    need(cfg.in_channels >= 1, f"in_channels must be >= 1, got {cfg.in_channels}")
-    need(cfg.num_classes >= 0, f"num_classes must be >= 0, got {cfg.num_classes}")
-    need(0.0 <= cfg.class_dropout_prob < 1.0,
-         f"class_dropout_prob must be in [0, 1), got {cfg.class_dropout_prob}")
+    need(cfg.in_channels >= 1, f"model.in_channels={cfg.in_channels}: must be >= 1")
+    need(cfg.num_classes >= 0, f"model.num_classes={cfg.num_classes}: must be >= 0")
+    need(0.0 <= cfg.class_dropout_prob < 1.0, f"model.class_dropout_prob={cfg.class_dropout_prob}: must be in [0, 1)")
     need(cfg.frequency_embedding_size % 2 == 0,
-         f"frequency_embedding_size must be even, got {cfg.frequency_embedding_size}")
-    need(cfg.hidden_size % 4 == 0,
-         f"hidden_size ({cfg.hidden_size}) must be divisible by 4 for 2D sin-cos positions")
+         f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")
+
+
+def _width_fix(hidden: int, heads: int) -> str:
+    """A head count or a width that satisfies the width rules, whichever is nearer."""
+    fits = [h for h in range(1, hidden + 1) if hidden % h == 0] if hidden % 4 == 0 else []
+    step = math.lcm(heads, 4)
+    wider = -(-hidden // step) * step
+    options = ([f"model.num_attention_heads={min(fits, key=lambda h: (abs(h - heads), h))}"] if fits else []) \
+        + [f"model.hidden_size={wider}"]
+    return "set " + " or ".join(options)
 
 
 # Megatron settings every DiT shares: fusions that need apex/TE are off by default (the GPU

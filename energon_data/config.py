@@ -91,26 +91,47 @@ class DataConfig:
     None: wait forever."""
 
     def __post_init__(self):
-        self.patch_size = tuple(int(p) for p in self.patch_size)
+        if isinstance(self.patch_size, (list, tuple)):
+            self.patch_size = tuple(int(p) for p in self.patch_size)
         if isinstance(self.blend, dict):
             self.blend = [(path, float(weight)) for path, weight in self.blend.items()]
-        if self.blend_mode not in ("weight", "epoch"):
-            raise ConfigError(f"data.blend_mode must be 'weight' or 'epoch', got {self.blend_mode!r}")
-        if self.blend_by not in ("samples", "tokens"):
-            raise ConfigError(f"data.blend_by must be 'samples' or 'tokens', got {self.blend_by!r}")
+        if isinstance(self.mock_latent_shapes, (list, tuple)):
+            self.mock_latent_shapes = [list(s) if isinstance(s, (list, tuple)) else s for s in self.mock_latent_shapes]
+
+    def problems(self) -> list[str]:
+        """Every invalid value, one line each (``data.field=value: rule; fix``); the trainer checks
+        them with the rest of the run config, standalone loaders through :meth:`validate`."""
+        out = []
+
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                out.append(f"data.{name}={getattr(self, name)!r}: {rule}")
+
+        need(self.blend_mode in ("weight", "epoch"), "blend_mode", "use 'weight' or 'epoch'")
+        need(self.blend_by in ("samples", "tokens"), "blend_by", "use 'samples' or 'tokens'")
         for name in ("packing_buffer_size", "max_seq_len", "pad_multiple", "global_batch_size", "image_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ConfigError(f"data.micro_batch_size must be >= 1 or None, got {self.micro_batch_size}")
-        if self.num_workers < 0:
-            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(self.micro_batch_size is None or self.micro_batch_size >= 1, "micro_batch_size",
+             "must be >= 1, or None for one micro-batch per rank")
+        need(self.num_workers >= 0, "num_workers", "must be >= 0 (0: load in the training process)")
         if self.mock_latent_shapes is not None:
-            shapes = [tuple(s) for s in self.mock_latent_shapes]
-            if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
-                raise ConfigError(f"data.mock_latent_shapes must be a non-empty list of (T, H, W) positive "
-                                  f"ints, got {self.mock_latent_shapes!r}")
-            self.mock_latent_shapes = [list(s) for s in shapes]
+            shapes = self.mock_latent_shapes
+            need(bool(shapes) and all(isinstance(s, list) and len(s) == 3 and all(isinstance(v, int) and v >= 1
+                                                                                  for v in s) for s in shapes),
+                 "mock_latent_shapes", "must be a non-empty list of [T, H, W] positive ints, e.g. [[1,16,16],[4,16,16]]")
+        need(self.max_consecutive_skips is None or self.max_consecutive_skips >= 0, "max_consecutive_skips",
+             "must be >= 0, or None for no limit")
+        need(self.first_batch_timeout_s is None or self.first_batch_timeout_s > 0, "first_batch_timeout_s",
+             "must be > 0, or None to wait forever")
+        need(self.max_abs_value is None or self.max_abs_value > 0, "max_abs_value", "must be > 0, or None for no check")
+        if self.blend is not None:
+            need(all(float(w) > 0 for _, w in self.blend), "blend", "every weight must be > 0")
+        return out
+
+    def validate(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     def check_source(self) -> None:
         """Fail before any compute when no source is named (checked once the command line has set

@@ -25,20 +25,21 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from typing import Iterator, Optional
 
 from megatron.energon import (WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset,
                               log_exception)
 
-from energon_data.config import ConfigError, DataConfig, config_hash
+from energon_data import shard_safety
+from energon_data.lifetime import exit_with_parent
+from energon_data.config import DataConfig, config_hash
 from energon_data.task_encoder import LatentTaskEncoder, SkipStreakError
+
+shard_safety.harden()  # no code runs while decoding; unreadable samples are skipped, not fatal
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-PARENT_POLL_S = 0.5
-"""How often a loader worker checks that its training process is still alive."""
 
 
 def task_encoder_for(cfg: DataConfig) -> LatentTaskEncoder:
@@ -48,31 +49,21 @@ def task_encoder_for(cfg: DataConfig) -> LatentTaskEncoder:
 
 
 def error_handler(exc: Exception, sample, sources=None) -> None:
-    """energon's handler for non-``SkipSample`` errors in the task encoder: re-raise the ones that mean
-    no batch can ever be built, so they reach the training process (with workers too) at once;
-    log the rest, as energon's default does (energon stops after 100 such errors in a row)."""
+    """energon's handler for errors while loading, decoding or encoding a sample: re-raise the ones
+    that mean no batch can ever be built, so they reach the training process (with workers too) at
+    once; otherwise the sample is skipped, counted (``unreadable`` in the batch's skip counts) and
+    logged -- one line naming the shard for unreadable ones (see ``shard_safety``), energon's full
+    report for the rest. energon stops after 100 such errors in a row."""
     if isinstance(exc, SkipStreakError):
         raise exc
-    log_exception(exc, sample, sources)
-
-
-def exit_with_parent() -> None:
-    """In a loader worker: exit as soon as the process that forked it is gone, even after a SIGKILL.
-
-    torch's workers look for a dead parent only between batches, so a worker busy inside energon
-    (e.g. skipping sample after sample) outlived a killed trainer, and kept the multiprocessing
-    resource tracker alive through the pipe it inherited. A thread polling ``getppid`` rather than
-    ``prctl(PR_SET_PDEATHSIG)``: the latter fires when the forking *thread* ends, and
-    :func:`iterate_with_timeout` starts the workers from a short-lived thread.
-    """
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+    shard = shard_safety.shard_of(sample, sources)
+    shard_safety.failed_samples[shard] += 1
+    reason = shard_safety.unreadable_reason(sample)
+    if reason is not None:
+        log.warning("skipped an unreadable sample of shard %s (%s); the shard is truncated or damaged: "
+                    "copy it again or re-run energon_data.prepare", shard, reason)
+    else:
+        log_exception(exc, sample, sources)
 
 
 def _init_worker(energon_init, worker_id: int) -> None:
@@ -111,12 +102,7 @@ def _check(cfg: DataConfig, dp_rank: int, dp_size: int):
         raise ValueError("data.path is empty; set it to a prepared energon dataset (or set data.blend)")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
-    if cfg.max_consecutive_skips is not None and cfg.max_consecutive_skips < 0:
-        raise ConfigError(f"data.max_consecutive_skips must be >= 0 or None (no limit), got "
-                          f"{cfg.max_consecutive_skips}")
-    if cfg.first_batch_timeout_s is not None and cfg.first_batch_timeout_s <= 0:
-        raise ConfigError(f"data.first_batch_timeout_s must be > 0 or None (wait forever), got "
-                          f"{cfg.first_batch_timeout_s}")
+    cfg.validate()
 
 
 def build_train_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, seed: int = 0):

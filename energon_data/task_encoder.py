@@ -20,12 +20,13 @@ from typing import Optional, Sequence, Union
 import torch
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 
+from energon_data import shard_safety
 from energon_data.config import ConfigError
 from energon_data.packing import pack_lengths, round_up, shuffle_bins
 from energon_data.samples import EncodedSample, LatentBatch, LatentSample, PackedSample
 from energon_data.tokens import grid_positions, patchify
 
-SKIP_REASONS = ("nonfinite", "too_long", "too_large", "bad_shape")
+SKIP_REASONS = ("nonfinite", "too_long", "too_large", "bad_shape", "unreadable")
 
 
 class SkipStreakError(ConfigError):
@@ -251,4 +252,6 @@ class LatentTaskEncoder(DefaultTaskEncoder[LatentSample, EncodedSample, LatentBa
             samples = [layout([s], s.padded_len) for s in samples]
         info = torch.utils.data.get_worker_info()
         skipped, self.skipped = self.skipped, Counter()
+        skipped["unreadable"] += sum(shard_safety.failed_samples.values())  # counted by loader.error_handler
+        shard_safety.failed_samples.clear()
         return concat_packs(samples, skipped, -1 if info is None else info.id)

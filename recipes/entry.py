@@ -34,6 +34,8 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
     """Train the run described by the sections (see ``dit_mcore.training.config``). Raises on
     failure, so a direct or torchrun launch exits non-zero and a nemo-run job is marked FAILED."""
     from dit_mcore.parallel.initialize import destroy_distributed
+    from dit_mcore.training.divergence import DivergenceError
+    from dit_mcore.training.preemption import Preempted
     from dit_mcore.training.trainer import pretrain
 
     cfg = build_run_config(model, data, optim, diffusion, trainer, log, parallel)
@@ -41,8 +43,11 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every parameter
     try:
         pretrain(cfg)
-    except ConfigError:
-        raise  # the message names the field and the fix; a traceback adds nothing
+    except (ConfigError, DivergenceError):
+        raise  # the message names the field (or the steps) and the fix; a traceback adds nothing
+    except Preempted as stop:
+        _LOGGER.warning("%s", stop)
+        raise
     except BaseException:
         # nemo-run's CLI prints only str(exception); keep the traceback for whoever debugs the run.
         _LOGGER.exception("training failed")

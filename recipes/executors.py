@@ -28,7 +28,7 @@ def local(ntasks_per_node: int = 1) -> run.LocalExecutor:
 @run.autoconvert
 def slurm(account: str = "my_account", partition: str = "batch", nodes: int = 1, gpus_per_node: int = 8,
           time: str = "04:00:00", container_image: str = "dit-mcore:latest",
-          job_dir: str = "nemo_slurm_jobs") -> run.SlurmExecutor:
+          job_dir: str = "nemo_slurm_jobs", preempt_signal_s: int = 120) -> run.SlurmExecutor:
     """An sbatch job: ``nodes`` x ``gpus_per_node`` torchrun workers in ``container_image`` (pyxis).
 
     The code comes from the image (see the Dockerfile), so nothing is packaged. The job is submitted
@@ -36,8 +36,14 @@ def slurm(account: str = "my_account", partition: str = "batch", nodes: int = 1,
     ``run.executor.tunnel=...`` or build an executor with ``run.SSHTunnel`` in your own factory.
     ``job_dir`` (relative to the launch directory) holds the job's scripts and logs and is mounted
     into the container. torchrun's processes per node follow ``gpus_per_node`` (see ``recipes.launch``).
+
+    Preemption: Slurm sends SIGUSR1 ``preempt_signal_s`` seconds before the time limit; the run then
+    saves, requeues the job (``--requeue``) and exits, and the requeued job resumes with the same
+    command (see ``dit_mcore.training.preemption``).
     """
     return run.SlurmExecutor(account=account, partition=partition, nodes=nodes, ntasks_per_node=1,
                              gpus_per_node=gpus_per_node, time=time, container_image=container_image,
                              exclusive=True, mem="0", launcher="torchrun", env_vars=dict(_GPU_ENV),
-                             tunnel=run.LocalTunnel(job_dir=os.path.abspath(job_dir)), packager=run.Packager())
+                             tunnel=run.LocalTunnel(job_dir=os.path.abspath(job_dir)), packager=run.Packager(),
+                             signal=f"USR1@{preempt_signal_s}",
+                             additional_parameters={"requeue": True})

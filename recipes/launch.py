@@ -55,6 +55,7 @@ class CheckedRunContext(run.cli.RunContext):
         return rest
 
     def parse_fn(self, fn, args, **default_kwargs):
+        _check_override_names(fn, args)
         task = super().parse_fn(fn, args, **default_kwargs)
         _STATE["task"] = task
         return task
@@ -67,6 +68,17 @@ class CheckedRunContext(run.cli.RunContext):
             # script or the torchrun command) too. Needs no cluster.
             run.run(_STATE["task"], executor=self.executor, name=self.name, dryrun=True)
         _STATE["completed"] = True
+
+
+def _check_override_names(fn: Callable, args) -> None:
+    """A misspelt ``section.field=value`` fails with a did-you-mean instead of nemo-run's dump of
+    the whole config."""
+    from dit_mcore.config import ConfigError
+    from dit_mcore.training.validate import config_sections, override_problem
+    sections = config_sections(fn)
+    problems = [p for p in (override_problem(a, sections) for a in args) if p]
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _launched_jobs_ok(detach: bool) -> bool:

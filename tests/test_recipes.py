@@ -87,13 +87,16 @@ def test_slurm_dryrun_renders_torchrun_sbatch(tmp_path):
     flat = " ".join(out.split())  # undo the console's line wrapping
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --account=acme",
                  "--container-image dit-mcore:latest", "--nnodes 2 --nproc-per-node 4",
-                 "-m nemo_run.core.runners.fdl_runner"):
+                 "-m nemo_run.core.runners.fdl_runner", "#SBATCH --requeue", "#SBATCH --signal=USR1@120"):
         assert line in flat, line
     assert not (tmp_path / "run").exists()  # nothing trained
 
 
-@pytest.mark.parametrize("override, message", [("model.preset=nope", "unknown preset 'nope'"),
-                                               ("trainer.nope=1", "trainer.nope")])
+@pytest.mark.parametrize("override, message", [
+    ("model.preset=nope", "model.preset='nope': unknown preset"),
+    ("trainer.max_step=1", "TrainerConfig has no field 'max_step'; did you mean 'max_steps'?"),
+    ("optim.lr=-1", "optim.lr=-1.0: must be a finite number > 0"),
+])
 def test_failed_run_exits_nonzero(tmp_path, override, message):
     rc, out = cli(["--factory", "pretrain_tiny", override, f"log.dir={tmp_path / 'run'}"], tmp_path)
     assert rc != 0 and message in out, out
@@ -103,7 +106,7 @@ def test_failed_run_exits_nonzero(tmp_path, override, message):
 def test_failed_run_exits_nonzero_under_torchrun(tmp_path):
     rc, out = cli(["--factory", "pretrain_tiny", "model.preset=nope", f"log.dir={tmp_path / 'run'}"], tmp_path,
                   nproc=2)
-    assert rc != 0 and "unknown preset 'nope'" in out, out
+    assert rc != 0 and "model.preset='nope': unknown preset" in out, out
 
 
 def _in_process_losses(rank, world_size, run_dir):

@@ -1,7 +1,9 @@
 """Faults a long run meets: broken or missing checkpoint pointers, a checkpoint of another model,
-non-finite steps. Each case fails without its fix."""
+non-finite steps, preemption signals. Each case fails without its fix."""
 import json
 import logging
+import os
+import signal
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from dit_mcore.config import ConfigError
 from dit_mcore.training.checkpoint import CheckpointError
 from dit_mcore.training.divergence import DivergenceError
+from dit_mcore.training.preemption import EXIT_PREEMPTED, Preempted
 from dit_mcore.training.trainer import Trainer
 from test_training import tiny_run
 
@@ -122,3 +125,75 @@ def test_rotation_keeps_the_checkpoint_taken_before_a_skipped_step(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert names == ["step_00000002", "step_00000008"]
     assert Trainer(tiny_run(tmp_path, max_steps=8)).divergence.protected == {"step_00000002"}
+
+
+def _signal_after(trainer, step, signum):
+    train_step = trainer.train_step
+
+    def stepped():
+        out = train_step()
+        if trainer.step == step:
+            os.kill(os.getpid(), signum)  # arrives mid-run, as Slurm's warning would
+        return out
+    trainer.train_step = stepped
+
+
+def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_path, monkeypatch):
+    full = [h["loss"] for h in Trainer(tiny_run(tmp_path / "full", max_steps=5)).fit()]
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
+    (fake_bin / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    trainer = Trainer(tiny_run(tmp_path / "cut", max_steps=5))
+    _signal_after(trainer, 2, signal.SIGUSR1)
+    with pytest.raises(Preempted) as stop:
+        trainer.fit()
+    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 2
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
+    resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=5))
+    assert resumed.step == 2
+    rest = [h["loss"] for h in resumed.fit()]
+    lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in lines] == full and rest == full[2:]
+
+
+def test_sigterm_to_the_cli_saves_and_exits_with_the_preempted_code(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from test_recipes import SCRIPT, _LAUNCH_ENV
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    env.update(NEMORUN_HOME=str(tmp_path / "nemo_run"), PYTHONWARNINGS="ignore")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--yes", "--factory", "pretrain_tiny", f"log.dir={run_dir}",
+                             "trainer.max_steps=1000", "log.log_interval=1"], cwd=tmp_path, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out
+    step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 2 <= step < 1000 and f"preempted by SIGTERM after step {step}" in out
+
+
+def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_path):
+    def run(name, async_save, max_steps=6):
+        cfg = tiny_run(tmp_path / name, max_steps=max_steps, save_interval=2)
+        cfg.trainer.async_save, cfg.trainer.keep_checkpoints = async_save, 3
+        return [h["loss"] for h in Trainer(cfg).fit()]
+
+    sync = run("sync", False)
+    assert run("async", True) == sync
+    ckpts = tmp_path / "async" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert all((p / "manifest.json").exists() for p in ckpts.glob("step_*"))
+    assert not list(ckpts.glob(".partial_*"))
+    import shutil
+    shutil.rmtree(ckpts / "step_00000006")  # resume from the asynchronously written step 4
+    assert run("async", True) == sync[4:]

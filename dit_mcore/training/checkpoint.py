@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing.managers
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
+from energon_data.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -132,31 +134,57 @@ def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, i
     return state
 
 
+def _writer_results_exit_with_trainer() -> None:
+    """megatron's checkpoint writer reports through a queue served by a spawned ``Manager`` process
+    (``filesystem_async._get_write_results_queue``), which outlives a ``kill -9`` of the trainer and
+    then waits forever. Start that manager here, the same way, but ending with its parent."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimizer, *, extra: dict,
-                    per_rank: dict, keep: int = 2, protect: frozenset = frozenset()) -> Path:
+                    per_rank: dict, keep: int = 2, protect: frozenset = frozenset(),
+                    async_queue=None) -> Path:
     """Save and publish ``step``. ``extra`` is common (rank-0) state; ``per_rank`` differs per rank.
-    Rotation keeps the newest ``keep`` checkpoints and every one named in ``protect``."""
+    Rotation keeps the newest ``keep`` checkpoints and every one named in ``protect``.
+
+    With ``async_queue`` (megatron's ``AsyncCallsQueue``) only the snapshot happens now: the tensors
+    are written by a forked process while training goes on, and the checkpoint is published when
+    ``async_queue.maybe_finalize_async_calls`` finds every rank done (call it each step, and with
+    ``blocking=True`` before the run ends). Until then the previous checkpoint stays ``latest``."""
     root = Path(root)
     final, partial = _step_dir(root, step), root / f".partial_step_{step:08d}"
+    _writer_results_exit_with_trainer()
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
     with whole_checkpoint_view((model, ema_model), optimizer, loading=False):  # FSDP: global keys and shapes
         state = sharded_state(model, ema_model, optimizer, extra=extra, per_rank={**per_rank, "rng": rng_state()})
-        dist_checkpointing.save(state, str(partial))
+        request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
+
+    def publish():
+        if dist.get_rank() == 0:
+            _write_manifest(partial)
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            tmp = root / "latest.tmp"
+            tmp.write_text(final.name)
+            tmp.replace(root / "latest")
+            for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+                if old.name not in protect:
+                    shutil.rmtree(old, ignore_errors=True)
+            log.info("saved checkpoint %s", final)
+
+    if async_queue is not None:
+        request.add_finalize_fn(publish)  # runs on every rank once all have written (metadata.json first)
+        async_queue.schedule_async_request(request)
+        return final
     dist.barrier()
-    if dist.get_rank() == 0:
-        _write_manifest(partial)
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        tmp = root / "latest.tmp"
-        tmp.write_text(final.name)
-        tmp.replace(root / "latest")
-        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-            if old.name not in protect:
-                shutil.rmtree(old, ignore_errors=True)
-        log.info("saved checkpoint %s", final)
+    publish()
     dist.barrier()
     return final
 
@@ -181,7 +209,11 @@ def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict
     differ. Compared on the EMA copy, which holds exactly the model's tensors."""
     saved = {k: tuple(t.global_shape) for k, t in dist_checkpointing.load_tensors_metadata(str(path)).items()
              if k.startswith("ema.")}
-    ours = _tensor_shapes(template_ema)
+    ours = {}  # every rank's tensors: a pipeline stage holds only its own layers
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, _tensor_shapes(template_ema))
+    for shapes in per_rank:
+        ours.update(shapes)
     missing, extra = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
     reshaped = [f"{k} {saved[k]} -> {ours[k]}" for k in sorted(ours.keys() & saved.keys())
                 if ours[k] != saved[k]]

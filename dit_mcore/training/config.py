@@ -150,6 +150,10 @@ class TrainerConfig:
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2
     """Most recent checkpoints to keep (plus the last one before a non-finite step)."""
+    async_save: bool = False
+    """Write checkpoints from a forked process while training goes on (megatron dist_checkpointing's
+    async save): the step stalls only for the snapshot; the checkpoint is published once every rank
+    has written it. See ``benchmarks/checkpoint_stall.py`` for the measured stall."""
     max_skipped_steps: int = 3
     """Steps in a row whose loss or gradient norm is not finite (each skipped, not applied) after
     which the run stops with an error instead of saving diverged weights."""

@@ -9,16 +9,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from dit_mcore.config import ConfigError
-
 
 def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool) -> list:
     """One data-parallel wrapper per pipeline chunk, with the schedule hooks megatron's own training
     loop installs: megatron DDP (only the first chunk bucketed, as megatron does), or FSDP2 under
     ``parallel.fsdp="torch"`` (which shards the optimizer state itself)."""
-    if parallel.overlap_param_gather and not use_distributed_optimizer:
-        raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
-                          "(only sharded parameters are gathered)")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=parallel.overlap_grad_reduce,
                                                overlap_param_gather=parallel.overlap_param_gather,
@@ -43,10 +38,6 @@ def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimi
 
 
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
-    if optim.decay_style not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"optim.decay_style={optim.decay_style!r}; use 'cosine', 'linear' or 'constant'")
-    if optim.warmup_steps >= max(max_steps, 1) and optim.warmup_steps > 0:
-        raise ConfigError(f"optim.warmup_steps ({optim.warmup_steps}) must be < trainer.max_steps ({max_steps})")
     config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                              adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                              clip_grad=optim.clip_grad, bf16=bf16,

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import signal
 import time
 from functools import partial
 from pathlib import Path
@@ -27,18 +28,19 @@ from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
-from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import initialize_distributed, run_device
-from dit_mcore.parallel.layout import check_layout
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
 from dit_mcore.training.metrics import MetricsLogger
-from dit_mcore.training.divergence import DivergenceGuard
+from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
+from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import build_optimizer, step_if_finite, wrap_data_parallel
 from dit_mcore.training.preview import dataset_decoder, draw_preview
+from dit_mcore.training.validate import validate_run
+from energon_data.lifetime import forked_children_exit_with_parent
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -60,8 +62,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        check_layout(cfg.parallel, cfg.model.build(ParallelConfig()), cfg.data, _launched_world_size(),
-                     use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
+        forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         self.device = run_device()
         self.family = get_family(cfg.model.family)
@@ -72,7 +74,6 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = cfg.data.num_microbatches(self.dp_size)
-        self._check_data_matches_model()
         self.objective = build_objective(cfg.diffusion.objective)
 
         # This rank's pipeline chunks (one without VPP) and the EMA shadow; with
@@ -101,6 +102,10 @@ class Trainer:
         self.skipped_samples = 0
         self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
         self.last_saved: Optional[str] = None  # the newest checkpoint's name (kept if training diverges)
+        self.async_saves = None
+        if cfg.trainer.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            self.async_saves = AsyncCallsQueue()
         self.run_dir = Path(cfg.log.dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.step = 0
@@ -138,16 +143,6 @@ class Trainer:
             from dit_mcore.training.energon_source import EnergonSource
             return EnergonSource(cfg.data, self.model_config, num_microbatches=self.num_microbatches, **common)
         return build_builtin_source(cfg.data, self.model_config, **common)
-
-    def _check_data_matches_model(self) -> None:
-        mc, data = self.model_config, self.cfg.data
-        if data.uses_energon:
-            if data.path and not Path(data.path).exists():
-                raise ConfigError(f"data.path={data.path!r} does not exist; prepare a dataset with "
-                                  "`python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
-        elif data.name == "digits" and data.image_size != mc.input_size:
-            raise ConfigError(f"data.image_size ({data.image_size}) must equal model input_size "
-                              f"({mc.input_size}); set model.input_size={data.image_size}")
 
     def _data_per_rank(self) -> bool:
         return self.loader.per_rank_state
@@ -197,12 +192,18 @@ class Trainer:
 
     def save(self) -> Path:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
+        self.finish_saves()  # one save in flight at a time
         path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.ema.module, self.optimizer,
                                     extra=self._common_state(), per_rank=per_rank,
                                     keep=self.cfg.trainer.keep_checkpoints,
-                                    protect=frozenset(self.divergence.protected))
+                                    protect=frozenset(self.divergence.protected), async_queue=self.async_saves)
         self.last_saved = path.name
         return path
+
+    def finish_saves(self) -> None:
+        """Wait for an asynchronous save in flight and publish it (no-op for synchronous saves)."""
+        if self.async_saves is not None:
+            self.async_saves.maybe_finalize_async_calls(blocking=True)
 
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator: Iterator, model):
@@ -307,30 +308,51 @@ class Trainer:
                                tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar)
         history, window_start, window = [], time.perf_counter(), {"samples": 0.0, "tokens": 0.0}
         try:
-            while self.step < cfg.trainer.max_steps:
-                metrics = self.train_step()
-                history.append({"step": self.step, **metrics})
-                window = {k: window[k] + metrics.pop(k) for k in window}
-                log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
-                           or metrics["skipped"])  # a skipped step is always shown
-                if log_now:
-                    elapsed = time.perf_counter() - window_start
-                    metrics.update(samples_per_s=window["samples"] / elapsed, tokens_per_s=window["tokens"] / elapsed)
-                    window_start, window = time.perf_counter(), {"samples": 0.0, "tokens": 0.0}
-                logger.step(self.step, metrics if log_now else None)
-                self.divergence.raise_if_diverged(self.step, self.last_saved)
-                if cfg.log.sample_interval and self.step % cfg.log.sample_interval == 0:
-                    self.preview()
-                if (self.step % cfg.trainer.save_interval == 0 and self.step < cfg.trainer.max_steps
-                        and not self.divergence.consecutive):  # not in the middle of non-finite steps
-                    self.save()
+            with PreemptionSignals() as signals:
+                while self.step < cfg.trainer.max_steps:
+                    metrics = self.train_step()
+                    history.append({"step": self.step, **metrics})
+                    window = {k: window[k] + metrics.pop(k) for k in window}
+                    log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
+                               or metrics["skipped"])  # a skipped step is always shown
+                    if log_now:
+                        elapsed = time.perf_counter() - window_start
+                        metrics.update(samples_per_s=window["samples"] / elapsed,
+                                       tokens_per_s=window["tokens"] / elapsed)
+                        window_start, window = time.perf_counter(), {"samples": 0.0, "tokens": 0.0}
+                    logger.step(self.step, metrics if log_now else None)
+                    self._after_step(signals)
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
                 self.save()
+            self.finish_saves()
             if not cfg.log.sample_interval or self.step % cfg.log.sample_interval:
                 self.preview()
+        except DivergenceError:
+            self.finish_saves()  # a save in flight holds weights from before the divergence
+            raise
         finally:
             logger.close()
         return history
+
+    def _after_step(self, signals: PreemptionSignals) -> None:
+        """Between steps, in order: publish a finished asynchronous save; stop on divergence (no
+        save) or on a preemption signal (save, requeue under Slurm, exit 75); previews; the
+        periodic save, held back while the latest step was skipped as non-finite."""
+        cfg = self.cfg
+        if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
+            self.async_saves.maybe_finalize_async_calls(blocking=False)
+        self.divergence.raise_if_diverged(self.step, self.last_saved)
+        signum = signals.agreed(self.device)
+        if signum is not None:
+            path = self.save()
+            self.finish_saves()
+            requeue_if_slurm(signum)
+            raise Preempted(self.step, signal.Signals(signum).name, path)
+        if cfg.log.sample_interval and self.step % cfg.log.sample_interval == 0:
+            self.preview()
+        if (self.step % cfg.trainer.save_interval == 0 and self.step < cfg.trainer.max_steps
+                and not self.divergence.consecutive):
+            self.save()
 
     @functools.cached_property
     def preview_decoder(self):

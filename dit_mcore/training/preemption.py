@@ -1,0 +1,90 @@
+"""Preemption as routine: SIGTERM or SIGUSR1 (what Slurm sends before a kill or at the time limit,
+``--signal=USR1@<s>``) makes the run finish its step, save, and exit with
+:data:`EXIT_PREEMPTED`; running the same command again resumes from that checkpoint.
+
+The signal only sets a flag; every rank's flag is combined each step (one tiny all-reduce on the
+step's host sync), so all ranks stop after the same step. After SIGUSR1 under Slurm, rank 0 also
+requeues the job (``scontrol requeue``), as the time-limit warning means "continue later";
+SIGTERM (``scancel``, scheduler preemption) leaves requeueing to Slurm's own policy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("dit_mcore.train")
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure; retry" (sysexits.h)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint of a preempted run is written; exits with EXIT_PREEMPTED."""
+
+    def __init__(self, step: int, signame: str, checkpoint):
+        super().__init__(EXIT_PREEMPTED)
+        self.step, self.signame, self.checkpoint = step, signame, checkpoint
+
+    def __str__(self) -> str:
+        return (f"preempted by {self.signame} after step {self.step}; saved {self.checkpoint}; "
+                f"run the same command to resume (exit code {EXIT_PREEMPTED})")
+
+
+class PreemptionSignals:
+    """Context manager: while active, SIGTERM/SIGUSR1 request a stop instead of killing the process.
+    Child processes forked meanwhile (loader workers) keep the default behaviour."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous: dict = {}
+        self._owner = os.getpid()
+
+    def __enter__(self) -> "PreemptionSignals":
+        if os.getpid() == self._owner and _in_main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._owner:  # a forked child: behave as if no handler were installed
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.received is None:
+            log.warning("received %s: finishing this step, then saving and exiting", signal.Signals(signum).name)
+        self.received = signum
+
+    def agreed(self, device) -> Optional[int]:
+        """The signal any rank received (the same answer on every rank), or None."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+
+def requeue_if_slurm(signum: int) -> None:
+    """After the time-limit warning (SIGUSR1), put the Slurm job back in the queue (rank 0 only)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if signum != signal.SIGUSR1 or not job or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=60)
+        log.info("requeued Slurm job %s", job)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.error("could not requeue Slurm job %s (%s); resubmit the same command to resume", job, e)
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,234 @@
+"""The whole run config checked in one place, before any process group, model or data exists.
+
+Every problem is one line naming ``section.field``, the value, the rule and the fix; all problems
+are reported together (a :class:`ConfigError`, which the launcher prints without a traceback).
+Field types come from the dataclass annotations; value rules of the data section live with
+``DataConfig`` (usable without the trainer), those of the parallel layout in
+``dit_mcore.parallel.layout``; this module runs them all, plus the cross-section rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from dit_mcore.config import PRESETS, ConfigError
+from dit_mcore.diffusion.registry import OBJECTIVES
+from dit_mcore.models.registry import families
+from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.parallel.layout import check_layout
+
+BACKENDS = ("auto", "local", "te")
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, args[0]) for v in value) if args \
+            else isinstance(value, (list, tuple))
+    if origin is dict:  # data.blend is normalised to (path, weight) pairs
+        return isinstance(value, (dict, list))
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return f"one of {typing.get_args(hint)}"
+    name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+    return f"of type {name}"
+
+
+def type_problems(section: str, obj: Any) -> list[str]:
+    hints = typing.get_type_hints(type(obj))
+    return [f"{section}.{f.name}={getattr(obj, f.name)!r}: must be {_type_name(hints[f.name])}"
+            for f in dataclasses.fields(obj) if f.name in hints and not _type_ok(getattr(obj, f.name), hints[f.name])]
+
+
+class _Rules:
+    """Collects one-line problems: ``need(ok, "section.field", value, "rule; fix")``."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+
+    def need(self, ok: bool, field: str, value: Any, rule: str) -> None:
+        if not ok:
+            self.problems.append(f"{field}={value!r}: {rule}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _model_rules(r: _Rules, m) -> None:
+    r.need(m.family in families(), "model.family", m.family,
+           f"unknown family; use one of {families()}{did_you_mean(m.family, families())}")
+    r.need(m.preset in PRESETS, "model.preset", m.preset,
+           f"unknown preset; use one of {sorted(PRESETS)}{did_you_mean(m.preset, PRESETS)}")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "patch_size", "input_size", "in_channels"):
+        value = getattr(m, name)
+        r.need(value is None or value >= 1, f"model.{name}", value, "must be >= 1 (or unset: the preset's value)")
+    r.need(m.num_classes is None or m.num_classes >= 0, "model.num_classes", m.num_classes,
+           "must be >= 0 (0: unconditional)")
+    r.need(m.class_dropout_prob is None or 0.0 <= m.class_dropout_prob < 1.0, "model.class_dropout_prob",
+           m.class_dropout_prob, "must be in [0, 1) (the label-dropout probability for CFG)")
+    r.need(m.backend in BACKENDS, "model.backend", m.backend, f"use one of {BACKENDS}{did_you_mean(m.backend, BACKENDS)}")
+    r.need(m.num_moe_experts is None or m.num_moe_experts >= 1, "model.num_moe_experts", m.num_moe_experts,
+           "must be >= 1, or unset for a dense MLP")
+    if m.moe_router_topk is not None:
+        experts = m.num_moe_experts or 0
+        r.need(1 <= m.moe_router_topk <= max(experts, 1), "model.moe_router_topk", m.moe_router_topk,
+               f"must be in [1, model.num_moe_experts={m.num_moe_experts}]; lower it or add experts")
+    r.need(m.moe_aux_loss_coeff is None or (_finite(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0),
+           "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
+
+
+def _optim_rules(r: _Rules, o, max_steps: int) -> None:
+    r.need(_finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be a finite number > 0; e.g. optim.lr=1e-4")
+    r.need(_finite(o.min_lr) and 0 <= o.min_lr and not (_finite(o.lr) and o.lr > 0 and o.min_lr > o.lr), "optim.min_lr",
+           o.min_lr, f"must be in [0, optim.lr={o.lr}]")
+    r.need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    r.need(o.warmup_steps == 0 or max_steps < 1 or o.warmup_steps < max_steps, "optim.warmup_steps", o.warmup_steps,
+           f"must be < trainer.max_steps={max_steps}; shorten the warmup or train longer")
+    r.need(o.decay_style in DECAY_STYLES, "optim.decay_style", o.decay_style,
+           f"use one of {DECAY_STYLES}{did_you_mean(o.decay_style, DECAY_STYLES)}")
+    r.need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(o, name)
+        r.need(_finite(value) and 0 <= value < 1, f"optim.{name}", value, "must be in [0, 1)")
+    r.need(_finite(o.adam_eps) and o.adam_eps > 0, "optim.adam_eps", o.adam_eps, "must be > 0; e.g. 1e-8")
+    r.need(_finite(o.clip_grad) and o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, "must be >= 0 (0: no clipping)")
+
+
+def _diffusion_rules(r: _Rules, d) -> None:
+    r.need(d.objective in OBJECTIVES, "diffusion.objective", d.objective,
+           f"use one of {sorted(OBJECTIVES)}{did_you_mean(d.objective, OBJECTIVES)}")
+    r.need(d.sample_steps >= 1, "diffusion.sample_steps", d.sample_steps, "must be >= 1 (sampler steps of previews)")
+    r.need(_finite(d.cfg_scale) and d.cfg_scale >= 0, "diffusion.cfg_scale", d.cfg_scale,
+           "must be >= 0 (1: no guidance)")
+
+
+def _trainer_rules(r: _Rules, t) -> None:
+    r.need(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1 (optimizer steps to train)")
+    r.need(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0")
+    r.need(_finite(t.ema_decay) and 0 <= t.ema_decay < 1, "trainer.ema_decay", t.ema_decay,
+           "must be in [0, 1); e.g. 0.9999")
+    r.need(t.save_interval >= 1, "trainer.save_interval", t.save_interval,
+           "must be >= 1 (steps between checkpoints; a final one is always written)")
+    r.need(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0: keep all)")
+    r.need(t.max_skipped_steps >= 1, "trainer.max_skipped_steps", t.max_skipped_steps,
+           "must be >= 1 (non-finite steps in a row before the run stops)")
+
+
+def _log_rules(r: _Rules, g) -> None:
+    r.need(g.log_interval >= 1, "log.log_interval", g.log_interval, "must be >= 1 (steps between log lines)")
+    r.need(g.sample_interval >= 0, "log.sample_interval", g.sample_interval, "must be >= 0 (0: only a final grid)")
+    r.need(g.samples_per_class >= 1, "log.samples_per_class", g.samples_per_class, "must be >= 1")
+    r.need(bool(g.dir), "log.dir", g.dir, "set a run directory")
+
+
+def run_problems(cfg, world_size: int) -> list[str]:
+    """Every problem of ``cfg`` (a ``RunConfig``) for ``world_size`` processes, one line each."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    problems = [p for name, section in sections.items() for p in type_problems(name, section)]
+    if problems:  # value rules assume the types
+        return problems
+    r = _Rules()
+    _model_rules(r, cfg.model)
+    _optim_rules(r, cfg.optim, cfg.trainer.max_steps)
+    _diffusion_rules(r, cfg.diffusion)
+    _trainer_rules(r, cfg.trainer)
+    _log_rules(r, cfg.log)
+    r.problems += cfg.data.problems()
+    if r.problems:
+        return r.problems
+    # Cross-section: the model as built (its own shape rules) against the data, the layout and the batch.
+    try:
+        model = cfg.model.build(ParallelConfig())
+        _check_data_source(cfg.data, model)
+        check_layout(cfg.parallel, model, cfg.data, world_size,
+                     use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
+            raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
+                              "(only sharded parameters are gathered)")
+        cfg.data.num_microbatches(cfg.parallel.data_parallel_size(world_size))
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
+def _check_data_source(data, model) -> None:
+    data.check_source()
+    if data.path:
+        path = Path(data.path)
+        if not path.exists():
+            raise ConfigError(f"data.path={data.path!r} does not exist; prepare a dataset with "
+                              "`python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
+        if path.is_dir() and not (path / ".nv-meta").is_dir():
+            raise ConfigError(f"data.path={data.path!r} is not a prepared energon dataset (no .nv-meta/ inside); "
+                              "prepare one with `python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
+    elif data.name == "digits" and data.image_size != model.input_size:
+        raise ConfigError(f"data.image_size={data.image_size}: the digits must have the model's size "
+                          f"{model.input_size}; set model.input_size={data.image_size}")
+
+
+def validate_run(cfg, world_size: int) -> None:
+    """Raise one :class:`ConfigError` listing every problem of ``cfg`` (see :func:`run_problems`)."""
+    problems = run_problems(cfg, world_size)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} config problems:\n  " + "\n  ".join(problems))
+
+
+def config_sections(fn) -> dict[str, type]:
+    """``{argument: config dataclass}`` of a task like ``recipes.entry.train`` (one argument per section)."""
+    out = {}
+    for name, hint in typing.get_type_hints(fn).items():
+        cls = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if dataclasses.is_dataclass(cls):
+            out[name] = cls
+    return out
+
+
+def override_problem(arg: str, sections: dict[str, type]) -> Optional[str]:
+    """The problem with one ``section.field=value`` command-line override, if its name is unknown."""
+    if "=" not in arg or arg.startswith("-"):
+        return None
+    key = arg.split("=", 1)[0].rstrip("+")
+    section, _, field = key.partition(".")
+    if section == "run" or section not in sections and not field:
+        return None  # executor options and nemo-run's own arguments
+    if section not in sections:
+        return f"{key}: unknown config section {section!r}{did_you_mean(section, sections)} (sections: {', '.join(sections)})"
+    names = [f.name for f in dataclasses.fields(sections[section])]
+    name = field.split(".", 1)[0]
+    if name not in names:
+        return f"{key}: {sections[section].__name__} has no field {name!r}{did_you_mean(name, names)}"
+    return None

@@ -1,0 +1,82 @@
+"""Shards are untrusted and may be damaged: reading one must never run code, and a broken one
+must cost its samples, not the run.
+
+* Decoding: energon decodes members with webdataset's handlers, which by default load ``.pth`` with
+  ``torch.load(weights_only=False)`` and ``.pkl``/``.pickle``/``.pyd`` with ``pickle.loads`` -- either
+  runs code from a crafted dataset. :func:`harden` switches ``.pth`` to ``weights_only=True``
+  (tensors and plain containers: what ``prepare`` writes) and refuses pickle members.
+* Reading: energon reads a sample's members straight from the tar at the offsets of its index; a
+  truncated or overwritten shard raises there, outside the stages energon guards with its error
+  handler, and stops the run. :func:`harden` makes such a read return a placeholder sample that
+  names the shard and the error, which then fails where energon's handler catches it, so it is
+  skipped like any corrupt sample (``energon_data.loader.error_handler`` logs one line and counts it).
+
+Both are applied when ``energon_data.loader`` is imported, so in loader workers too.
+"""
+from __future__ import annotations
+
+import tarfile
+from collections import Counter
+
+PICKLE_EXTENSIONS = ("pkl", "pickle", "pyd")
+UNREADABLE = "__unreadable__"
+"""Key of the placeholder sample's error text."""
+
+failed_samples: Counter = Counter()
+"""Samples this process's loader skipped on read or decode errors, by shard (drained into batches)."""
+
+
+class UnsafeMemberError(ValueError):
+    """A shard member whose decoding could run code."""
+
+
+def _refuse_pickle(data: bytes):
+    raise UnsafeMemberError("pickle members are not decoded (unpickling untrusted data can run code); "
+                            "store arrays as .pth (tensors) or .npy")
+
+
+def _tolerant(read):
+    from megatron.energon.flavors.webdataset.structs import FilteredSample
+    from megatron.energon.source_info import SourceInfo
+
+    def read_or_placeholder(self, sample_pointer, restore_index, entry_match_fn=None):
+        try:
+            return read(self, sample_pointer, restore_index, entry_match_fn)
+        except (tarfile.TarError, EOFError, OSError, ValueError) as e:
+            shard = self.tar_filenames[sample_pointer.tar_file_id]
+            return FilteredSample(
+                __key__=f"{shard}@{sample_pointer.byte_offset}", __shard__=shard,
+                __restore_key__=("Webdataset", restore_index),
+                __sources__=(SourceInfo(dataset_path=self.base_path, index=restore_index, shard_name=shard,
+                                        file_names=()),),
+                **{UNREADABLE: f"{type(e).__name__}: {e}"})
+    read_or_placeholder.__wrapped__ = read
+    return read_or_placeholder
+
+
+def _raw_parts(sample) -> tuple:
+    parts = getattr(sample, "data", None)
+    return parts if isinstance(parts, tuple) else (sample,)
+
+
+def unreadable_reason(sample) -> str | None:
+    """The read error a placeholder sample (or a raw sample wrapping one) carries, else None."""
+    return next((p[UNREADABLE] for p in _raw_parts(sample) if isinstance(p, dict) and UNREADABLE in p), None)
+
+
+def shard_of(sample, sources=None) -> str:
+    """The shard a failed sample came from, as far as energon tells."""
+    names = [getattr(s, "shard_name", None) for s in sources or ()]
+    names += [p.get("__shard__") for p in _raw_parts(sample) if isinstance(p, dict)]
+    names += [getattr(sample, "__shard__", None)]
+    return next((str(n) for n in names if n), "unknown shard")
+
+
+def harden() -> None:
+    from megatron.energon.flavors.webdataset.itar_reader import ITarReader
+    from webdataset import autodecode
+    autodecode.pytorch_weights_only = True
+    for ext in PICKLE_EXTENSIONS:
+        autodecode.decoders[ext] = _refuse_pickle
+    if not hasattr(ITarReader._get_item_by_sample_pointer, "__wrapped__"):
+        ITarReader._get_item_by_sample_pointer = _tolerant(ITarReader._get_item_by_sample_pointer)

@@ -1,0 +1,92 @@
+"""Every bad config fails before compute with one line naming ``section.field``, the value, the
+rule and the fix (the table below), and nothing is written."""
+import pytest
+
+from dit_mcore.config import ConfigError, preset
+from dit_mcore.training.trainer import Trainer
+from dit_mcore.training.validate import config_sections, override_problem, run_problems, validate_run
+from test_training import tiny_run
+
+BAD = [  # (section, field, value, expected text of the one-line problem)
+    ("optim", "lr", -1.0, "optim.lr=-1.0: must be a finite number > 0"),
+    ("optim", "lr", float("nan"), "optim.lr=nan: must be a finite number > 0"),
+    ("optim", "min_lr", 1.0, "optim.min_lr=1.0: must be in [0, optim.lr=0.001]"),
+    ("optim", "warmup_steps", 4, "optim.warmup_steps=4: must be < trainer.max_steps=4"),
+    ("optim", "decay_style", "cosin", "did you mean 'cosine'?"),
+    ("optim", "adam_beta2", 1.0, "optim.adam_beta2=1.0: must be in [0, 1)"),
+    ("optim", "adam_eps", 0.0, "optim.adam_eps=0.0: must be > 0"),
+    ("optim", "clip_grad", -1.0, "optim.clip_grad=-1.0: must be >= 0 (0: no clipping)"),
+    ("optim", "lr", "fast", "optim.lr='fast': must be of type float"),
+    ("trainer", "max_steps", -5, "trainer.max_steps=-5: must be >= 1"),
+    ("trainer", "save_interval", 0, "trainer.save_interval=0: must be >= 1"),
+    ("trainer", "ema_decay", 1.0, "trainer.ema_decay=1.0: must be in [0, 1)"),
+    ("trainer", "keep_checkpoints", -1, "trainer.keep_checkpoints=-1: must be >= 0 (0: keep all)"),
+    ("trainer", "max_skipped_steps", 0, "trainer.max_skipped_steps=0: must be >= 1"),
+    ("trainer", "bf16", "yes", "trainer.bf16='yes': must be of type bool"),
+    ("log", "log_interval", 0, "log.log_interval=0: must be >= 1"),
+    ("log", "sample_interval", -1, "log.sample_interval=-1: must be >= 0 (0: only a final grid)"),
+    ("diffusion", "objective", "flwo", "diffusion.objective='flwo': use one of ['edm', 'flow']; did you mean 'flow'?"),
+    ("diffusion", "sample_steps", 0, "diffusion.sample_steps=0: must be >= 1"),
+    ("model", "preset", "DiT-XL/3", "model.preset='DiT-XL/3': unknown preset"),
+    ("model", "family", "ditt", "did you mean 'dit'?"),
+    ("model", "backend", "tee", "did you mean 'te'?"),
+    ("model", "class_dropout_prob", 1.0, "model.class_dropout_prob=1.0: must be in [0, 1)"),
+    ("model", "num_layers", 0, "model.num_layers=0: must be >= 1"),
+    ("model", "moe_router_topk", 2, "model.moe_router_topk=2: must be in [1, model.num_moe_experts=None]"),
+    ("model", "num_attention_heads", 3, "set model.num_attention_heads=2 or model.hidden_size=36"),
+    ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
+    ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
+    ("data", "micro_batch_size", 0, "data.micro_batch_size=0: must be >= 1"),
+    ("data", "num_workers", -1, "data.num_workers=-1: must be >= 0"),
+    ("data", "max_seq_len", 0, "data.max_seq_len=0: must be >= 1"),
+    ("data", "blend_mode", "weights", "data.blend_mode='weights': must be one of ('weight', 'epoch')"),
+    ("data", "image_size", 16, "data.image_size=16: the digits must have the model's size 8"),
+    ("data", "path", "/", "data.path='/' is not a prepared energon dataset (no .nv-meta/ inside)"),
+    ("data", "path", "/no/such/dir", "data.path='/no/such/dir' does not exist"),
+    ("parallel", "tensor_model_parallel_size", 4, "world size"),
+    ("parallel", "sequence_parallel", True, "parallel.sequence_parallel=True needs parallel.tensor_model_parallel_size > 1"),
+]
+
+
+@pytest.mark.parametrize("section, field, value, expected", BAD, ids=[f"{s}.{f}={v}" for s, f, v, _ in BAD])
+def test_bad_config_fails_before_compute_naming_the_field(tmp_path, section, field, value, expected):
+    cfg = tiny_run(tmp_path)
+    setattr(getattr(cfg, section), field, value)
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and expected in problems[0], problems
+    assert "\n" not in problems[0]
+
+
+def test_the_suggested_fix_passes_every_check():
+    with pytest.raises(ConfigError, match="set model.num_attention_heads=2 or model.hidden_size=72"):
+        preset("tiny", num_attention_heads=3)
+    for fix in (dict(num_attention_heads=2), dict(num_attention_heads=3, hidden_size=72)):
+        preset("tiny", **fix)
+
+
+def test_all_problems_are_reported_at_once_and_nothing_is_written(tmp_path):
+    cfg = tiny_run(tmp_path / "run")
+    cfg.optim.lr, cfg.trainer.ema_decay, cfg.log.log_interval = -1.0, 2.0, 0
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "3 config problems:" and len(lines) == 4
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_good_config_has_no_problems(tmp_path):
+    validate_run(tiny_run(tmp_path), world_size=1)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("trainer.max_step=5", "TrainerConfig has no field 'max_step'; did you mean 'max_steps'?"),
+    ("trainr.max_steps=5", "unknown config section 'trainr'; did you mean 'trainer'?"),
+    ("optim.learning_rate=1", "OptimConfig has no field 'learning_rate'"),
+    ("trainer.max_steps=5", None),
+    ("run.executor=local", None),
+    ("--yes", None),
+])
+def test_override_names_are_checked_with_a_did_you_mean(arg, expected):
+    from recipes.entry import train
+    problem = override_problem(arg, config_sections(train))
+    assert (problem is None) if expected is None else (expected in problem), problem
