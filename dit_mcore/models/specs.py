@@ -27,6 +27,8 @@ def linears(backend: str):
         backend = "te" if torch.cuda.is_available() else "local"
     if backend == "te":
         try:
+            # megatron's TE module imports without TE too (its classes are then mocks): ask TE itself.
+            import transformer_engine  # noqa: F401
             from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear,
                                                                      TERowParallelLinear)
             return TEColumnParallelLinear, TERowParallelLinear
