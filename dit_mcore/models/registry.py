@@ -29,6 +29,9 @@ class ModelFamily:
     """``() -> {format name: (load, export)}`` converters to external checkpoints (imported lazily)."""
     conditioning: tuple = ("labels",)
     """Conditioning inputs the family consumes (``labels``, ``text``)."""
+    flops: Optional[Callable[..., object]] = None
+    """``(config, seqlens, context_lens=None) -> DiTFlops``: forward FLOPs of a micro-batch from its
+    samples' real token counts (``dit_mcore.training.flops``), for the logged FLOPs and MFU."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

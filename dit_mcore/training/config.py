@@ -157,6 +157,10 @@ class TrainerConfig:
     max_skipped_steps: int = 3
     """Steps in a row whose loss or gradient norm is not finite (each skipped, not applied) after
     which the run stops with an error instead of saving diverged weights."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOPS per device for the logged MFU. Default: the data-sheet value of a known GPU
+    (H100/H200, B200, A100, L40S) for the run's precision; on other devices (CPU) MFU is logged
+    only when this is set."""
 
 
 @dataclass

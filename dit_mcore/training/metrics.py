@@ -5,15 +5,45 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Optional
 
 log = logging.getLogger("dit_mcore.train")
 
 
+class StepRate:
+    """Throughput over the steps since the last log line: samples/s, tokens/s (and per GPU), achieved
+    model TFLOPS per GPU and, when the device's peak is known, MFU."""
+
+    def __init__(self, world_size: int, peak_tflops: Optional[float]):
+        self.world, self.peak = world_size, peak_tflops
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start, self.samples, self.tokens, self.flops = time.perf_counter(), 0.0, 0.0, 0.0
+
+    def add(self, samples: float, tokens: float, flops: float) -> None:
+        self.samples, self.tokens, self.flops = self.samples + samples, self.tokens + tokens, self.flops + flops
+
+    def flush(self) -> dict:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tflops = self.flops / elapsed / self.world / 1e12
+        out = {"samples_per_s": self.samples / elapsed, "tokens_per_s": self.tokens / elapsed,
+               "tokens_per_s_per_gpu": self.tokens / elapsed / self.world, "tflops_per_gpu": tflops}
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        self._reset()
+        return out
+
+
 def format_line(step: int, max_steps: int, m: dict) -> str:
     line = (f"step {step:>7d}/{max_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
             f"lr {m['lr']:.3e} | {m['samples_per_s']:.1f} samples/s | {m['tokens_per_s']:.0f} tokens/s")
+    if "tflops_per_gpu" in m:
+        line += f" | {m['tflops_per_gpu']:.1f} TFLOPS/GPU"
+    if "mfu" in m:
+        line += f" | MFU {100 * m['mfu']:.1f}%"
     if m.get("skipped"):
         line += " | SKIPPED (not finite)"
     return line

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import signal
-import time
 from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional
@@ -34,7 +33,8 @@ from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
-from dit_mcore.training.metrics import MetricsLogger
+from dit_mcore.training.flops import peak_tflops
+from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import build_optimizer, step_if_finite, wrap_data_parallel
@@ -252,8 +252,10 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
+        flops = sum(self.family.flops(self.model_config, b.seqlens).model for b in microbatches)  # host ints
         counts = torch.tensor([float(sum(b.num_skipped for b in microbatches)),
-                               float(sum(b.num_real_tokens for b in microbatches))], device=self.device)
+                               float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9],
+                              device=self.device)
         fwd_bwd = get_forward_backward_func()
         rows, seq = microbatches[0].tokens.shape[:2]
         reduced = fwd_bwd(forward_step_func=self._forward_step,
@@ -279,7 +281,7 @@ class Trainer:
         self.divergence.record(ok, self.step + 1, self.last_saved)
         self.skipped_samples += int(totals[2])
         self.step += 1
-        return {"loss": loss, "samples": totals[1], "tokens": totals[3],
+        return {"loss": loss, "samples": totals[1], "tokens": totals[3], "model_flops": totals[4] * 1e9,
                 "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
                 "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps), **moe}
 
@@ -306,20 +308,19 @@ class Trainer:
         cfg, rank0 = self.cfg, dist.get_rank() == 0
         logger = MetricsLogger(self.run_dir, enabled=rank0, max_steps=cfg.trainer.max_steps, start_step=self.step,
                                tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar)
-        history, window_start, window = [], time.perf_counter(), {"samples": 0.0, "tokens": 0.0}
+        rate = StepRate(dist.get_world_size(), peak_tflops(self.device, "bf16" if cfg.trainer.bf16 else "fp32",
+                                                           cfg.trainer.peak_tflops))
+        history = []
         try:
             with PreemptionSignals() as signals:
                 while self.step < cfg.trainer.max_steps:
                     metrics = self.train_step()
                     history.append({"step": self.step, **metrics})
-                    window = {k: window[k] + metrics.pop(k) for k in window}
+                    rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
                     log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
                                or metrics["skipped"])  # a skipped step is always shown
                     if log_now:
-                        elapsed = time.perf_counter() - window_start
-                        metrics.update(samples_per_s=window["samples"] / elapsed,
-                                       tokens_per_s=window["tokens"] / elapsed)
-                        window_start, window = time.perf_counter(), {"samples": 0.0, "tokens": 0.0}
+                        metrics.update(rate.flush())
                     logger.step(self.step, metrics if log_now else None)
                     self._after_step(signals)
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():

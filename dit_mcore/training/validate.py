@@ -142,6 +142,8 @@ def _trainer_rules(r: _Rules, t) -> None:
     r.need(t.save_interval >= 1, "trainer.save_interval", t.save_interval,
            "must be >= 1 (steps between checkpoints; a final one is always written)")
     r.need(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0: keep all)")
+    r.need(t.peak_tflops is None or (_finite(t.peak_tflops) and t.peak_tflops > 0), "trainer.peak_tflops",
+           t.peak_tflops, "must be a number > 0 (the device's dense peak) or None (look it up)")
     r.need(t.max_skipped_steps >= 1, "trainer.max_skipped_steps", t.max_skipped_steps,
            "must be >= 1 (non-finite steps in a row before the run stops)")
 

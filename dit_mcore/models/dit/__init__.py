@@ -5,6 +5,7 @@ from dit_mcore.models.dit.layer import DiTLayer, DiTLayerSubmodules
 from dit_mcore.models.dit.model import DiT, FinalLayer, build_model
 from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.registry import ModelFamily, register
+from dit_mcore.training.flops import dit_flops
 
 
 def _interop() -> dict:
@@ -16,6 +17,6 @@ def _interop() -> dict:
 FAMILY = register(ModelFamily(
     name="dit", presets=lambda: PRESETS, make_config=preset, layer_spec=dit_layer_spec, build=build_model,
     token_model_fn=token_model_fn, image_model_fn=image_model_fn, interop=_interop,
-    conditioning=("labels",)))
+    conditioning=("labels",), flops=dit_flops))
 
 __all__ = ["DiT", "DiTLayer", "DiTLayerSubmodules", "FinalLayer", "build_model", "dit_layer_spec", "FAMILY"]
