@@ -7,6 +7,11 @@ ours, ...) so machine noise hits both alike; the medians give images/s and the r
 
     python benchmarks/train_step.py                                   # CPU: DiT-S/2, 32x32x4, batch 8, fp32
     python benchmarks/train_step.py --preset DiT-XL/2 --batch 32 --dtype bf16   # one GPU
+    python benchmarks/train_step.py --preset DiT-XL/2 --batch 32 --dtype bf16 --compile --profile
+
+``--compile`` compiles each transformer layer of *both* models (regional ``torch.compile``, as
+torchtitan does), so the ratio stays like for like; ``--profile`` adds each model's top GPU/CPU
+kernels over a few steps (what bounds the step) to the printout and the JSON.
 """
 from __future__ import annotations
 
@@ -75,6 +80,31 @@ def make_steps(ours, theirs, x0, t, y):
     return ours_step, theirs_step
 
 
+def compile_layers(ours, theirs) -> None:
+    """Regional compile: every transformer layer of both models, in place."""
+    for layer in ours.layers:
+        layer.compile()
+    for block in theirs.transformer_blocks:
+        block.compile()
+
+
+def top_kernels(step, device, n_steps: int = 3, top: int = 12) -> list[dict]:
+    """The kernels that take the most device time over ``n_steps`` steps, with their share."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(n_steps):
+            step()
+        _sync(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [{"kernel": e.key[:120], "ms_per_step": getattr(e, attr) / 1e3 / n_steps,
+             "share": getattr(e, attr) / total, "calls_per_step": e.count / n_steps} for e in events[:top]]
+
+
 def timed(step, n: int, device) -> float:
     _sync(device)
     start = time.perf_counter()
@@ -93,6 +123,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median taken)")
+    p.add_argument("--compile", action="store_true", help="compile each layer of both models")
+    p.add_argument("--profile", action="store_true", help="report each model's top kernels")
     p.add_argument("--out", default=None, help="JSON result path (default: benchmarks/results/train_step_<device>.json)")
     args = p.parse_args(argv)
 
@@ -104,6 +136,8 @@ def main(argv=None) -> dict:
     x0 = torch.randn(args.batch, cfg.in_channels, args.size, args.size, device=device, dtype=dtype)
     t = torch.randint(0, 1000, (args.batch,), device=device).float()
     y = torch.randint(0, cfg.num_classes, (args.batch,), device=device)
+    if args.compile:
+        compile_layers(ours, theirs)
     ours_step, theirs_step = make_steps(ours, theirs, x0, t, y)
     for _ in range(args.warmup):
         ours_step()
@@ -118,11 +152,18 @@ def main(argv=None) -> dict:
     result = {
         "device": name, "command": "python benchmarks/train_step.py " + " ".join(argv or sys.argv[1:]),
         "preset": args.preset, "batch": args.batch, "latent": [cfg.in_channels, args.size, args.size],
-        "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "dtype": args.dtype, "compile": args.compile, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "images_per_s": ips, "step_s_median": med, "step_s_rounds": times,
         "ratio_ours_over_diffusers": ips["ours"] / ips["diffusers"],
     }
-    print(f"{args.preset} batch {args.batch} {args.size}x{args.size} {args.dtype} on {name}: "
+    if args.profile:
+        result["top_kernels"] = {"ours": top_kernels(ours_step, device), "diffusers": top_kernels(theirs_step, device)}
+        for who, rows in result["top_kernels"].items():
+            print(f"top kernels, {who}:")
+            for r in rows:
+                print(f"  {r['ms_per_step']:8.2f} ms {100 * r['share']:5.1f}% x{r['calls_per_step']:<5.0f} {r['kernel']}")
+    print(f"{args.preset} batch {args.batch} {args.size}x{args.size} {args.dtype}"
+          f"{' compiled' if args.compile else ''} on {name}: "
           f"ours {ips['ours']:.1f} img/s, diffusers {ips['diffusers']:.1f} img/s, "
           f"ratio {result['ratio_ours_over_diffusers']:.2f}x")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (

@@ -337,7 +337,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     if chosen in _HALF_ONLY and q.dtype not in _HALF:
         raise ValueError(f"backend={chosen!r} needs float16/bfloat16 inputs, got {q.dtype}; use "
                          "backend='sdpa_efficient' (or 'auto') for other dtypes")
-    _log_choice(backend, chosen, f"{q.device.type} {str(q.dtype).replace('torch.', '')}")
+    if not torch.compiler.is_compiling():  # logging breaks a compiled graph; the eager first call logs
+        _log_choice(backend, chosen, f"{q.device.type} {str(q.dtype).replace('torch.', '')}")
     return chosen
 
 

@@ -48,6 +48,27 @@ def check_recompute_config(config) -> None:
                              "checkpointed chunk for 'uniform', checkpointed layers for 'block')")
 
 
+def _quiet_default_tp_group() -> None:
+    """megatron 0.16's ``RowParallelLinear`` passes ``tp_group=None`` on every call, and the helper
+    that substitutes the default group issues a ``DeprecationWarning`` each time; dynamo cannot
+    trace ``warnings.warn`` and breaks the layer's graph there (twice per layer). Same group, no
+    warning."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    original = getattr(layers.get_tensor_model_parallel_group_if_none, "__wrapped__",
+                       layers.get_tensor_model_parallel_group_if_none)
+
+    def default_group(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is None and parallel_state.is_initialized():
+            return (parallel_state.get_expert_tensor_parallel_group if is_expert else
+                    parallel_state.get_tensor_model_parallel_group)(check_initialized=check_initialized)
+        return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+    default_group.__wrapped__ = original
+    layers.get_tensor_model_parallel_group_if_none = default_group
+
+
 class LayerStack(nn.ModuleList):
     """This stage's layers, run in order with optional full-layer recompute. A ``ModuleList`` so
     parameters keep megatron's ``layers.<i>.`` names."""
@@ -69,6 +90,13 @@ class LayerStack(nn.ModuleList):
         numbers = [layer.layer_number for layer in layers]
         if numbers != list(range(offset + 1, offset + n_local + 1)):
             raise RuntimeError(f"layers got global numbers {numbers}, expected {offset + 1}..{offset + n_local}")
+
+    def compile_layers(self) -> None:
+        """Regional ``torch.compile``: each layer compiled in place (one graph per layer, reused by
+        every layer of the same shape), so norms, modulation, gating and GELU fuse around the GEMMs."""
+        _quiet_default_tp_group()
+        for layer in self:
+            layer.compile()
 
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:

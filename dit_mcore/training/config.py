@@ -60,12 +60,16 @@ class ModelConfig:
     """Load-balancing loss weight (default 1e-2; logged as ``load_balancing_loss``)."""
     moe_grouped_gemm: Optional[bool] = None
     """Run the local experts as one grouped GEMM (Transformer Engine on GPU)."""
+    compile: bool = False
+    """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
+    elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
+    steps are slower while the layer graph compiles."""
     init_model_with_meta_device: Optional[bool] = None
     """Build the model on the meta device, let FSDP shard it, then fill each rank's shards part by
     part (initialised on the host, the same values as a direct build): for models bigger than one
     device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
-    _NOT_CONFIG_FIELDS = ("family", "preset", "backend")
+    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)

@@ -82,6 +82,9 @@ class Trainer:
         parts = []
         with on_each_part(lambda key, owned: parts.append((key, owned))) if self.meta_init else contextlib.nullcontext():
             self.model = self._build_model()
+        if cfg.model.compile:
+            for chunk in self.model:
+                chunk.compile_layers()
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         shadow = self._build_model().float()
         torch.set_rng_state(rng)

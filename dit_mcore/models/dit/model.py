@@ -106,6 +106,10 @@ class DiT(MegatronModule):
             if module is not None:
                 yield from module.parameters()
 
+    def compile_layers(self) -> None:
+        """Compile each transformer layer (``model.compile``)."""
+        self.layers.compile_layers()
+
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline parallel: the previous stage's output replaces the patch embedding."""
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
