@@ -189,34 +189,40 @@ def _run_backward(kernel, run, dout, q, k, v, out, lse, scale, dlse):
 
 
 class _LocalAttention(torch.autograd.Function):
+    """``out`` (and ``lse`` with ``with_lse``). Callers that do not differentiate through lse ask
+    for ``out`` alone: a gradient on lse needs the slower math backward, and compiled autograd
+    hands an unused output's gradient over as zeros (``set_materialize_grads`` is eager-only)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, segments, scale, backend):
-        ctx.set_materialize_grads(False)  # an unused lse must arrive as dlse=None, not zeros
+    def forward(ctx, q, k, v, segments, scale, backend, with_lse):
+        ctx.set_materialize_grads(False)  # eager: an unused lse arrives as dlse=None, not zeros
         out, lse = attention_forward(q, k, v, segments=segments, softmax_scale=scale, backend=backend)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.segments, ctx.scale, ctx.backend = segments, scale, backend
-        return out, lse
+        return (out, lse) if with_lse else out
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse=None):
         if dout is None and dlse is None:
             return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, segments=ctx.segments, softmax_scale=ctx.scale,
                                         dlse=dlse, backend=ctx.backend)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def segment_attention(q, k, v, *, segments: Segments | None = None, softmax_scale=None, backend="auto"):
-    """Differentiable ``(out, lse)`` for a :class:`Segments` pattern (the form the CP ops use).
+def segment_attention(q, k, v, *, segments: Segments | None = None, softmax_scale=None, backend="auto",
+                      return_lse: bool = True):
+    """Differentiable ``(out, lse)`` for a :class:`Segments` pattern (the form the CP ops use), or
+    ``out`` alone with ``return_lse=False`` (faster backward when lse is not needed).
 
     Build ``segments`` once per micro-batch and pass the same object to every layer: the kernel
     plans are cached on it.
     """
     scale = softmax_scale_or_default(softmax_scale, q)
     _check_shapes(q, k, v, segments)
-    return _LocalAttention.apply(q, k, v, segments, scale, resolve_backend(backend, q))
+    return _LocalAttention.apply(q, k, v, segments, scale, resolve_backend(backend, q), return_lse)
 
 
 def local_attention(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, softmax_scale=None,
@@ -240,5 +246,5 @@ def local_attention(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, softmax_s
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
         cu_q = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_kv
         segments = Segments.from_cu_seqlens(cu_q, cu_seqlens_kv if cu_seqlens_kv is not None else cu_q)
-    out, lse = segment_attention(q, k, v, segments=segments, softmax_scale=softmax_scale, backend=backend)
-    return (out, lse) if return_lse else out
+    return segment_attention(q, k, v, segments=segments, softmax_scale=softmax_scale, backend=backend,
+                             return_lse=return_lse)

@@ -84,8 +84,8 @@ class KernelsCoreAttention(MegatronModule):
                                              softmax_scale=self.softmax_scale, backend=self.backend,
                                              **self.cp_groups)
         else:
-            out, _ = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
-                                       backend=self.backend)
+            out = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
+                                    backend=self.backend, return_lse=False)
         if thd:
             return out.squeeze(0).flatten(-2)
         return out.transpose(0, 1).flatten(-2)
