@@ -302,8 +302,7 @@ def _log_choice(requested: str, chosen: str, device: str) -> None:
     logger.info("kernels.local_attention: backend=%r -> %s on %s", requested, chosen, device)
 
 
-def _have_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None  # once: find_spec breaks compiled graphs
 
 
 def _flash_fits(q) -> bool:
@@ -318,7 +317,7 @@ def _best_sdpa(q) -> str:
 
 
 def _best(q) -> str:
-    return "flash_attn" if q.is_cuda and _flash_fits(q) and _have_flash_attn() else _best_sdpa(q)
+    return "flash_attn" if q.is_cuda and _flash_fits(q) and HAVE_FLASH_ATTN else _best_sdpa(q)
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:

@@ -1,5 +1,4 @@
 """``model.compile``: each layer compiled as one graph (no breaks), training as eager does."""
-import pytest
 import torch
 
 from dit_mcore.training.trainer import Trainer
@@ -19,8 +18,12 @@ def test_a_layer_compiles_to_one_graph():
     _quiet_default_tp_group()
     cfg = preset("tiny")
     layer = build_model(cfg).layers[0]
-    explained = torch._dynamo.explain(layer)(torch.randn(16, 2, cfg.hidden_size, requires_grad=True),
-                                             Conditioning(torch.randn(2, cfg.hidden_size)))
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # fused GPU kernels need half
+    layer = layer.to(dtype)
+    device = next(layer.parameters()).device
+    explained = torch._dynamo.explain(layer)(
+        torch.randn(16, 2, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True),
+        Conditioning(torch.randn(2, cfg.hidden_size, device=device, dtype=dtype)))
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
 
 

@@ -38,9 +38,11 @@ def test_pretrain_xl_on_mock_latents_50_steps(tmp_path):
     cmd = [sys.executable, "recipes/pretrain_xl.py", "--yes", "--factory", "pretrain_xl", "data.name=mock",
            "trainer.max_steps=50", "data.global_batch_size=32", "data.micro_batch_size=32", "log.log_interval=10",
            "log.samples_per_class=1", "diffusion.sample_steps=4", f"log.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    # A fresh single-process run: not the launch variables this pytest process set for its own world.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 50 and all(torch.isfinite(torch.tensor(m["loss"])) for m in lines)
