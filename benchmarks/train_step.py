@@ -81,9 +81,9 @@ def make_steps(ours, theirs, x0, t, y):
 
 
 def compile_layers(ours, theirs) -> None:
-    """Regional compile: every transformer layer of both models, in place."""
-    for layer in ours.layers:
-        layer.compile()
+    """Regional compile: every transformer layer of both models, in place (ours through its own
+    ``compile_layers``, what ``model.compile=True`` runs)."""
+    ours.compile_layers()
     for block in theirs.transformer_blocks:
         block.compile()
 

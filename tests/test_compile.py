@@ -19,8 +19,8 @@ def test_a_layer_compiles_to_one_graph():
     cfg = preset("tiny")
     layer = build_model(cfg).layers[0]
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # fused GPU kernels need half
-    layer = layer.to(dtype)
-    device = next(layer.parameters()).device
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = layer.to(device, dtype)  # built outside a trainer: megatron's linears on the GPU, the rest on the host
     explained = torch._dynamo.explain(layer)(
         torch.randn(16, 2, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True),
         Conditioning(torch.randn(2, cfg.hidden_size, device=device, dtype=dtype)))
