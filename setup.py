@@ -31,5 +31,6 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
         "test": ["pytest", "diffusers", "transformers", "safetensors"],
+        "bench": ["matplotlib", "diffusers"],  # benchmarks/throughput.py plots, the diffusers side by side
     },
 )

@@ -1,0 +1,222 @@
+"""Training throughput grid through the real trainer, on mock data: images/s, tokens/s, model
+TFLOPS per GPU, MFU and peak memory per point, one JSON line each, plus PNG plots.
+
+A point is one (preset, data shape, micro-batch, recompute, compile, precision); each is built as a
+``Trainer`` on ``data.name=mock`` (dense image latents of ``--image-sizes``, or packed video-like
+sequences of ``--packed-lens`` tokens), warmed up, then timed over ``--steps`` optimizer steps
+(each step already ends on the host: the logged loss). FLOPs come from the trainer's own count
+(``dit_mcore.training.flops``). ``--autotune`` replaces each point's batch by the largest that
+fits (doubling, then bisecting on out-of-memory). ``--diffusers`` adds diffusers'
+``DiTTransformer2DModel`` side by side for dense points (``benchmarks/train_step.py``'s pair: same
+weights, batch, precision), with the ratio.
+
+    python benchmarks/throughput.py --presets tiny --image-sizes 8 --batches 4 --steps 2   # CPU smoke
+    python benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 32,64,128 \\
+        --compile 0,1 --dtype bf16 --diffusers                                              # one GPU
+    python benchmarks/throughput.py --presets DiT-XL/2 --packed-lens 4096,8192 --batches 1,2 \\
+        --recompute none,selective --compile 1 --dtype bf16 --autotune
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu-{platform.machine()}"
+
+
+def run_config(point: dict, run_dir: str):
+    """The ``RunConfig`` of one grid point (mock data, no checkpoints, no previews)."""
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
+                                           RunConfig, TrainerConfig)
+    side, packed_len, batch = point["image_size"], point["packed_len"], point["batch"]
+    if packed_len:  # video-like samples of 1/4/8 frames of 32x32 latents (patch 2: 256 tokens per frame)
+        data = DataConfig(name="mock", image_size=32, mock_latent_shapes=[[1, 32, 32], [4, 32, 32], [8, 32, 32]],
+                          max_seq_len=packed_len, global_batch_size=batch, micro_batch_size=batch)
+    else:
+        data = DataConfig(name="mock", image_size=side, global_batch_size=batch, micro_batch_size=batch)
+    return RunConfig(
+        model=ModelConfig(preset=point["preset"], input_size=32 if packed_len else side, compile=point["compile"],
+                          **RECOMPUTE[point["recompute"]]),
+        data=data,
+        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"),
+        diffusion=DiffusionConfig(objective="flow"),
+        trainer=TrainerConfig(max_steps=10 ** 6, bf16=point["dtype"] == "bf16", save_interval=10 ** 6),
+        log=LogConfig(dir=run_dir, log_interval=10 ** 6, sample_interval=0, tensorboard=False, progress_bar=False),
+        parallel=ParallelConfig())
+
+
+def measure(point: dict, warmup: int, steps: int, peak_override: float | None = None) -> dict:
+    """Build the trainer for ``point`` and time ``steps`` steps after ``warmup``."""
+    from dit_mcore.training.flops import peak_tflops
+    from dit_mcore.training.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(run_config(point, run_dir))
+        cuda = trainer.device.type == "cuda"
+        for _ in range(warmup):
+            trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        history = [trainer.train_step() for _ in range(steps)]  # each step ends on the host (its loss)
+        elapsed = time.perf_counter() - start
+        world = torch.distributed.get_world_size()
+        samples, tokens = sum(h["samples"] for h in history), sum(h["tokens"] for h in history)
+        tflops = sum(h["model_flops"] for h in history) / elapsed / world / 1e12
+        peak = peak_tflops(trainer.device, point["dtype"], peak_override)
+        result = {**point, "device": device_name(), "world_size": world, "step_s": elapsed / steps,
+                  "images_per_s": samples / elapsed, "tokens_per_s_per_gpu": tokens / elapsed / world,
+                  "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
+                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+        del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def fits(point: dict) -> bool:
+    try:
+        measure(point, warmup=1, steps=1)
+        return True
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return False
+
+
+def autotune(point: dict, limit: int = 4096) -> int:
+    """The largest batch that fits: double from the point's batch, then bisect."""
+    lo, hi = 0, point["batch"]
+    while hi <= limit and fits({**point, "batch": hi}):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1 and lo:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits({**point, "batch": mid}) else (lo, mid)
+    if not lo:
+        raise RuntimeError(f"batch {point['batch']} does not fit for {point}; start lower")
+    return lo
+
+
+def diffusers_side_by_side(point: dict, steps: int) -> dict:
+    """diffusers' DiT vs ours on the same weights and batch (the pair of ``train_step.py``)."""
+    import train_step
+    args = ["--preset", point["preset"], "--batch", str(point["batch"]), "--size", str(point["image_size"]),
+            "--dtype", point["dtype"], "--rounds", "3", "--steps", str(max(steps // 3, 1)),
+            "--out", str(Path(tempfile.gettempdir()) / "train_step_side_by_side.json")]
+    if point["compile"]:
+        args.append("--compile")
+    r = train_step.main(args)
+    return {"diffusers_images_per_s": r["images_per_s"]["diffusers"], "model_only_images_per_s": r["images_per_s"]["ours"],
+            "ratio_over_diffusers": r["ratio_ours_over_diffusers"]}
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    """Throughput and MFU against batch (one line per preset x shape x compile x recompute)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    paths = []
+    for metric, label in (("images_per_s", "images/s"), ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"])  # noqa: E731
+        for k, group in itertools.groupby(sorted(rows, key=key), key=key):
+            group = sorted(group, key=lambda r: r["batch"])
+            if any(r[metric] is None for r in group):
+                continue
+            shape = f"packed {k[1]}" if group[0]["packed_len"] else f"{k[1]}x{k[1]}"
+            ax.plot([r["batch"] for r in group], [r[metric] for r in group], marker="o",
+                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batch")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} on {device_name()}")
+        ax.legend(fontsize=7)
+        path = out.with_name(f"{out.stem}_{metric}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _list(text: str, cast=str) -> list:
+    return [cast(x) for x in text.split(",") if x != ""]
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="DiT-XL/2")
+    p.add_argument("--image-sizes", default="32", help="dense latent sides (32 = 256px images)")
+    p.add_argument("--packed-lens", default="", help="packed video-like sequence lengths (tokens)")
+    p.add_argument("--batches", default="32")
+    p.add_argument("--recompute", default="none", help=f"any of {','.join(RECOMPUTE)}")
+    p.add_argument("--compile", default="0", help="0, 1 or 0,1")
+    p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="device peak for MFU (default: the GPU table; CPU: none unless given)")
+    p.add_argument("--autotune", action="store_true", help="the largest micro-batch that fits, per point")
+    p.add_argument("--diffusers", action="store_true", help="diffusers' DiT side by side on dense points")
+    p.add_argument("--out", default=None, help="JSON lines (default benchmarks/results/throughput_<device>.jsonl)")
+    args = p.parse_args(argv)
+
+    shapes = [{"image_size": s, "packed_len": None} for s in _list(args.image_sizes, int)] + \
+             [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
+    points = [{"preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype}
+              for preset, shape, batch, rc, c in itertools.product(
+                  _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile))]
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+        f"throughput_{device_name().replace(' ', '_').replace('/', '_')}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = []
+    with out.open("w") as f:
+        for point in points:
+            if args.autotune:
+                point = {**point, "batch": autotune(point)}
+            row = {**measure(point, args.warmup, args.steps, args.peak_tflops), "command": command,
+                   "autotuned": args.autotune}
+            if args.diffusers and not point["packed_len"]:
+                row.update(diffusers_side_by_side(point, args.steps))
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+            ratio = f" | {row['ratio_over_diffusers']:.2f}x diffusers" if "ratio_over_diffusers" in row else ""
+            shape = f"packed {point['packed_len']}" if point["packed_len"] else f"{point['image_size']}x{point['image_size']}"
+            print(f"{point['preset']} {shape} batch {point['batch']} recompute={point['recompute']} "
+                  f"compile={int(point['compile'])} {point['dtype']}: {row['images_per_s']:.1f} img/s | "
+                  f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
+                  f"MFU {mfu}{ratio}", flush=True)
+    for path in plot(rows, out):
+        print("plot:", path)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

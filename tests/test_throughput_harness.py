@@ -1,0 +1,37 @@
+"""benchmarks/throughput.py on CPU: one JSON line per point whose rates follow from its timing and
+the trainer's FLOPs count; the autotuner finds the largest batch that fits."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import throughput  # noqa: E402
+
+
+def test_grid_writes_one_consistent_line_per_point(tmp_path):
+    from dit_mcore.config import preset
+    from dit_mcore.training.flops import dit_flops
+
+    out = tmp_path / "tp.jsonl"
+    throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2,4", "--steps", "2", "--warmup", "1",
+                     "--peak-tflops", "0.5", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [2, 4]
+    cfg = preset("tiny")
+    for r in rows:
+        assert r["images_per_s"] == pytest.approx(r["batch"] / r["step_s"])
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["images_per_s"] * 16)  # 8x8 latents, patch 2
+        flops = dit_flops(cfg, [16] * r["batch"]).model
+        assert r["tflops_per_gpu"] == pytest.approx(flops / r["step_s"] / 1e12, rel=1e-5)
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5)
+        assert r["command"].startswith("python benchmarks/throughput.py")
+
+
+def test_autotune_finds_the_largest_batch_that_fits(monkeypatch):
+    monkeypatch.setattr(throughput, "fits", lambda point: point["batch"] <= 37)
+    assert throughput.autotune({"batch": 4}) == 37
+    assert throughput.autotune({"batch": 37}) == 37
+    with pytest.raises(RuntimeError, match="does not fit"):
+        throughput.autotune({"batch": 64})
