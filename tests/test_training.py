@@ -1,5 +1,6 @@
 """Trainer: exact resume, data-parallel equivalence, checkpoint contents, run-directory outputs."""
 import json
+import math
 
 import pytest
 import torch
@@ -126,3 +127,18 @@ def test_tensor_parallel_matches_single_process_and_reshards_to_one_rank(tmp_pat
     resumed = Trainer(tiny_run(tmp_path / "tp", max_steps=4))
     assert resumed.step == 3
     torch.testing.assert_close(torch.tensor(losses(resumed.fit())), torch.tensor(single[3:]), rtol=1e-5, atol=1e-6)
+
+
+def test_an_moe_run_after_another_moe_model_in_the_same_process(tmp_path):
+    """megatron keeps MoE state per process (router-loss tracker, aux-loss scale); a shallower MoE
+    model run outside the trainer first must not break a deeper MoE run after it."""
+    from dit_mcore.config import preset
+    from dit_mcore.models import build_model
+
+    Trainer(tiny_run(tmp_path / "init", max_steps=2))  # a megatron world for the bare model
+    shallow = build_model(preset("tiny", num_layers=1, num_moe_experts=2, moe_router_topk=2))
+    x = torch.randn(16, 2, preset("tiny").patch_dim)
+    shallow(x, torch.tensor([1.0, 2.0]), torch.tensor([0, 1]), grid=(1, 4, 4)).sum().backward()
+    cfg = tiny_run(tmp_path / "deep", max_steps=2)
+    cfg.model.num_layers, cfg.model.num_moe_experts, cfg.model.moe_router_topk = 3, 2, 2
+    assert all(math.isfinite(h["loss"]) for h in Trainer(cfg).fit())

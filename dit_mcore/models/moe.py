@@ -49,6 +49,16 @@ class LayoutInvariantRouter(TopKRouter):
             reduce_group_has_dp=reduce_group_has_dp, valid_token_count=self.samples)
 
 
+def reset_moe_state() -> None:
+    """Forget megatron's process-global MoE state left by an earlier model in this process: the
+    router-loss tracker (sized by the first MoE model that logged into it; a deeper model would
+    index past it) and the aux-loss gradient scale (a 0-d tensor after a backward outside
+    megatron's schedules, which the schedules' ``copy_`` of a 1-element scale then rejects)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
+    get_moe_layer_wise_logging_tracker().clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def moe_spec(column_linear, num_experts: int, *, grouped_gemm: bool = False) -> ModuleSpec:
     """megatron's ``MoELayer`` spec for the backend of ``column_linear`` (local experts run one
     after another; Transformer Engine's grouped GEMM with ``grouped_gemm``)."""

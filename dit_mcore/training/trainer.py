@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.models.adapter import prediction, to_model_layout
+from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.parallel.initialize import initialize_distributed, run_device
@@ -75,6 +76,8 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = cfg.data.num_microbatches(self.dp_size)
         self.objective = build_objective(cfg.diffusion.objective)
+        if self.model_config.num_moe_experts:
+            reset_moe_state()
 
         # This rank's pipeline chunks (one without VPP) and the EMA shadow; with
         # model.init_model_with_meta_device both start on the meta device and are filled part by
