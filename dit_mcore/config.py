@@ -103,7 +103,8 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
     need(cfg.num_attention_heads > 0, f"model.num_attention_heads={cfg.num_attention_heads}: must be > 0")
     need(cfg.hidden_size % 4 == 0 and cfg.hidden_size % cfg.num_attention_heads == 0,
          f"model.hidden_size={cfg.hidden_size}, model.num_attention_heads={cfg.num_attention_heads}: the width must "
-         f"divide by the heads and by 4 (2D sin-cos positions); {_width_fix(cfg.hidden_size, cfg.num_attention_heads)}")
+         f"divide by the heads and by 4 (2D sin-cos positions); "
+         f"{_width_fix(cfg.hidden_size, cfg.num_attention_heads, cfg.tensor_model_parallel_size)}")
     need(cfg.patch_size >= 1, f"model.patch_size={cfg.patch_size}: must be >= 1")
     need(cfg.patch_size_t >= 1, f"model.patch_size_t={cfg.patch_size_t}: must be >= 1")
     need(cfg.input_size % cfg.patch_size == 0,
@@ -116,13 +117,21 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")
 
 
-def _width_fix(hidden: int, heads: int) -> str:
-    """A head count or a width that satisfies the width rules, whichever is nearer."""
-    fits = [h for h in range(1, hidden + 1) if hidden % h == 0] if hidden % 4 == 0 else []
-    step = math.lcm(heads, 4)
-    wider = -(-hidden // step) * step
-    options = ([f"model.num_attention_heads={min(fits, key=lambda h: (abs(h - heads), h))}"] if fits else []) \
-        + [f"model.hidden_size={wider}"]
+def _width_fix(hidden: int, heads: int, tp: int = 1) -> str:
+    """Head counts or widths that satisfy the width rules and split over ``tp`` tensor-parallel
+    ranks (heads divisible by TP), nearest first."""
+    def wider(h: int) -> int:
+        step = math.lcm(h, 4)
+        return -(-hidden // step) * step
+
+    fits = [h for h in range(tp, hidden + 1, tp) if hidden % h == 0] if hidden % 4 == 0 else []
+    options = [f"model.num_attention_heads={min(fits, key=lambda h: (abs(h - heads), h))}"] if fits else []
+    if heads % tp == 0:
+        options.append(f"model.hidden_size={wider(heads)}")
+    else:  # the heads must change anyway: the nearest count TP divides, with a width that fits it
+        near = max(tp, round(heads / tp) * tp)
+        if wider(near) != hidden:
+            options.append(f"model.num_attention_heads={near} with model.hidden_size={wider(near)}")
     return "set " + " or ".join(options)
 
 

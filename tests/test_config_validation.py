@@ -62,6 +62,14 @@ def test_the_suggested_fix_passes_every_check():
         preset("tiny", num_attention_heads=3)
     for fix in (dict(num_attention_heads=2), dict(num_attention_heads=3, hidden_size=72)):
         preset("tiny", **fix)
+    # Under tensor parallelism every suggested head count must split over the TP ranks.
+    with pytest.raises(ConfigError, match=r"set model.num_attention_heads=4$"):
+        preset("tiny", hidden_size=32, num_attention_heads=3, tensor_model_parallel_size=4)
+    with pytest.raises(ConfigError, match="set model.num_attention_heads=4 with model.hidden_size=32$"):
+        preset("tiny", hidden_size=30, num_attention_heads=3, tensor_model_parallel_size=2)
+    for fix in (dict(hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=4),
+                dict(hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)):
+        preset("tiny", **fix)
 
 
 def test_all_problems_are_reported_at_once_and_nothing_is_written(tmp_path):
