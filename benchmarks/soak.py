@@ -13,6 +13,9 @@ reference run of the same command that is never interrupted:
 Pass: the final checkpoints hold bitwise equal tensors (weights, EMA, optimizer state), and the
 per-step losses in ``metrics.jsonl`` equal the reference's at every step -- a batch lost, repeated
 or reordered by a restart would change them (the losses are keyed by the step's samples and noise).
+Each restart must resume from the newest intact checkpoint present when it starts (never from step
+0 over checkpoints), each SIGTERM must end in the preempted exit code (75), and the ``faults`` soak
+must actually have met its faults (unreadable samples skipped, the non-finite step skipped).
 Prints a table: faults injected, survived, steps (batches) lost and processes left behind by the
 killed runs (loader workers, checkpoint writers: both must be 0).
 
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -43,8 +47,19 @@ def command(run_dir: Path, steps: int, data_path: str | None, nan_step: int | No
     if data_path:
         args += [f"data.path={data_path}", "data.max_seq_len=16", "data.packing=False",
                  "data.global_batch_size=8", "data.micro_batch_size=8"]
-    child = [sys.executable, __file__, "--child"] + ([f"--nan-step={nan_step}"] if nan_step else []) + ["--"]
+    child = [sys.executable, __file__, "--child", f"--step-delay={STEP_DELAY_S}"] + \
+        ([f"--nan-step={nan_step}"] if nan_step else []) + ["--"]
     return child + ["--yes", "--factory", "pretrain_tiny", *args]
+
+
+STEP_DELAY_S = 0.1  # the tiny model steps in milliseconds: slow it so kills land mid-run, not after it
+_STEP_LINE = re.compile(r"step\s+\d+/\d+ \|")
+
+
+def _wait_until_training(proc, log_path: Path) -> None:
+    """Until the run logs its first step (so it has resumed and rewritten metrics.jsonl) or ends."""
+    while proc.poll() is None and not _STEP_LINE.search(log_path.read_text(errors="replace")):
+        time.sleep(0.02)
 
 
 def _env(workdir: Path) -> dict:
@@ -61,9 +76,24 @@ def _progress(run_dir: Path) -> int:
         return 0
 
 
-def run_to_end(cmd, workdir) -> int:
-    return subprocess.run(cmd, cwd=workdir, env=_env(workdir), stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900).returncode
+def newest_intact_step(run_dir: Path) -> int:
+    """The step of the newest intact checkpoint (0 if none): what a restart must resume from."""
+    sys.path.insert(0, str(REPO))
+    from dit_mcore.training.checkpoint import checkpoint_problem
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if not checkpoint_problem(p)]
+    return max(steps, default=0)
+
+
+def resumed_step(log_path: Path) -> int:
+    """The step a run's log says it resumed at (0: it started fresh)."""
+    match = re.search(r"resumed from \S+ at step (\d+)", log_path.read_text(errors="replace"))
+    return int(match.group(1)) if match else 0
+
+
+def run_to_end(cmd, workdir, log_path: Path) -> int:
+    with log_path.open("w") as out:
+        return subprocess.run(cmd, cwd=workdir, env=_env(workdir), stdin=subprocess.DEVNULL,
+                              stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
 
 
 def interrupted_run(cmd, workdir, run_dir: Path, steps: int, faults: int, rng: random.Random,
@@ -71,10 +101,14 @@ def interrupted_run(cmd, workdir, run_dir: Path, steps: int, faults: int, rng: r
     """Start ``cmd``, stop it at a random step ``faults`` times, then let it finish."""
     events = []
     for i in range(faults):
-        proc = subprocess.Popen(cmd, cwd=workdir, env=_env(workdir), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        start = _progress(run_dir)
-        target = rng.randint(min(start + 1, steps - 1), steps - 1)
+        expected_resume, log_path = newest_intact_step(run_dir), run_dir.with_name(f"{run_dir.name}_run{i}.log")
+        with log_path.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=workdir, env=_env(workdir), stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT)
+        _wait_until_training(proc, log_path)
+        # A kill lands up to ~3 steps after its target (the random delay below): keep it inside the loop.
+        last = steps - 4
+        target = rng.randint(min(expected_resume + 1, last), last)
         while proc.poll() is None and _progress(run_dir) < target:
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))  # lands inside a save now and then
@@ -82,12 +116,15 @@ def interrupted_run(cmd, workdir, run_dir: Path, steps: int, faults: int, rng: r
         if proc.poll() is None:
             proc.send_signal(sig)
         rc = proc.wait(timeout=300)
-        event = {"fault": signal.Signals(sig).name, "at_step": _progress(run_dir), "exit": rc}
+        event = {"fault": signal.Signals(sig).name, "at_step": _progress(run_dir), "exit": rc,
+                 "resumed_at": resumed_step(log_path), "expected_resume": expected_resume}
         if delete_latest_after == i and (run_dir / "checkpoints" / "latest").exists():
             (run_dir / "checkpoints" / "latest").unlink()
             event["fault"] += "+deleted latest"
         events.append(event)
-    events.append({"fault": "none (final run)", "at_step": steps, "exit": run_to_end(cmd, workdir)})
+    expected_resume, log_path = newest_intact_step(run_dir), run_dir.with_name(f"{run_dir.name}_final.log")
+    events.append({"fault": "none (final run)", "at_step": steps, "exit": run_to_end(cmd, workdir, log_path),
+                   "resumed_at": resumed_step(log_path), "expected_resume": expected_resume})
     return events
 
 
@@ -127,7 +164,8 @@ def soak(name: str, workdir: Path, steps: int, faults: int, seed: int, *, data_p
          delete_latest_after=None) -> dict:
     import torch
     ref_dir, soak_dir = workdir / f"{name}_reference", workdir / f"{name}_soak"
-    assert run_to_end(command(ref_dir, steps, data_path, nan_step), workdir) == 0, "reference run failed"
+    assert run_to_end(command(ref_dir, steps, data_path, nan_step), workdir,
+                      workdir / f"{name}_reference.log") == 0, "reference run failed"
     events = interrupted_run(command(soak_dir, steps, data_path, nan_step), workdir, soak_dir, steps, faults,
                              random.Random(seed), delete_latest_after)
     ref, got = final_tensors(ref_dir, steps), final_tensors(soak_dir, steps)
@@ -137,10 +175,18 @@ def soak(name: str, workdir: Path, steps: int, faults: int, seed: int, *, data_p
                                                                               and got_loss.get(s) != got_loss.get(s)))
     injected = faults + (nan_step is not None) + (data_path is not None) + (delete_latest_after is not None)
     orphans = leftover_processes(workdir.resolve())
-    ok = events[-1]["exit"] == 0 and bitwise and lost == 0 and not orphans
+    wrong_resumes = [e for e in events if e["resumed_at"] != e["expected_resume"]]
+    sigterm_codes = [e["exit"] for e in events if e["fault"].startswith("SIGTERM")]
+    last = json.loads((soak_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    faults_met = data_path is None or last.get("skipped_samples", 0) > 0
+    faults_met &= nan_step is None or last.get("skipped_steps", 0) >= 1
+    ok = (events[-1]["exit"] == 0 and bitwise and lost == 0 and not orphans and not wrong_resumes
+          and all(code == 75 for code in sigterm_codes) and faults_met)
     return {"soak": name, "faults_injected": injected, "survived": injected if ok else 0,
             "final_exit": events[-1]["exit"], "bitwise_equal": bitwise, "steps_lost": lost,
-            "processes_left": orphans, "events": events}
+            "processes_left": orphans, "wrong_resumes": wrong_resumes, "sigterm_exit_codes": sigterm_codes,
+            "faults_met": faults_met, "skipped_samples": last.get("skipped_samples"),
+            "skipped_steps": last.get("skipped_steps"), "events": events}
 
 
 def corrupt_dataset(workdir: Path) -> str:
@@ -160,11 +206,19 @@ def child(argv) -> int:
     """The training command, with a non-finite loss injected at ``--nan-step`` (soak ``faults``)."""
     p = argparse.ArgumentParser()
     p.add_argument("--nan-step", type=int, default=None)
+    p.add_argument("--step-delay", type=float, default=0.0)
     args, rest = p.parse_known_args(argv)
     sys.argv = [str(SCRIPT), *[a for a in rest if a != "--"]]
     sys.path.insert(0, str(REPO))
+    from dit_mcore.training.trainer import Trainer
+    if args.step_delay:
+        train_step = Trainer.train_step
+
+        def slowed(self):
+            time.sleep(args.step_delay)
+            return train_step(self)
+        Trainer.train_step = slowed
     if args.nan_step:
-        from dit_mcore.training.trainer import Trainer
         loss = Trainer._loss
 
         def poisoned(self, inputs, batch, output):

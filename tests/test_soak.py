@@ -14,4 +14,7 @@ def test_short_soak_loses_nothing(tmp_path):
         assert row["final_exit"] == 0, row
         assert row["bitwise_equal"] and row["steps_lost"] == 0, row
         assert not row["processes_left"], row  # nothing of a killed run outlives it
+        assert not row["wrong_resumes"], row  # every restart resumed from the newest intact checkpoint
+        assert all(code == 75 for code in row["sigterm_exit_codes"]), row
+        assert row["faults_met"], row  # the faults soak skipped unreadable samples and the NaN step
         assert row["survived"] == row["faults_injected"] >= 3, row
