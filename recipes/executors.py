@@ -1,8 +1,9 @@
 """Named executors for ``run.executor=<name>``; any field is then overridable as
 ``run.executor.<field>=...`` (e.g. ``run.executor.nodes=4 run.executor.account=abc``).
 
-Both launch the task with torchrun. Without ``run.executor`` the recipes run in-process (see
-``recipes/pretrain_xl.py``)."""
+``local`` launches the task with torchrun; ``slurm`` has ``srun`` start one task per GPU itself (no
+torchrun agent, which Slurm's preemption signal would kill). Without ``run.executor`` the recipes
+run in-process (see ``recipes/pretrain_xl.py``)."""
 
 import os
 from pathlib import Path
@@ -29,21 +30,24 @@ def local(ntasks_per_node: int = 1) -> run.LocalExecutor:
 def slurm(account: str = "my_account", partition: str = "batch", nodes: int = 1, gpus_per_node: int = 8,
           time: str = "04:00:00", container_image: str = "dit-mcore:latest",
           job_dir: str = "nemo_slurm_jobs", preempt_signal_s: int = 120) -> run.SlurmExecutor:
-    """An sbatch job: ``nodes`` x ``gpus_per_node`` torchrun workers in ``container_image`` (pyxis).
+    """An sbatch job: ``nodes`` x ``gpus_per_node`` tasks in ``container_image`` (pyxis), one per GPU,
+    started by ``srun`` (``dit_mcore.parallel.initialize.adopt_slurm_launch`` turns Slurm's task ids
+    into torch.distributed's ranks).
 
     The code comes from the image (see the Dockerfile), so nothing is packaged. The job is submitted
     from this machine (``sbatch`` on PATH); to submit over SSH, override
     ``run.executor.tunnel=...`` or build an executor with ``run.SSHTunnel`` in your own factory.
     ``job_dir`` (relative to the launch directory) holds the job's scripts and logs and is mounted
-    into the container. torchrun's processes per node follow ``gpus_per_node`` (see ``recipes.launch``).
+    into the container.
 
-    Preemption: Slurm sends SIGUSR1 ``preempt_signal_s`` seconds before the time limit; the run then
-    saves, requeues the job (``--requeue``) and exits, and the requeued job resumes with the same
-    command (see ``dit_mcore.training.preemption``).
+    Preemption: Slurm sends SIGUSR1 ``preempt_signal_s`` seconds before the time limit to every task;
+    the run then saves, requeues the job (``--requeue``) and exits, and the requeued job resumes with
+    the same command (see ``dit_mcore.training.preemption``). No torchrun agent sits in between: its
+    default action on SIGUSR1 is to die, and the step with it, while the trainers are still saving.
     """
-    return run.SlurmExecutor(account=account, partition=partition, nodes=nodes, ntasks_per_node=1,
+    return run.SlurmExecutor(account=account, partition=partition, nodes=nodes, ntasks_per_node=gpus_per_node,
                              gpus_per_node=gpus_per_node, time=time, container_image=container_image,
-                             exclusive=True, mem="0", launcher="torchrun", env_vars=dict(_GPU_ENV),
+                             exclusive=True, mem="0", launcher=None, env_vars=dict(_GPU_ENV),
                              tunnel=run.LocalTunnel(job_dir=os.path.abspath(job_dir)), packager=run.Packager(),
                              signal=f"USR1@{preempt_signal_s}",
                              additional_parameters={"requeue": True})

@@ -39,7 +39,8 @@ class RecordExperiment(run.Plugin):
 @dataclass(kw_only=True)
 class CheckedRunContext(run.cli.RunContext):
     """RunContext that records how far the command got, renders the scheduler request on
-    ``--dryrun`` and derives torchrun's processes per node for Slurm from ``gpus_per_node``."""
+    ``--dryrun`` and derives Slurm's tasks per node (or torchrun's processes per node, under torchrun)
+    from ``gpus_per_node``."""
 
     def __post_init__(self):
         _STATE.clear()
@@ -47,7 +48,10 @@ class CheckedRunContext(run.cli.RunContext):
 
     def parse_args(self, args, lazy: bool = False):
         rest = super().parse_args(args, lazy)
-        if isinstance(self.executor, run.SlurmExecutor) and not self.executor.torchrun_nproc_per_node:
+        if isinstance(self.executor, run.SlurmExecutor) and self.executor.launcher is None:
+            # srun starts one task per GPU (run.executor.gpus_per_node may be overridden after the factory).
+            self.executor.ntasks_per_node = self.executor.gpus_per_node or 1
+        elif isinstance(self.executor, run.SlurmExecutor) and not self.executor.torchrun_nproc_per_node:
             # nemo-run would otherwise set it from ntasks_per_node (1 under torchrun) on launch.
             self.executor.torchrun_nproc_per_node = self.executor.gpus_per_node or 1
         if self.executor is not None:

@@ -80,15 +80,18 @@ def test_overrides_reach_every_section():
     assert (cfg.model.preset, cfg.optim.decay_style, cfg.trainer.ema_decay) == ("digits", "cosine", 0.998)
 
 
-def test_slurm_dryrun_renders_torchrun_sbatch(tmp_path):
+def test_slurm_dryrun_renders_an_srun_per_gpu_sbatch(tmp_path):
     rc, out = cli(["--dryrun", "--factory", "pretrain_tiny", f"log.dir={tmp_path / 'run'}", "run.executor=slurm",
                    "run.executor.nodes=2", "run.executor.gpus_per_node=4", "run.executor.account=acme"], tmp_path)
     assert rc == 0, out
     flat = " ".join(out.split())  # undo the console's line wrapping
-    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --account=acme",
-                 "--container-image dit-mcore:latest", "--nnodes 2 --nproc-per-node 4",
-                 "-m nemo_run.core.runners.fdl_runner", "#SBATCH --requeue", "#SBATCH --signal=USR1@120"):
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --ntasks-per-node=4",
+                 "#SBATCH --account=acme", "--container-image dit-mcore:latest",
+                 "python -m nemo_run.core.runners.fdl_runner", "#SBATCH --requeue", "#SBATCH --signal=USR1@120"):
         assert line in flat, line
+    # No torchrun agent between Slurm and the trainers: SIGUSR1 would kill it (and the step) mid-save.
+    script = flat[flat.index("#!/bin/bash"):]
+    assert "torchrun" not in script
     assert not (tmp_path / "run").exists()  # nothing trained
 
 

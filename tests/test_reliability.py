@@ -197,3 +197,28 @@ def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_pat
     import shutil
     shutil.rmtree(ckpts / "step_00000006")  # resume from the asynchronously written step 4
     assert run("async", True) == sync[4:]
+
+
+def test_tasks_started_by_srun_form_the_world_without_torchrun(tmp_path):
+    """The Slurm executor has srun start one task per GPU (no torchrun agent for SIGUSR1 to kill):
+    Slurm's task ids become the ranks, the step's first node the rendezvous host."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import torch, torch.distributed as dist\n"
+              "from dit_mcore.parallel.config import ParallelConfig\n"
+              "from dit_mcore.parallel.initialize import initialize_distributed\n"
+              "initialize_distributed(ParallelConfig(), 0)\n"
+              "t = torch.tensor([dist.get_rank() + 1.0]); dist.all_reduce(t)\n"
+              "print('world', dist.get_world_size(), 'rank', dist.get_rank(), 'sum', int(t.item()))\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    base.update(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=str(os.getpid()),
+                SLURM_STEP_TASKS_PER_NODE="2", PYTHONWARNINGS="ignore",
+                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for rank, out in enumerate(outs):
+        assert f"world 2 rank {rank} sum 3" in out, out[-2000:]

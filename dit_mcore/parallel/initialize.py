@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
+import subprocess
 
 import torch
 import torch.distributed as dist
@@ -20,9 +22,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list (``node[01-04,07]`` -> ``node01``)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    match = re.match(r"([^\[,]+)(?:\[([^\],-]+))?", nodelist)
+    return match.group(1) + (match.group(2) or "")
+
+
+def adopt_slurm_launch() -> None:
+    """Tasks started by ``srun`` itself (one per GPU, no torchrun agent in between: Slurm's
+    preemption signal then reaches the trainers directly) get torchrun's variables from Slurm's:
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from the step's task ids, the first node of the step as
+    ``MASTER_ADDR`` and a port derived from the job id. Nothing changes when ``RANK`` is already set
+    (torchrun) or outside an ``srun`` step."""
+    env = os.environ
+    if "RANK" in env or "SLURM_STEP_NUM_TASKS" not in env or "SLURM_PROCID" not in env:
+        return
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"],
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=env.get("SLURM_STEP_TASKS_PER_NODE", "1")
+               .split("(")[0].split(",")[0])
+    env.setdefault("MASTER_ADDR", _first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")))
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
 def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
     """Initialise torch.distributed (a 1-process group when not launched by torchrun), apply the
     CPU shims when there is no GPU, build megatron's model-parallel groups and seed RNGs."""
+    adopt_slurm_launch()
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         from dit_mcore.parallel.cpu_shims import apply_cpu_shims

@@ -28,7 +28,7 @@ from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
-from dit_mcore.parallel.initialize import initialize_distributed, run_device
+from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
@@ -47,7 +47,8 @@ log = logging.getLogger("dit_mcore.train")
 
 
 def _launched_world_size() -> int:
-    """Processes in this run (torchrun's ``WORLD_SIZE``; 1 for plain ``python``)."""
+    """Processes in this run (torchrun's or srun's ``WORLD_SIZE``; 1 for plain ``python``)."""
+    adopt_slurm_launch()
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
