@@ -114,6 +114,11 @@ def test_persistent_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000004"]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["skipped"] for x in lines][-3:] == [1.0, 1.0, 1.0]  # every sink sees the bad steps
+    # TensorBoard drops NaN points from its charts: they are marked on a chart of their own.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("nonfinite/loss")] == [5, 6, 7]
+    assert all(e.step < 5 for e in events.Scalars("train/loss"))
 
 
 def test_rotation_keeps_the_checkpoint_taken_before_a_skipped_step(tmp_path):
