@@ -227,3 +227,20 @@ def test_tasks_started_by_srun_form_the_world_without_torchrun(tmp_path):
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for rank, out in enumerate(outs):
         assert f"world 2 rank {rank} sum 3" in out, out[-2000:]
+
+
+def test_a_checkpoint_corrupt_in_place_falls_back_to_the_previous_one(tmp_path, caplog):
+    """Same sizes as the manifest says, but unreadable: reported by path, the previous one is used."""
+    trainer = Trainer(tiny_run(tmp_path, max_steps=6))
+    trainer.train_step()
+    trainer.train_step()
+    trainer.save()
+    trainer.train_step()
+    trainer.train_step()
+    newest = trainer.save()
+    for f in (newest / ".metadata", newest / "common.pt"):  # garbage of the same size
+        f.write_bytes(b"\x00" * f.stat().st_size)
+    with caplog.at_level(logging.WARNING):
+        resumed = Trainer(tiny_run(tmp_path, max_steps=6))
+    assert resumed.step == 2
+    assert f"checkpoint {newest} could not be loaded" in caplog.text

@@ -18,7 +18,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,27 +75,28 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     return None
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The newest intact ``step_*`` checkpoint under ``root``; None when there is none at all.
-    Newer broken ones are reported and passed over; only broken ones is an error."""
+def intact_checkpoints(root: str | os.PathLike) -> Iterator[Path]:
+    """The intact ``step_*`` checkpoints under ``root``, newest first (nothing when there are none).
+    Broken ones are reported and passed over; only broken ones is an error."""
     root = Path(root)
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    found = False
     for path in reversed(steps):
         problem = checkpoint_problem(path)
-        if problem is None:
-            break
-        log.warning("checkpoint %s is not usable: %s; trying the previous one", path, problem)
-    else:
-        if steps:
-            raise CheckpointError(f"no intact checkpoint in {root} ({len(steps)} step_* directories, all broken, "
-                                  "see the warnings above); move them away to start over, or restore one")
-        return None
-    marker = root / "latest"
-    hint = marker.read_text().strip() if marker.exists() else None
-    if hint != path.name:
-        log.warning("%s names %s, but the newest intact checkpoint is %s: resuming from it", marker,
-                    hint or "nothing (missing)", path.name)
-    return path
+        if problem is not None:
+            log.warning("checkpoint %s is not usable: %s; trying the previous one", path, problem)
+            continue
+        if not found:
+            marker = root / "latest"
+            hint = marker.read_text().strip() if marker.exists() else None
+            if hint != path.name:
+                log.warning("%s names %s, but the newest intact checkpoint is %s: resuming from it", marker,
+                            hint or "nothing (missing)", path.name)
+        found = True
+        yield path
+    if steps and not found:
+        raise CheckpointError(f"no intact checkpoint in {root} ({len(steps)} step_* directories, all broken, "
+                              "see the warnings above); move them away to start over, or restore one")
 
 
 def load_common(path: Path) -> dict:

@@ -168,9 +168,30 @@ class Trainer:
         return ckpt.architecture(self.model_config, self.cfg.model.family, self.cfg.model.preset)
 
     def _maybe_resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.ckpt_dir)
-        if path is None:
-            return
+        """Resume from the newest checkpoint that loads: one that passes the size check but fails
+        to load (corrupt in place) is reported and the previous one is tried, on every rank alike."""
+        from energon_data.loader import DataResumeError
+        tried = []
+        for path in ckpt.intact_checkpoints(self.ckpt_dir):
+            try:
+                self._resume_from(path)
+                error = None
+            except (ConfigError, DataResumeError):  # another model, another data layout: the user's call
+                raise
+            except Exception as e:  # noqa: BLE001 -- any load failure falls back to the previous one
+                error = e
+            failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if not failed.item():
+                return
+            log.warning("checkpoint %s could not be loaded (%s); trying the previous one", path,
+                        f"{type(error).__name__}: {error}" if error else "failed on another rank")
+            tried.append(path.name)
+        if tried:
+            raise ckpt.CheckpointError(f"no checkpoint in {self.ckpt_dir} could be loaded (tried {', '.join(tried)}, "
+                                       "see the warnings above); move them away to start over, or restore one")
+
+    def _resume_from(self, path: Path) -> None:
         # The common state tells the saved world size before any per-rank object is requested:
         # those from a different world would fail deep inside dist_checkpointing.
         common = ckpt.load_common(path)
