@@ -16,8 +16,6 @@ otherwise idle host cores.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
 import statistics
 import sys
@@ -26,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from results_io import device_name, write_result  # noqa: E402  (benchmarks/ is the script folder)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
             destroy_distributed()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu-{platform.machine()}"
+    name = device_name()
     ratio = results["sync"]["stall_s"] / max(results["async"]["stall_s"], 1e-9)
     blocking = results["sync"]["save_call_s"] / max(results["async"]["save_call_s"], 1e-9)
     result = {"device": name, "command": "python benchmarks/checkpoint_stall.py " + " ".join(argv or sys.argv[1:]),
@@ -114,10 +114,7 @@ def main(argv=None) -> dict:
           f"sync vs {results['async']['save_call_s']:.2f} s async ({blocking:.1f}x); total stall per save "
           f"(incl. steps slowed by the writer) {results['sync']['stall_s']:.2f} s vs {results['async']['stall_s']:.2f} s "
           f"({ratio:.2f}x); plain step {results['sync']['step_s']:.2f} s")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"checkpoint_stall_{name.replace(' ', '_').replace('/', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result("checkpoint_stall", result, args.out)
     return result
 
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+
+from results_io import device_name, result_path  # noqa: E402  (benchmarks/ is the script folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
@@ -168,8 +168,8 @@ def main(argv=None) -> list[dict]:
         ratio = r["bytes_sent_max_rank"] / r["analytic_bulk_bytes_max_rank"] if r["analytic_bulk_bytes_max_rank"] else 0
         print(f"{r['layout']:16s} {r['world']:5d} {r['step_s']:8.3f} {r['bytes_sent_max_rank'] / 1e6:9.3f} "
               f"{r['analytic_bulk_bytes_max_rank'] / 1e6:12.3f} {ratio:6.2f}")
-    device = f"cpu-{platform.machine()}" if not torch.cuda.is_available() else torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"parallel_step_{device.replace(' ', '_')}.json"
+    device = device_name()
+    out = result_path("parallel_step", args.out)
     out.write_text(json.dumps({"device": device, "command": "python benchmarks/parallel_step.py "
                                + " ".join(argv if argv is not None else sys.argv[1:]),
                                "model": {"hidden": HIDDEN, "heads": HEADS, "layers": LAYERS, "tokens_per_micro": SEQ,

@@ -106,17 +106,20 @@ def interrupted_run(cmd, workdir, run_dir: Path, steps: int, faults: int, rng: r
             proc = subprocess.Popen(cmd, cwd=workdir, env=_env(workdir), stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
         _wait_until_training(proc, log_path)
-        # A kill lands up to ~3 steps after its target (the random delay below): keep it inside the loop.
+        # A kill lands up to ~3 steps after its target (the random delay below): keep it inside the
+        # loop, and leave room for the faults still to come.
         last = steps - 4
-        target = rng.randint(min(expected_resume + 1, last), last)
+        span = max(1, (last - expected_resume) // (faults - i))
+        target = min(rng.randint(expected_resume + 1, expected_resume + span), last)
         while proc.poll() is None and _progress(run_dir) < target:
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))  # lands inside a save now and then
         sig = signal.SIGKILL if i % 2 == 0 else signal.SIGTERM
-        if proc.poll() is None:
+        delivered = proc.poll() is None
+        if delivered:
             proc.send_signal(sig)
         rc = proc.wait(timeout=300)
-        event = {"fault": signal.Signals(sig).name, "at_step": _progress(run_dir), "exit": rc,
+        event = {"fault": signal.Signals(sig).name, "delivered": delivered, "at_step": _progress(run_dir), "exit": rc,
                  "resumed_at": resumed_step(log_path), "expected_resume": expected_resume}
         if delete_latest_after == i and (run_dir / "checkpoints" / "latest").exists():
             (run_dir / "checkpoints" / "latest").unlink()
@@ -173,10 +176,11 @@ def soak(name: str, workdir: Path, steps: int, faults: int, seed: int, *, data_p
     ref_loss, got_loss = losses(ref_dir), losses(soak_dir)
     lost = sum(1 for s in ref_loss if got_loss.get(s) != ref_loss[s] and not (ref_loss[s] != ref_loss[s]
                                                                               and got_loss.get(s) != got_loss.get(s)))
-    injected = faults + (nan_step is not None) + (data_path is not None) + (delete_latest_after is not None)
+    injected = sum(e.get("delivered", False) for e in events) + (nan_step is not None) + (data_path is not None) \
+        + (delete_latest_after is not None)
     orphans = leftover_processes(workdir.resolve())
     wrong_resumes = [e for e in events if e["resumed_at"] != e["expected_resume"]]
-    sigterm_codes = [e["exit"] for e in events if e["fault"].startswith("SIGTERM")]
+    sigterm_codes = [e["exit"] for e in events if e["fault"].startswith("SIGTERM") and e["delivered"]]
     last = json.loads((soak_dir / "metrics.jsonl").read_text().splitlines()[-1])
     faults_met = data_path is None or last.get("skipped_samples", 0) > 0
     faults_met &= nan_step is None or last.get("skipped_steps", 0) >= 1

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from results_io import device_name, result_path  # noqa: E402  (benchmarks/ is the script folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,10 +38,6 @@ RECOMPUTE = {
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
-
-
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu-{platform.machine()}"
 
 
 def run_config(point: dict, run_dir: str):
@@ -190,9 +187,7 @@ def main(argv=None) -> list[dict]:
     points = [{"preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype}
               for preset, shape, batch, rc, c in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile))]
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
-        f"throughput_{device_name().replace(' ', '_').replace('/', '_')}.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
     with out.open("w") as f:

@@ -16,8 +16,6 @@ kernels over a few steps (what bounds the step) to the printout and the JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -25,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from results_io import device_name, write_result  # noqa: E402  (benchmarks/ is the script folder)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
         times["diffusers"].append(timed(theirs_step, args.steps, device))
     med = {k: statistics.median(v) for k, v in times.items()}
     ips = {k: args.batch / v for k, v in med.items()}
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu-{platform.machine()}"
+    name = device_name()
     result = {
         "device": name, "command": "python benchmarks/train_step.py " + " ".join(argv or sys.argv[1:]),
         "preset": args.preset, "batch": args.batch, "latent": [cfg.in_channels, args.size, args.size],
@@ -166,10 +166,7 @@ def main(argv=None) -> dict:
           f"{' compiled' if args.compile else ''} on {name}: "
           f"ours {ips['ours']:.1f} img/s, diffusers {ips['diffusers']:.1f} img/s, "
           f"ratio {result['ratio_ours_over_diffusers']:.2f}x")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"train_step_{name.replace(' ', '_').replace('/', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result("train_step", result, args.out)
     return result
 
 
