@@ -41,7 +41,7 @@ def format_line(step: int, max_steps: int, m: dict) -> str:
     line = (f"step {step:>7d}/{max_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
             f"lr {m['lr']:.3e} | {m['samples_per_s']:.1f} samples/s | {m['tokens_per_s']:.0f} tokens/s")
     if "tflops_per_gpu" in m:
-        line += f" | {m['tflops_per_gpu']:.1f} TFLOPS/GPU"
+        line += f" | {m['tflops_per_gpu']:.3g} TFLOPS/GPU"
     if "mfu" in m:
         line += f" | MFU {100 * m['mfu']:.1f}%"
     if m.get("skipped"):
