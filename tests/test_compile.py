@@ -1,29 +1,21 @@
 """``model.compile``: each layer compiled as one graph (no breaks), training as eager does."""
+import sys
+from pathlib import Path
+
 import torch
 
 from dit_mcore.training.trainer import Trainer
 from test_training import losses, tiny_run
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from compile_breaks import layer_graph_breaks  # noqa: E402
+
 
 def test_a_layer_compiles_to_one_graph():
-    import torch._dynamo
-
-    from dit_mcore.config import preset
-    from dit_mcore.models import build_model
-    from dit_mcore.models.layer_stack import _quiet_default_tp_group
-    from dit_mcore.models.modulation import Conditioning
     from megatron_env import single_process_world
 
     single_process_world()
-    _quiet_default_tp_group()
-    cfg = preset("tiny")
-    layer = build_model(cfg).layers[0]
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # fused GPU kernels need half
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layer = layer.to(device, dtype)  # built outside a trainer: megatron's linears on the GPU, the rest on the host
-    explained = torch._dynamo.explain(layer)(
-        torch.randn(16, 2, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True),
-        Conditioning(torch.randn(2, cfg.hidden_size, device=device, dtype=dtype)))
+    explained = layer_graph_breaks("tiny", tokens=16, samples=2)
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
 
 
