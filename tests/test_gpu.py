@@ -1,5 +1,4 @@
 """GPU checks: run only where CUDA is present (skipped on the CPU CI, which has none)."""
-import importlib.util
 
 import pytest
 import torch
@@ -7,7 +6,7 @@ import torch
 from attention_reference import reference_attention
 
 from kernels import Segments, attention_backward, attention_forward, segment_attention
-from kernels.attention_kernels import resolve_backend
+from kernels.attention_kernels import HAVE_FLASH_ATTN, resolve_backend
 from kernels.ring import merge_attention
 
 pytestmark = [pytest.mark.gpu,
@@ -15,7 +14,6 @@ pytestmark = [pytest.mark.gpu,
 
 # ---- attention kernels: forward and backward against float64 -------------------------------
 
-HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 HALF_BACKENDS = ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn", "auto"]
 # (batch, seq, heads, kv heads, cu_seqlens or None)
 LAYOUTS = {
