@@ -60,11 +60,9 @@ class DiTFlops:
     @property
     def hardware(self) -> float:
         """Training FLOPs as executed: :attr:`model` plus the recomputed forward work."""
-        layer_fwd = self.linear + self.mlp + self.attention
-        extra = self.layers_recomputed * layer_fwd
-        if not self.layers_recomputed:
-            extra = self.attention * self.recompute_attention + self.mlp * self.recompute_mlp
-        return self.model + extra
+        if self.layers_recomputed:
+            return self.model + self.layers_recomputed * (self.linear + self.mlp + self.attention)
+        return self.model + self.attention * self.recompute_attention + self.mlp * self.recompute_mlp
 
 
 def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[int]] = None) -> DiTFlops:
