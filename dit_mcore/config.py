@@ -65,6 +65,14 @@ class DiTConfig(TransformerConfig):
     device and dtype, logged once), "sdpa" (torch's best fused kernel), "sdpa_flash", "sdpa_efficient",
     "sdpa_cudnn", "flash_cpu", "flash_attn", or "math64" (the float64 reference)."""
 
+    text_dim: int = 0
+    """Width of the text embeddings the model cross-attends to (the dataset's text encoder width,
+    e.g. 4096 for T5-XXL); 0: no cross-attention (the class-conditional adaLN-Zero DiT)."""
+
+    text_dropout_prob: float = 0.1
+    """Probability of replacing a sample's text by the learned null text during training
+    (classifier-free guidance on text)."""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their
@@ -113,6 +121,8 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
     need(cfg.in_channels >= 1, f"model.in_channels={cfg.in_channels}: must be >= 1")
     need(cfg.num_classes >= 0, f"model.num_classes={cfg.num_classes}: must be >= 0")
     need(0.0 <= cfg.class_dropout_prob < 1.0, f"model.class_dropout_prob={cfg.class_dropout_prob}: must be in [0, 1)")
+    need(cfg.text_dim >= 0, f"model.text_dim={cfg.text_dim}: must be >= 0 (0: no text cross-attention)")
+    need(0.0 <= cfg.text_dropout_prob < 1.0, f"model.text_dropout_prob={cfg.text_dropout_prob}: must be in [0, 1)")
     need(cfg.frequency_embedding_size % 2 == 0,
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")
 
@@ -193,20 +203,29 @@ _MOE_COMMON = dict(
 )
 
 
-def preset(name: str, **overrides) -> DiTConfig:
-    """Build a ``DiTConfig`` from a named preset (``DiT-XL/2``, ``DiT-B/4``, ``tiny`` …).
-
-    ``overrides`` set any ``DiTConfig``/``TransformerConfig`` field.
-    """
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+def build_preset(table: dict, name: str, overrides: dict, *, family: str = "dit") -> DiTConfig:
+    """A ``DiTConfig`` from preset ``name`` of ``table`` plus ``overrides`` (any ``DiTConfig`` /
+    ``TransformerConfig`` field), on the settings every DiT shares."""
+    if name not in table:
+        raise ConfigError(f"unknown preset {name!r} for model.family={family}; valid presets: {', '.join(sorted(table))}")
     fields = {f.name for f in dataclasses.fields(DiTConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError(f"unknown DiTConfig field(s) {unknown} in overrides for preset {name!r}")
-    kwargs = {**_COMMON, "ffn_hidden_size": None, **PRESETS[name], **overrides}
+    kwargs = {**_COMMON, "ffn_hidden_size": None, **table[name], **overrides}
     if kwargs.get("num_moe_experts"):
         kwargs.update({k: v for k, v in _MOE_COMMON.items() if k not in overrides})
     if kwargs["ffn_hidden_size"] is None:
         kwargs["ffn_hidden_size"] = 4 * kwargs["hidden_size"]
     return DiTConfig(**kwargs)
+
+
+def preset(name: str, **overrides) -> DiTConfig:
+    """Build a ``DiTConfig`` from a named preset (``DiT-XL/2``, ``DiT-B/4``, ``tiny`` …).
+
+    ``overrides`` set any ``DiTConfig``/``TransformerConfig`` field.
+    """
+    if overrides.get("text_dim"):
+        raise ConfigError(f"model.text_dim={overrides['text_dim']}: the adaLN-Zero DiT (model.family=dit) has no "
+                          "cross-attention; use model.family=dit_xattn for text conditioning")
+    return build_preset(PRESETS, name, overrides)

@@ -51,6 +51,13 @@ class MicroBatch:
     """``[n+1]`` int32 cumulative text lengths (offsets into ``text_emb``)."""
     num_skipped: int = 0
     """Samples the source skipped (corrupt, too long …) since its previous batch, on this rank."""
+    text_seqlens: Optional[tuple] = None
+    """Host ints: text tokens per sample (derived from ``cu_seqlens_text`` when the batch is built)."""
+
+    def __post_init__(self):
+        if self.cu_seqlens_text is not None and self.text_seqlens is None:
+            cu = self.cu_seqlens_text.tolist()  # built on the host: no device sync
+            self.text_seqlens = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -90,6 +97,10 @@ class MicroBatch:
                    token_to_sample=token_to_sample, positions=positions, seqlens=seqlens, starts=starts, **extra)
 
     # ------------------------------------------------------------------ layout
+    @property
+    def has_text(self) -> bool:
+        return self.text_emb is not None
+
     @property
     def num_samples(self) -> int:
         return len(self.seqlens)

@@ -24,9 +24,10 @@ def drop_labels(labels: torch.Tensor, p: float, null_label: int,
     return torch.where(drop, torch.full_like(labels, null_label), labels)
 
 
-def guided(model_fn: ModelFn, scale: float, null_label: Optional[int] = None) -> ModelFn:
-    """Wrap ``model_fn(x, timestep, labels=..., **cond)`` into its guided version with the same
-    signature: ``uncond + scale * (cond - uncond)``.
+def guided(model_fn: ModelFn, scale: float, null_label: Optional[int] = None, *, text: bool = False) -> ModelFn:
+    """Wrap ``model_fn(x, timestep, labels=..., [text=...], **cond)`` into its guided version with the
+    same signature: ``uncond + scale * (cond - uncond)``. The unconditional half has the null label
+    (``null_label``) and, for text models, every sample's text dropped to the null text.
 
     Conditional and unconditional halves run as ONE call on a doubled batch (concatenated along
     dim 0: conditional first), which keeps the two halves on the same kernels and halves launches.
@@ -35,19 +36,28 @@ def guided(model_fn: ModelFn, scale: float, null_label: Optional[int] = None) ->
 
     Because the combination has weights summing to 1, guiding the raw network output equals
     guiding the denoiser or velocity built from it (they are affine in the output with the same x).
+    ``text=True``: the calls carry text, so a text-only model needs no ``null_label``.
     """
+    if scale != 1.0 and null_label is None and not text:
+        raise ValueError(f"classifier-free guidance with scale={scale} needs null_label (the null class index)")
     if scale == 1.0:
-        def conditional(x: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor, **cond) -> torch.Tensor:
+        def conditional(x: torch.Tensor, timestep: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                        **cond) -> torch.Tensor:
             return model_fn(x, timestep, labels=labels, **cond)
         return conditional
-    if null_label is None:
-        raise ValueError(f"classifier-free guidance with scale={scale} needs null_label (the null class index)")
 
-    def guided_fn(x: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor, **cond) -> torch.Tensor:
-        if labels is None:
-            raise ValueError("guided sampling needs per-sample labels")
-        both = model_fn(torch.cat([x, x]), torch.cat([timestep, timestep]),
-                        labels=torch.cat([labels, torch.full_like(labels, null_label)]), **cond)
+    def guided_fn(x: torch.Tensor, timestep: torch.Tensor, labels: Optional[torch.Tensor] = None, text=None,
+                  **cond) -> torch.Tensor:
+        if labels is None and text is None:
+            raise ValueError("guided sampling needs per-sample labels or text")
+        if labels is not None:
+            if null_label is None:
+                raise ValueError(f"classifier-free guidance with scale={scale} on labels needs null_label "
+                                 "(the null class index)")
+            labels = torch.cat([labels, torch.full_like(labels, null_label)])
+        if text is not None:
+            cond["text"] = text.with_null()
+        both = model_fn(torch.cat([x, x]), torch.cat([timestep, timestep]), labels=labels, **cond)
         cond_out, uncond_out = both.chunk(2)
         return uncond_out + scale * (cond_out - uncond_out)
     return guided_fn

@@ -19,25 +19,27 @@ from dit_mcore.diffusion.objective import ModelFn, Objective, compute_dtype
 
 
 def _with_labels(model_fn: ModelFn, cfg_scale: float, labels: Optional[torch.Tensor],
-                 null_label: Optional[int]) -> ModelFn:
-    """Bind labels (and guidance) so the integrators only see ``fn(x, timestep, **cond)``."""
-    if labels is None:
+                 null_label: Optional[int], text=None) -> ModelFn:
+    """Bind labels and text (and guidance) so the integrators only see ``fn(x, timestep, **cond)``."""
+    if labels is None and text is None:
         if cfg_scale != 1.0:
-            raise ValueError(f"cfg_scale={cfg_scale} needs labels (and null_label); pass cfg_scale=1 "
+            raise ValueError(f"cfg_scale={cfg_scale} needs labels (and null_label) or text; pass cfg_scale=1 "
                              "for unconditional sampling")
         return model_fn
-    fn = guided(model_fn, cfg_scale, null_label)
-    return lambda x, timestep, **cond: fn(x, timestep, labels=labels, **cond)
+    fn = guided(model_fn, cfg_scale, null_label, text=text is not None)
+    per_sample = {} if text is None else {"text": text}
+    return lambda x, timestep, **cond: fn(x, timestep, labels=labels, **per_sample, **cond)
 
 
 @torch.no_grad()
 def euler_flow(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: Optional[FlowObjective] = None,
                cfg_scale: float = 1.0, labels: Optional[torch.Tensor] = None, null_label: Optional[int] = None,
-               shift: Optional[float] = None, **cond) -> torch.Tensor:
+               shift: Optional[float] = None, text=None, **cond) -> torch.Tensor:
     """Integrate ``dx/dt = v(x, t)`` from t=1 (``x = noise``) to t=0 with ``steps`` Euler steps on
-    ``flow_schedule(steps, shift)``. ``shift`` defaults to the objective's training shift."""
+    ``flow_schedule(steps, shift)``. ``shift`` defaults to the objective's training shift; ``text``:
+    a ``TextContext`` of the samples' prompts for text models (guidance drops it to the null text)."""
     objective = objective or FlowObjective()
-    fn = _with_labels(model_fn, cfg_scale, labels, null_label)
+    fn = _with_labels(model_fn, cfg_scale, labels, null_label, text)
     times = ts.flow_schedule(steps, objective.config.shift if shift is None else shift).tolist()
     x = noise.to(compute_dtype(noise))
     for t_cur, t_next in zip(times[:-1], times[1:]):
@@ -49,7 +51,7 @@ def euler_flow(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective:
 def heun_edm(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: Optional[EDMObjective] = None,
              cfg_scale: float = 1.0, labels: Optional[torch.Tensor] = None, null_label: Optional[int] = None,
              sigma_min: Optional[float] = None, sigma_max: Optional[float] = None, rho: Optional[float] = None,
-             **cond) -> torch.Tensor:
+             text=None, **cond) -> torch.Tensor:
     """Karras et al. Algorithm 1 (deterministic): start at ``sigma_max * noise`` and take ``steps``
     Heun steps down the Karras schedule, without the 2nd-order correction on the last step to
     sigma=0 (``2*steps - 1`` network evaluations). Schedule parameters default to the objective's."""
@@ -58,7 +60,7 @@ def heun_edm(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: O
     sigmas = ts.karras_sigmas(steps, c.sigma_min if sigma_min is None else sigma_min,
                               c.sigma_max if sigma_max is None else sigma_max,
                               c.rho if rho is None else rho).tolist()
-    fn = _with_labels(model_fn, cfg_scale, labels, null_label)
+    fn = _with_labels(model_fn, cfg_scale, labels, null_label, text)
 
     def slope(x: torch.Tensor, sigma: float) -> torch.Tensor:
         return ((x - objective.denoise(fn, x, sigma, **cond)) / sigma).to(x.dtype)

@@ -28,28 +28,28 @@ def prediction(out: torch.Tensor, config) -> torch.Tensor:
 
 
 def token_model_fn(model, config, batch: Optional[MicroBatch] = None, grid=None):
-    """``fn(x [b, s, D], timestep [n], labels [n]) -> prediction [b, s, patch_dim]`` for the layout of
-    ``batch`` (or a dense ``grid``)."""
+    """``fn(x [b, s, D], timestep [n], labels [n], text=None) -> prediction [b, s, patch_dim]`` for the
+    layout of ``batch`` (or a dense ``grid``); ``text``: a ``TextContext`` for text families."""
 
-    def fn(x, timestep, labels=None):
-        return prediction(model(to_model_layout(x), timestep, labels, batch=batch, grid=grid), config)
+    def fn(x, timestep, labels=None, text=None):
+        return prediction(model(to_model_layout(x), timestep, labels, batch=batch, grid=grid, context=text), config)
 
     return fn
 
 
 def image_forward(model, config, x: torch.Tensor, timestep: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                  *, keep_sigma: bool = False) -> torch.Tensor:
+                  *, text=None, keep_sigma: bool = False) -> torch.Tensor:
     """The model on latents ``x [N, C, H, W]`` (or ``[N, C, T, H, W]``) -> the same shape
     (``2C`` channels with ``keep_sigma`` for a learned-sigma model, as the reference DiTs return)."""
     if x.shape[1] != config.in_channels:
         raise ValueError(f"x must have in_channels={config.in_channels} channels, got {tuple(x.shape)}")
     tokens, grid = patchify(x, config.patch_size, config.patch_size_t)
-    out = model(to_model_layout(tokens), timestep, labels, grid=grid)
+    out = model(to_model_layout(tokens), timestep, labels, grid=grid, context=text)
     channels = config.out_channels if keep_sigma else config.in_channels
     out = out.transpose(0, 1) if keep_sigma else prediction(out, config)
     return unpatchify(out, grid, channels, config.patch_size, config.patch_size_t, squeeze_time=x.dim() == 4)
 
 
 def image_model_fn(model, config):
-    """``model_fn(x [N, C, (T,) H, W], timestep [N], labels) -> prediction`` for samplers."""
-    return lambda x, timestep, labels=None: image_forward(model, config, x, timestep, labels)
+    """``model_fn(x [N, C, (T,) H, W], timestep [N], labels, text=None) -> prediction`` for samplers."""
+    return lambda x, timestep, labels=None, text=None: image_forward(model, config, x, timestep, labels, text=text)

@@ -5,6 +5,8 @@ is non-causal and block-diagonal over packed samples, which ``kernels.local_atte
 ``cu_seqlens``. Under context parallelism each rank holds a contiguous piece of the token stream
 (:mod:`dit_mcore.parallel.token_shard`) and attention runs through
 ``kernels.context_parallel_attention`` with the config's ``cp_comm_type`` over megatron's CP groups.
+Cross-attention (``attention_type="cross"``) attends from this rank's queries to the whole text,
+which every rank holds, so it never communicates (``kernels.cross_attention``'s contract).
 """
 from __future__ import annotations
 
@@ -53,12 +55,13 @@ class KernelsCoreAttention(MegatronModule):
             raise ValueError("attention_dropout > 0 is not supported by the kernels attention path; "
                              "set attention_dropout=0.0 (DiT trains without it)")
         self.softmax_scale = softmax_scale
+        self.cross = attention_type == "cross"
         self.backend = getattr(config, "attention_backend_name", "auto")
         self.cp_method = cp_comm_type or config.cp_comm_type or "p2p"
         if isinstance(self.cp_method, list):  # megatron allows one type per layer
             self.cp_method = self.cp_method[layer_number - 1]
         self.cp_groups = {}
-        if config.context_parallel_size > 1:
+        if config.context_parallel_size > 1 and not self.cross:
             self.cp_groups["cp_group"] = parallel_state.get_context_parallel_group()
             if self.cp_method == "a2a+p2p":
                 a2a, p2p = parallel_state.get_hierarchical_context_parallel_groups()
@@ -69,6 +72,8 @@ class KernelsCoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
                              "packed_seq_params.cu_seqlens_q/kv")
+        if self.cross:
+            return self._cross(query, key, value, packed_seq_params)
         thd = query.dim() == 3
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = (x.unsqueeze(0) for x in (query, key, value))
@@ -89,3 +94,17 @@ class KernelsCoreAttention(MegatronModule):
         if thd:
             return out.squeeze(0).flatten(-2)
         return out.transpose(0, 1).flatten(-2)
+
+    def _cross(self, query, key, value, packed_seq_params):
+        """Queries ``[s, b, h, d]`` (rows in the stream order ``b`` then ``s``) against the text stream
+        ``[L, 1, h, d]``, with the block-diagonal pattern in ``packed_seq_params.segments``."""
+        segments = getattr(packed_seq_params, "segments", None)
+        if segments is None:
+            raise ValueError("cross-attention needs packed_seq_params.segments (which text each query "
+                             "sample attends to); build it with dit_mcore.models.text.cross_segments")
+        s, b = query.shape[:2]
+        q = query.transpose(0, 1).reshape(1, b * s, *query.shape[2:])
+        k, v = (x.reshape(1, -1, *x.shape[-2:]) for x in (key, value))
+        out = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
+                                backend=self.backend, return_lse=False)
+        return out.view(b, s, -1).transpose(0, 1)

@@ -99,8 +99,10 @@ class LayerStack(nn.ModuleList):
             layer.compile()
 
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        kwargs = dict(context=context, rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
+                context_params=None, rotary_pos_emb: Optional[torch.Tensor] = None,
+                packed_seq_params=None) -> torch.Tensor:
+        kwargs = dict(context=context, context_params=context_params, rotary_pos_emb=rotary_pos_emb,
+                      packed_seq_params=packed_seq_params)
         if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
             hidden = self._checkpointed(hidden, cond, kwargs)
         else:
@@ -116,7 +118,7 @@ class LayerStack(nn.ModuleList):
         return [(i, i + 1, i < k) for i in range(n)]
 
     def _checkpointed(self, hidden, cond: Conditioning, kwargs) -> torch.Tensor:
-        packed_seq_params = kwargs["packed_seq_params"]
+        packed_seq_params, context_params = kwargs["packed_seq_params"], kwargs["context_params"]
 
         def run(start, end):
             # Tensors that may need gradients (conditioning, cross-attention memory, rotary tables) are
@@ -125,8 +127,8 @@ class LayerStack(nn.ModuleList):
             def fn(h, emb, context, rotary_pos_emb):
                 c = Conditioning(emb, cond.token_to_sample)
                 for layer in list(self)[start:end]:
-                    h = layer(h, c, context=context, rotary_pos_emb=rotary_pos_emb,
-                              packed_seq_params=packed_seq_params)
+                    h = layer(h, c, context=context, context_params=context_params,
+                              rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
                 return h
             return fn
 

@@ -65,10 +65,10 @@ class PipelinedForward:
         self.chunks = chunks
 
     def __call__(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                 batch=None, grid=None) -> torch.Tensor:
+                 batch=None, grid=None, context=None) -> torch.Tensor:
         chunks = self.chunks
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return chunks[0](tokens, timesteps, labels, batch=batch, grid=grid)
+            return chunks[0](tokens, timesteps, labels, batch=batch, grid=grid, context=context)
         config = chunks.config
         dtype = next(chunks.parameters()).dtype  # an fp32 EMA copy of a bf16 run sends fp32 activations
         s, b = tokens.shape[:2]
@@ -78,16 +78,18 @@ class PipelinedForward:
         if parts > 1 and batch is not None and batch.is_packed:
             raise NotImplementedError("forward-only calls of an interleaved pipeline take dense batches")
         per = -(-b // parts)
+        order = list(range(b)) + [b - 1] * (per * parts - b)
         if per * parts != b:
-            idx = torch.cat([torch.arange(b), torch.full((per * parts - b,), b - 1)]).to(tokens.device)
+            idx = torch.tensor(order, device=tokens.device)
             tokens, timesteps = tokens[:, idx], timesteps[idx]
             labels = None if labels is None else labels[idx]
         micro = [(tokens[:, j * per:(j + 1) * per], timesteps[j * per:(j + 1) * per],
-                  None if labels is None else labels[j * per:(j + 1) * per]) for j in range(parts)]
+                  None if labels is None else labels[j * per:(j + 1) * per],
+                  None if context is None else context.take(order[j * per:(j + 1) * per])) for j in range(parts)]
 
         def step(data, chunk):
-            x, t, y = next(data)
-            out = chunk(x.to(dtype), t, y, batch=batch, grid=grid)
+            x, t, y, text = next(data)
+            out = chunk(x.to(dtype), t, y, batch=batch, grid=grid, context=text)
             return out, lambda output, non_loss_data=False: output
 
         saved_dtype, config.pipeline_dtype = config.pipeline_dtype, dtype

@@ -34,6 +34,8 @@ class TokenShard:
     size: int = 1
     index: int = 0
     group: Optional[dist.ProcessGroup] = None
+    tp: int = 1
+    """Pieces per context-parallel piece: the TP size under sequence parallel, else 1."""
 
     @classmethod
     def from_config(cls, config) -> "TokenShard":
@@ -55,7 +57,7 @@ class TokenShard:
             raise RuntimeError(f"token shard {index} (cp rank {cp_rank}, tp rank {tp_rank}) is rank "
                                f"{dist.get_rank(group)} of its group: megatron's rank order must place TP "
                                "innermost (the default order 'tp-cp-ep-dp-pp')")
-        return cls(size=cp * tp, index=index, group=group)
+        return cls(size=cp * tp, index=index, group=group, tp=tp)
 
     @property
     def active(self) -> bool:
@@ -69,6 +71,13 @@ class TokenShard:
         """``[start, end)`` of this rank's piece of a ``total``-token stream (padded coordinates)."""
         piece = self.padded(total) // self.size
         return self.index * piece, (self.index + 1) * piece
+
+    def attention_range(self, total: int) -> tuple[int, int]:
+        """``[start, end)`` of the tokens this rank's attention layers see: its context-parallel
+        piece (sequence-parallel layers all-gather the TP pieces of it)."""
+        piece = self.padded(total) // self.size * self.tp
+        cp_index = self.index // self.tp
+        return cp_index * piece, (cp_index + 1) * piece
 
     def scatter(self, x: torch.Tensor, dim: int = 0, pad_value: float = 0) -> torch.Tensor:
         """This rank's piece of ``x`` along ``dim`` (the whole stream, identical on every rank)."""
@@ -110,10 +119,12 @@ class _GatherPieces(torch.autograd.Function):
         return grad[start:end].movedim(0, ctx.dim).contiguous(), None, None, None
 
 
-def mark_sequence_parallel_params(module: torch.nn.Module) -> None:
+def mark_sequence_parallel_params(module: torch.nn.Module, exclude: tuple = ()) -> None:
     """Flag every parameter that is not TP-sharded as ``sequence_parallel``: under SP it sees only
     this rank's tokens, so megatron's ``finalize_model_grads`` must all-reduce its gradient over TP
-    (without this, SP silently trains different weights on each TP rank)."""
+    (without this, SP silently trains different weights on each TP rank). ``exclude``: modules whose
+    inputs are whole on every TP rank (the text embedder), whose gradients are complete already."""
+    skip = {id(p) for m in exclude if m is not None for p in m.parameters()}
     for param in module.parameters():
-        if not getattr(param, "tensor_model_parallel", False):
+        if not getattr(param, "tensor_model_parallel", False) and id(param) not in skip:
             param.sequence_parallel = True

@@ -16,9 +16,11 @@ class ModelConfig:
     """Which model to build: a family, a named preset and the fields runs commonly change."""
 
     family: str = "dit"
-    """Model family from ``dit_mcore.models.registry`` (``dit``: the adaLN-Zero DiT)."""
+    """Model family from ``dit_mcore.models.registry`` (``dit``: the adaLN-Zero DiT; ``dit_xattn``: the
+    DiT with cross-attention to text)."""
     preset: str = "DiT-XL/2"
-    """Name from ``dit_mcore.config.PRESETS`` (``DiT-S/2`` … ``DiT-XL/8``, ``tiny``, ``digits``)."""
+    """A preset of the family (``dit``: ``DiT-S/2`` … ``DiT-XL/8``, ``tiny``, ``digits``; ``dit_xattn``:
+    ``DiT-XAttn-XL/2``, ``DiT-XAttn-7B``, ``DiT-XAttn-28B``, ``xattn-tiny`` …)."""
     num_layers: Optional[int] = None
     """Override the preset's depth."""
     hidden_size: Optional[int] = None
@@ -37,6 +39,12 @@ class ModelConfig:
     """Predict the extra variance channels (unused by flow/EDM losses; kept for interop)."""
     class_dropout_prob: Optional[float] = None
     """Label-dropout probability for classifier-free guidance."""
+    text_dim: Optional[int] = None
+    """Text-conditioned families: width of the dataset's text embeddings (its text encoder's)."""
+    text_dropout_prob: Optional[float] = None
+    """Text-dropout probability for classifier-free guidance on text."""
+    qk_layernorm: Optional[bool] = None
+    """Per-head RMSNorm of queries and keys in every attention (megatron's field)."""
     backend: str = "auto"
     """Layer implementation: "local" (pure torch), "te" (Transformer Engine) or "auto" (TE on GPU
     when installed)."""

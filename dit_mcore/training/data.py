@@ -73,8 +73,9 @@ class MockLatentSource(_GlobalBatchCounter):
     samples of shapes drawn from the list (video-like packed sequences)."""
 
     def __init__(self, *, channels: int, image_size: int, num_classes: int, patch_size: tuple, shapes=None,
-                 max_seq_len: int = 1024, pad_multiple: int = 1, **kw):
+                 max_seq_len: int = 1024, pad_multiple: int = 1, text_dim: int = 0, max_text_len: int = 8, **kw):
         super().__init__(**kw)
+        self.text_dim, self.max_text_len = text_dim, max_text_len
         self.channels, self.num_classes = channels, num_classes
         self.patch_t, self.patch = patch_size[0], tuple(patch_size[1:])
         self.shapes = [tuple(s) for s in shapes] if shapes else [(1, image_size, image_size)]
@@ -127,7 +128,17 @@ class MockLatentSource(_GlobalBatchCounter):
             offset += tail
         cu = torch.tensor([0] + seqlens, dtype=torch.int64).cumsum(0).int()
         cu_padded = torch.tensor(starts + [offset], dtype=torch.int32)
-        return MicroBatch.packed(torch.cat(chunks), cu, torch.tensor(grids), torch.tensor(labels), cu_padded)
+        return MicroBatch.packed(torch.cat(chunks), cu, torch.tensor(grids), torch.tensor(labels), cu_padded,
+                                 **self._text(len(labels), g))
+
+    def _text(self, n: int, g: torch.Generator) -> dict:
+        """Random text of 1..max_text_len tokens per sample (text families), drawn after the latents so
+        the latents are the same with or without text."""
+        if not self.text_dim:
+            return {}
+        lens = torch.randint(1, self.max_text_len + 1, (n,), generator=g)
+        return dict(text_emb=torch.randn(int(lens.sum()), self.text_dim, generator=g),
+                    cu_seqlens_text=torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()]))
 
     def next_global_batch(self) -> list[MicroBatch]:
         step, self.consumed_batches = self.consumed_batches, self.consumed_batches + 1
@@ -143,7 +154,8 @@ class MockLatentSource(_GlobalBatchCounter):
                 b = self.micro_batch_size
                 latents = torch.randn(b, self.channels, *self.shapes[0], generator=g)
                 tokens, grid = patchify(latents, self.patch, self.patch_t)
-                out.append(MicroBatch.dense(tokens, grid, torch.randint(max(self.num_classes, 1), (b,), generator=g)))
+                labels = torch.randint(max(self.num_classes, 1), (b,), generator=g)
+                out.append(MicroBatch.dense(tokens, grid, labels, **self._text(b, g)))
         return out
 
 
@@ -161,6 +173,6 @@ def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_siz
         return MockLatentSource(channels=model_config.in_channels, image_size=data.image_size,
                                 num_classes=model_config.num_classes, patch_size=(model_config.patch_size_t, p, p),
                                 shapes=data.mock_latent_shapes, max_seq_len=data.max_seq_len,
-                                pad_multiple=pad_multiple, **common)
+                                pad_multiple=pad_multiple, text_dim=model_config.text_dim, **common)
     raise ConfigError(f"unknown built-in dataset data.name={data.name!r}; use 'digits' or 'mock', or set "
                       "data.path to a prepared energon dataset")

@@ -68,9 +68,9 @@ class DiTFlops:
 def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[int]] = None) -> DiTFlops:
     """Forward FLOPs of one micro-batch of samples with ``seqlens`` real tokens each.
 
-    ``context_lens``: text tokens per sample for cross-attention families (unused by the
-    adaLN-Zero DiT, which has no cross-attention)."""
-    del context_lens  # no cross-attention in the adaLN-Zero DiT
+    ``context_lens``: text tokens per sample, for models with cross-attention to text
+    (``config.text_dim > 0``): text embedder, K/V projections of the text, Q and output projections,
+    and ``QK^T`` / ``PV`` of each sample's tokens against its own text."""
     h, layers = config.hidden_size, config.num_layers
     heads, head_dim = config.num_attention_heads, config.kv_channels or config.hidden_size // config.num_attention_heads
     kv_heads = config.num_query_groups or heads
@@ -87,9 +87,20 @@ def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[in
         mlp_per_token = config.moe_router_topk * (2.0 * h * fc1_out + 2.0 * ffn * h) + 2.0 * h * config.num_moe_experts
 
     cond_per_sample = 2.0 * config.frequency_embedding_size * h + 2.0 * h * h  # timestep MLP
-    adaln_per_sample = layers * 2.0 * h * 6 * h + 2.0 * h * 2 * h  # 6 chunks per layer, 2 in the final layer
+    cross = bool(getattr(config, "text_dim", 0))
+    if cross and context_lens is None:
+        raise ValueError("a cross-attention model's FLOPs need context_lens (text tokens per sample)")
+    chunks = 9 if cross else 6  # adaLN chunks per layer (shift, scale, gate per sub-block)
+    adaln_per_sample = layers * 2.0 * h * chunks * h + 2.0 * h * 2 * h  # + 2 chunks in the final layer
     embed = tokens * (2.0 * config.patch_dim * h + 2.0 * h * config.out_patch_dim) \
         + samples * (cond_per_sample + adaln_per_sample)
+    linear = layers * tokens * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
+    attention = layers * 4.0 * squares * q_dim
+    if cross:
+        text = float(sum(context_lens))
+        embed += text * (2.0 * config.text_dim * h + 2.0 * h * h)  # text embedder (2-layer MLP)
+        linear += layers * (tokens * 2.0 * (h * q_dim + q_dim * h) + text * 2.0 * h * 2 * q_dim)
+        attention += layers * 4.0 * float(sum(n * m for n, m in zip(seqlens, context_lens))) * q_dim
 
     recompute = config.recompute_granularity
     modules = set(config.recompute_modules or ()) if recompute == "selective" else set()
@@ -100,9 +111,9 @@ def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[in
         fraction = 1.0 if config.recompute_method == "uniform" else min(k, stage_layers) / stage_layers
     return DiTFlops(
         embed=embed,
-        linear=layers * tokens * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h),
+        linear=linear,
         mlp=layers * tokens * mlp_per_token,
-        attention=layers * 4.0 * squares * q_dim,
+        attention=attention,
         layers_recomputed=fraction,
         recompute_attention="core_attn" in modules,
         recompute_mlp="mlp" in modules,

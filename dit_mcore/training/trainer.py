@@ -28,6 +28,7 @@ from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
+from dit_mcore.models.text import TextContext
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
@@ -251,10 +252,17 @@ class Trainer:
         noise = torch.randn(x0.shape, generator=g, device=self.device)
         labels = torch.where(batch.labels >= 0, batch.labels, torch.full_like(batch.labels, mc.num_classes))
         labels = drop_labels(labels, mc.class_dropout_prob, mc.num_classes, generator=g)
+        text = None
+        if mc.text_dim:
+            if not batch.has_text:
+                raise ConfigError(f"model.family={self.cfg.model.family} is conditioned on text but the data has "
+                                  "none; use a prepared energon dataset (it carries text embeddings)")
+            keep = torch.rand(n, generator=g, device=self.device) >= mc.text_dropout_prob  # CFG: drop to null text
+            text = TextContext.from_batch(batch, keep)
         sample_of = batch.token_to_sample.clamp(min=0)
         inputs = self.objective.prepare(x0.flatten(0, 1), noise.flatten(0, 1), level[sample_of])
         x_in = to_model_layout(inputs.model_input.view_as(x0).to(self.compute_dtype))
-        out = model(x_in, self.objective.timestep(level), labels, batch=batch)
+        out = model(x_in, self.objective.timestep(level), labels, batch=batch, context=text)
         return out, partial(self._loss, inputs, batch)
 
     def _loss(self, inputs, batch, output):
@@ -280,7 +288,8 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
-        flops = sum(self.family.flops(self.model_config, b.seqlens).model for b in microbatches)  # host ints
+        flops = sum(self.family.flops(self.model_config, b.seqlens, b.text_seqlens).model
+                    for b in microbatches)  # host ints
         counts = torch.tensor([float(sum(b.num_skipped for b in microbatches)),
                                float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9],
                               device=self.device)

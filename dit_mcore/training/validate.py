@@ -16,9 +16,11 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from dit_mcore.config import PRESETS, ConfigError
+import json
+
+from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
-from dit_mcore.models.registry import families
+from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.layout import check_layout
 
@@ -89,8 +91,11 @@ def _finite(x) -> bool:
 def _model_rules(r: _Rules, m) -> None:
     r.need(m.family in families(), "model.family", m.family,
            f"unknown family; use one of {families()}{did_you_mean(m.family, families())}")
-    r.need(m.preset in PRESETS, "model.preset", m.preset,
-           f"unknown preset; use one of {sorted(PRESETS)}{did_you_mean(m.preset, PRESETS)}")
+    presets = get_family(m.family).presets() if m.family in families() else {}
+    r.need(not presets or m.preset in presets, "model.preset", m.preset,
+           f"unknown preset of model.family={m.family}; use one of {sorted(presets)}{did_you_mean(m.preset, presets)}")
+    r.need(m.text_dropout_prob is None or 0.0 <= m.text_dropout_prob < 1.0, "model.text_dropout_prob",
+           m.text_dropout_prob, "must be in [0, 1) (the text-dropout probability for CFG)")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "patch_size", "input_size", "in_channels"):
         value = getattr(m, name)
         r.need(value is None or value >= 1, f"model.{name}", value, "must be >= 1 (or unset: the preset's value)")
@@ -174,6 +179,7 @@ def run_problems(cfg, world_size: int) -> list[str]:
     try:
         model = cfg.model.build(ParallelConfig())
         _check_data_source(cfg.data, model)
+        _check_text(cfg.data, model, get_family(cfg.model.family))
         check_layout(cfg.parallel, model, cfg.data, world_size,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
@@ -183,6 +189,29 @@ def run_problems(cfg, world_size: int) -> list[str]:
     except ConfigError as e:
         return [str(e)]
     return []
+
+
+def _dataset_text_dim(path: Path) -> Optional[int]:
+    """The text width a prepared dataset recorded (None if it has no record, e.g. a blend file)."""
+    state = path / "prepare_state.json"
+    if not state.is_file():
+        return None
+    shards = json.loads(state.read_text()).get("shards") or [{}]
+    return shards[0].get("text_dim")
+
+
+def _check_text(data, model, family) -> None:
+    """A text family needs data with text of the model's width."""
+    if "text" not in family.conditioning:
+        return
+    if not data.path and data.name != "mock":
+        raise ConfigError(f"data.name={data.name!r} has no captions, but model.family={family.name} is conditioned "
+                          "on text; use a prepared energon dataset (data.path=..., it carries text embeddings) "
+                          "or data.name=mock")
+    width = _dataset_text_dim(Path(data.path)) if data.path else None
+    if width is not None and width != model.text_dim:
+        raise ConfigError(f"model.text_dim={model.text_dim} but the dataset at data.path={data.path!r} has "
+                          f"{width}-wide text embeddings; set model.text_dim={width}")
 
 
 def _check_data_source(data, model) -> None:

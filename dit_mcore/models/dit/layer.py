@@ -1,5 +1,6 @@
 """The adaLN-Zero DiT layer: a megatron-core ``TransformerLayer`` whose norms are modulated by a
-per-sample conditioning vector (see :mod:`dit_mcore.models.modulation`)."""
+per-sample conditioning vector (see :mod:`dit_mcore.models.modulation`), optionally with
+cross-attention to text between self-attention and the MLP (the cross-attention DiT)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,10 +24,14 @@ class DiTLayerSubmodules:
     norm: ModuleSpec
     """The (modulated) norm before attention and before the MLP, built as
     ``norm(hidden_size, eps=layernorm_epsilon)``: DiT uses a LayerNorm without affine parameters."""
+    cross_attention: Optional[ModuleSpec] = None
+    """Cross-attention to the text (``TextCrossAttention``); None: the class-conditional layer."""
 
 
 class DiTLayer(TransformerLayer):
-    """``x += gate_a * Attn(modulate(norm(x)))``; ``x += gate_m * MLP(modulate(norm(x)))``.
+    """``x += gate_a * Attn(modulate(norm(x)))``; ``x += gate_m * MLP(modulate(norm(x)))``; with
+    cross-attention, ``x += gate_c * CrossAttn(modulate(norm(x)), text)`` between the two (nine
+    adaLN chunks instead of six, as NeMo's cross-attention DiT; zero gates keep the identity init).
 
     The megatron ``TransformerLayer`` builds the attention and MLP from the spec (so TP, TE and
     selective recompute of the core attention apply); its own norm slots are identities because
@@ -38,21 +43,28 @@ class DiTLayer(TransformerLayer):
         super().__init__(config=config,
                          submodules=TransformerLayerSubmodules(
                              input_layernorm=IdentityOp, self_attention=submodules.self_attention,
+                             cross_attention=submodules.cross_attention or IdentityOp,
                              pre_mlp_layernorm=IdentityOp, mlp=submodules.mlp),
                          layer_number=layer_number, hidden_dropout=hidden_dropout,
                          pg_collection=pg_collection, vp_stage=vp_stage)
         self.norm = build_module(submodules.norm, config.hidden_size, eps=config.layernorm_epsilon)
-        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=6)
+        self.has_cross_attention = submodules.cross_attention is not None
+        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=9 if self.has_cross_attention else 6)
         self.recompute_mlp = (config.recompute_granularity == "selective"
                               and "mlp" in (config.recompute_modules or ()))
 
     def forward(self, hidden_states: torch.Tensor, conditioning: Conditioning, *,
-                context: Optional[torch.Tensor] = None, rotary_pos_emb: Optional[torch.Tensor] = None,
-                packed_seq_params=None) -> torch.Tensor:
-        if context is not None:
-            raise ValueError("the adaLN-Zero DiT layer has no cross-attention; pass context=None "
-                             "(use a text-conditioned family for text)")
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(conditioning)
+                context: Optional[torch.Tensor] = None, context_params=None,
+                rotary_pos_emb: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        """``context``: the embedded text ``[L, 1, hidden]``, with ``context_params`` (its
+        cross-attention segments) -- required with cross-attention, refused without."""
+        if (context is not None) != self.has_cross_attention:
+            raise ValueError("this layer has cross-attention: pass the embedded text as context" if context is None
+                             else "the adaLN-Zero DiT layer has no cross-attention; pass context=None "
+                                  "(use model.family=dit_xattn for text)")
+        chunks = self.adaLN_modulation(conditioning)
+        shift_a, scale_a, gate_a = chunks[:3]
+        shift_m, scale_m, gate_m = chunks[-3:]
         router = getattr(self.mlp, "router", None)
         if router is not None:  # MoE: the load-balancing loss is weighted per sample, like the loss
             router.samples = conditioning.emb.shape[0]
@@ -62,6 +74,14 @@ class DiTLayer(TransformerLayer):
         if attn_bias is not None:
             attn_out = attn_out + attn_bias
         hidden_states = conditioning.gated_add(hidden_states, gate_a, attn_out)
+        if context is not None:
+            shift_c, scale_c, gate_c = chunks[3:6]
+            cross_out, cross_bias = self.cross_attention(
+                conditioning.modulate(self.norm(hidden_states), shift_c, scale_c), attention_mask=None,
+                key_value_states=context, packed_seq_params=context_params)
+            if cross_bias is not None:
+                cross_out = cross_out + cross_bias
+            hidden_states = conditioning.gated_add(hidden_states, gate_c, cross_out)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             mlp_out = tensor_parallel.checkpoint(self._mlp_branch(conditioning), False, hidden_states,
                                                  shift_m, scale_m)

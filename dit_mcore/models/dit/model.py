@@ -20,12 +20,13 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
 from dit_mcore.config import DiTConfig
-from dit_mcore.models.core_attention import packed_seq_params
+from dit_mcore.models.core_attention import KernelsPackedSeqParams, packed_seq_params
 from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.embeddings import LabelEmbedder, TimestepEmbedder, sincos_from_positions, sincos_pos_embed
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.seeding import draw_base_seed, init_stream
+from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
 
 
@@ -54,7 +55,8 @@ class FinalLayer(nn.Module):
 
 class DiT(MegatronModule):
     """adaLN-Zero DiT. ``forward`` maps noisy tokens + per-sample (timestep, label) to per-token
-    predictions ``[s, b, out_patch_dim]``."""
+    predictions ``[s, b, out_patch_dim]``. With ``config.text_dim`` set it is the cross-attention DiT:
+    every layer also attends to its sample's text (``context``)."""
 
     model_type = ModelType.encoder_or_decoder  # read by megatron's pipeline schedules
     share_embeddings_and_output_weights = False  # read by finalize_model_grads under PP
@@ -79,13 +81,15 @@ class DiT(MegatronModule):
         with init_stream(seed, "y_embedder"):
             self.y_embedder = LabelEmbedder(config.num_classes, h, config.use_cfg_embedding) \
                 if config.num_classes > 0 else None
+        with init_stream(seed, "text_embedder"):
+            self.text_embedder = TextEmbedder(config.text_dim, h) if config.text_dim else None
         self.layers = LayerStack(config, layer_spec or dit_layer_spec(), vp_stage=vp_stage, init_seed=seed)
         if post_process:
             with init_stream(seed, "final_layer"):
                 self.final_layer = FinalLayer(config)
         self.token_shard = TokenShard.from_config(config)
         if config.sequence_parallel:
-            mark_sequence_parallel_params(self)
+            mark_sequence_parallel_params(self, exclude=(self.text_embedder,))
         for param in self.conditioning_parameters():
             param.pipeline_parallel = True  # gradients summed over pipeline stages (config.has_cond_embedder)
             param.shared = not self.holds_main_conditioning  # counted once in the global grad norm
@@ -102,7 +106,7 @@ class DiT(MegatronModule):
 
     def conditioning_parameters(self):
         """Parameters of the conditioning embedders, which every pipeline stage holds a copy of."""
-        for module in (self.t_embedder, self.y_embedder):
+        for module in (self.t_embedder, self.y_embedder, self.text_embedder):
             if module is not None:
                 yield from module.parameters()
 
@@ -133,7 +137,7 @@ class DiT(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 *, batch=None, grid: Optional[Sequence[int]] = None,
-                context: Optional[torch.Tensor] = None) -> torch.Tensor:
+                context: Optional[TextContext] = None) -> torch.Tensor:
         """Run the DiT.
 
         Args:
@@ -145,7 +149,7 @@ class DiT(MegatronModule):
                 ``cu_seqlens``); required for packed input.
             grid: dense input without ``batch``: the shared token grid ``(t, h, w)``; default: the
                 config's image grid.
-            context: cross-attention memory; the adaLN-Zero DiT has none.
+            context: the samples' text (cross-attention DiT, ``config.text_dim > 0``); None otherwise.
         """
         shard = self.token_shard
         hidden = tokens if self.pre_process else self.input_tensor
@@ -173,11 +177,35 @@ class DiT(MegatronModule):
                                  f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
                                  f"token count is a multiple of {shard.size}, or packed data")
             hidden = self.x_embedder(shard.scatter(tokens)) + pos.to(tokens.dtype)
-        hidden = self.layers(hidden, cond, context=context, packed_seq_params=params)
+        text, text_params = self._text(context, batch, tokens.shape[0], tokens.shape[1], cond_emb.shape[0])
+        hidden = self.layers(hidden, cond, context=text, context_params=text_params, packed_seq_params=params)
         if not self.post_process:
             return hidden
         # Every stage is called with the whole stream's tokens, so its length is known on the last.
         return shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
+
+    def _text(self, context: Optional[TextContext], batch, total: int, rows: int, samples: int):
+        """The embedded text ``[L, 1, hidden]`` and the cross-attention pattern from the query tokens
+        this rank's attention sees (its context-parallel piece) to each sample's text."""
+        if self.text_embedder is None:
+            if context is not None:
+                raise ValueError("this model has no cross-attention (model.text_dim=0); pass no text, or "
+                                 "use model.family=dit_xattn")
+            return None, None
+        if context is None:
+            raise ValueError(f"this model cross-attends to text (model.text_dim={self.config.text_dim}); pass "
+                             "context=TextContext(...) (drop it with keep=False for unconditional samples)")
+        if context.num_samples != samples:
+            raise ValueError(f"text for {context.num_samples} samples, but the batch has {samples}")
+        start, end = self.token_shard.attention_range(total)
+        if batch is not None and batch.is_packed:
+            ranges = [(min(max(a, start), end) - start, min(max(a + n, start), end) - start)
+                      for a, n in zip(batch.starts, batch.seqlens)]
+        else:  # dense rows of one sample each, all cut at the same place: rows in stream order
+            piece = end - start
+            ranges = [(i * piece, (i + 1) * piece) for i in range(rows)]
+        segments = cross_segments(ranges, context.lens)
+        return self.text_embedder(context), KernelsPackedSeqParams(qkv_format="sbhd", segments=segments)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Layers are keyed by their global index so checkpoints reshard across pipeline layouts."""
@@ -190,7 +218,7 @@ class DiT(MegatronModule):
                 continue
             part = sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
                                               tp_group=tp_group)
-            if name in ("t_embedder", "y_embedder") and not self.holds_main_conditioning:
+            if name in ("t_embedder", "y_embedder", "text_embedder") and not self.holds_main_conditioning:
                 # Every pipeline stage holds the conditioning embedders: only the first stage's
                 # first chunk is their main replica.
                 for item in part.values():
@@ -209,6 +237,7 @@ class DiT(MegatronModule):
 def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool = True,
                 post_process: bool = True, vp_stage: Optional[int] = None, init_seed: Optional[int] = None) -> DiT:
     """Build a DiT for this rank (its pipeline stage's layers, tensor-parallel shards)."""
-    spec = dit_layer_spec(backend, num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    spec = dit_layer_spec(backend, num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                          cross_attention=config.text_dim > 0, qk_norm=config.qk_layernorm)
     return DiT(config, spec, pre_process=pre_process, post_process=post_process, init_seed=init_seed,
                vp_stage=vp_stage)

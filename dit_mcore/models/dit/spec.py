@@ -10,6 +10,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dit_mcore.models.core_attention import KernelsCoreAttention
+from dit_mcore.models.cross_attention import HeadRMSNorm, TextCrossAttention, TextCrossAttentionSubmodules
 from dit_mcore.models.dit.layer import DiTLayer, DiTLayerSubmodules
 from dit_mcore.models.moe import moe_spec
 from dit_mcore.models.specs import linears, norm_spec
@@ -18,25 +19,34 @@ log = logging.getLogger(__name__)
 
 
 def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_experts: Optional[int] = None,
-                   moe_grouped_gemm: bool = False) -> ModuleSpec:
+                   moe_grouped_gemm: bool = False, cross_attention: bool = False, qk_norm: bool = False) -> ModuleSpec:
     """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"``, ``"te"`` or ``"auto"`` (TE linears
     when installed on a GPU, else local, with a log line); ``norm``: ``"layernorm"`` (the paper's) or
     ``"rmsnorm"``, both without affine parameters (modulation replaces them); ``num_moe_experts``:
-    megatron's ``MoELayer`` (top-k router, token dispatcher, experts) instead of the MLP."""
+    megatron's ``MoELayer`` (top-k router, token dispatcher, experts) instead of the MLP;
+    ``cross_attention``: attention to the text after self-attention; ``qk_norm``: per-head RMSNorm of
+    queries and keys in every attention."""
     column, row = linears(backend)
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
     if num_moe_experts:
         mlp = moe_spec(column, num_moe_experts, grouped_gemm=moe_grouped_gemm)
-    log.info("DiT layer spec: %s linears, %s, kernels core attention%s", column.__name__, norm,
+    log.info("DiT layer spec: %s linears, %s, kernels core attention%s%s%s", column.__name__, norm,
+             ", cross-attention" if cross_attention else "", ", QK RMSNorm" if qk_norm else "",
              f", MoE with {num_moe_experts} experts" if num_moe_experts else "")
+    head_norm = HeadRMSNorm if qk_norm else None
+    cross = ModuleSpec(
+        module=TextCrossAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+        submodules=TextCrossAttentionSubmodules(linear_q=column, linear_kv=column, core_attention=KernelsCoreAttention,
+                                                linear_proj=row, q_layernorm=head_norm, k_layernorm=head_norm))
     return ModuleSpec(
         module=DiTLayer,
         submodules=DiTLayerSubmodules(
             self_attention=ModuleSpec(
                 module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=KernelsCoreAttention,
-                                                   linear_proj=row)),
+                                                   linear_proj=row, q_layernorm=head_norm, k_layernorm=head_norm)),
             mlp=mlp,
             norm=norm_spec(norm, affine=False),
+            cross_attention=cross if cross_attention else None,
         ),
     )
