@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-BUILTIN_SOURCES = ("digits", "mock")
+BUILTIN_SOURCES = ("digits", "moving_digits", "mock")
 
 
 class ConfigError(ValueError):
@@ -26,10 +26,16 @@ class DataConfig:
 
     name: Optional[str] = "digits"
     """Built-in source used when neither ``path`` nor ``blend`` is set: ``"digits"`` (scikit-learn's
-    1,797 handwritten digits, in memory) or ``"mock"`` (random latents of the model's shape and random
-    labels, for smoke tests and benchmarks). None for recipes that require ``path``."""
+    1,797 handwritten digits, in memory), ``"moving_digits"`` (short videos of those digits with
+    captions like "a 3 moving left", encoded by the tiny text encoder) or ``"mock"`` (random latents
+    of the model's shape and random labels, plus random text for text models, for smoke tests and
+    benchmarks). None for recipes that require ``path``."""
     image_size: int = 16
-    """Side length of built-in images (``digits``) and of mock latents."""
+    """Side length of built-in images and video frames (``digits``, ``moving_digits``) and of mock latents."""
+    video_frames: int = 4
+    """``moving_digits``: frames per video."""
+    num_videos: int = 4096
+    """``moving_digits``: videos generated (in memory, deterministic)."""
     mock_latent_shapes: Optional[list[list[int]]] = None
     """Mock source only: latent ``(T, H, W)`` shapes drawn uniformly per sample. Unset: images of
     ``image_size`` in dense batches. Set (e.g. ``[[1,16,16],[4,16,16]]``): samples are packed into

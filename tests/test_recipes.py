@@ -126,3 +126,24 @@ def test_torchrun_tiny_run_matches_in_process_run(tmp_path):
     # Data parallelism over 2 ranks must not change the math of the 1-process run.
     reference = run_distributed(_in_process_losses, 1, str(tmp_path / "reference"))[0]
     assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=1e-5)
+
+
+def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path):
+    """The text-to-video demo through the CLI, a few steps: a clip per prompt (GIF of the dataset's
+    frames), a strip and an index of what was generated."""
+    run_dir = tmp_path / "run"
+    rc, out = cli(["--factory", "pretrain_t2v_digits", "trainer.max_steps=2", "optim.warmup_steps=0", "data.num_videos=64",
+                   "data.global_batch_size=8", "log.sample_interval=2", "diffusion.sample_steps=2",
+                   "log.tensorboard=false", "log.progress_bar=false", f"log.dir={run_dir}"], tmp_path, timeout=400)
+    assert rc == 0, out[-3000:]
+    from PIL import Image
+    folder = run_dir / "samples" / "step_000002"
+    index = json.loads((folder / "index.json").read_text())
+    assert [e["prompt"] for e in index] == [f"a {d} moving {w}" for d, w in
+                                            zip(range(10), ["left", "right", "up", "down"] * 3)]
+    gif = Image.open(folder / index[3]["file"])
+    assert gif.size == (16, 16) and gif.n_frames == 4
+    strip = Image.open(folder / "strip.png")
+    assert strip.size[1] > strip.size[0]  # ten rows of four frames
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 2 and metrics[-1]["model_flops"] > 0

@@ -187,6 +187,9 @@ class LogConfig:
     """Steps between preview grids (0 disables; a final grid is always drawn)."""
     samples_per_class: int = 8
     """Grid columns: one row per class (row 0 = class 0)."""
+    preview_prompts: Optional[list[str]] = None
+    """Text models: the prompts of each preview (one clip each); unset with ``data.name=moving_digits``:
+    one prompt per digit, covering every direction."""
     tensorboard: bool = True
     """Also write TensorBoard event files."""
     progress_bar: bool = True

@@ -15,6 +15,10 @@ from energon_data.packing import round_up
 from energon_data.tokens import patchify
 
 
+MOVING_DIGITS_TEXT_ENCODER = "tiny_text"
+"""The text encoder of the built-in ``moving_digits`` captions (deterministic, 32 wide)."""
+
+
 class _GlobalBatchCounter:
     """State shared by the built-in sources: global batches consumed, checked on restore."""
 
@@ -38,17 +42,18 @@ class _GlobalBatchCounter:
 
 
 class InMemoryImageLoader(_GlobalBatchCounter):
-    """Dense micro-batches of patchified images for one data-parallel rank; every rank sees a disjoint
-    slice of each global batch, and a global batch never straddles an epoch boundary (the tail is
-    dropped)."""
+    """Dense micro-batches of patchified images (or videos) for one data-parallel rank; every rank sees
+    a disjoint slice of each global batch, and a global batch never straddles an epoch boundary (the
+    tail is dropped). ``texts``: one ``[L_i, D]`` text embedding per sample, for text models."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, patch_size: int, **kw):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, patch_size: int, patch_size_t: int = 1,
+                 texts=None, **kw):
         super().__init__(**kw)
         if self.global_batch_size > len(images):
             raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) exceeds the dataset size "
                               f"({len(images)}); lower it")
-        self.tokens, self.grid = patchify(images, patch_size)
-        self.labels = labels
+        self.tokens, self.grid = patchify(images, patch_size, patch_size_t)
+        self.labels, self.texts = labels, texts
         self.batches_per_epoch = len(images) // self.global_batch_size
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -62,8 +67,15 @@ class InMemoryImageLoader(_GlobalBatchCounter):
         per_rank = self.global_batch_size // self.dp_size
         mine = order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         self.consumed_batches += 1
-        return [MicroBatch.dense(self.tokens[idx], self.grid, self.labels[idx])
+        return [MicroBatch.dense(self.tokens[idx], self.grid, self.labels[idx], **self._text(idx))
                 for idx in mine.split(self.micro_batch_size)]
+
+    def _text(self, idx: torch.Tensor) -> dict:
+        if self.texts is None:
+            return {}
+        texts = [self.texts[i] for i in idx.tolist()]
+        lens = torch.tensor([0] + [len(t) for t in texts])
+        return dict(text_emb=torch.cat(texts), cu_seqlens_text=lens.cumsum(0).int())
 
 
 class MockLatentSource(_GlobalBatchCounter):
@@ -168,11 +180,21 @@ def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_siz
         from energon_data.datasets import load_digits
         images, labels = load_digits(size=data.image_size)
         return InMemoryImageLoader(images, labels, patch_size=model_config.patch_size, **common)
+    if data.name == "moving_digits":
+        from energon_data.datasets import moving_digits
+        from energon_data.encoders import build_text_encoder
+        videos = moving_digits(data.num_videos, frames=data.video_frames, size=data.image_size, seed=0,
+                               max_speed=2)  # a fixed dataset, like the digits
+        encoded = dict(zip(sorted(set(videos.captions)),
+                           build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).encode(sorted(set(videos.captions)))))
+        return InMemoryImageLoader(videos.videos, videos.labels, patch_size=model_config.patch_size,
+                                   patch_size_t=model_config.patch_size_t,
+                                   texts=[encoded[c] for c in videos.captions], **common)
     if data.name == "mock":
         p = model_config.patch_size
         return MockLatentSource(channels=model_config.in_channels, image_size=data.image_size,
                                 num_classes=model_config.num_classes, patch_size=(model_config.patch_size_t, p, p),
                                 shapes=data.mock_latent_shapes, max_seq_len=data.max_seq_len,
                                 pad_multiple=pad_multiple, text_dim=model_config.text_dim, **common)
-    raise ConfigError(f"unknown built-in dataset data.name={data.name!r}; use 'digits' or 'mock', or set "
+    raise ConfigError(f"unknown built-in dataset data.name={data.name!r}; use 'digits', 'moving_digits' or 'mock', or set "
                       "data.path to a prepared energon dataset")

@@ -37,6 +37,7 @@ from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
 from dit_mcore.training.flops import peak_tflops
 from dit_mcore.training.metrics import MetricsLogger, StepRate
+from dit_mcore.training.text_preview import draw_text_preview, moving_digits_prompts, preview_text_encoder
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import build_optimizer, step_if_finite, wrap_data_parallel
@@ -397,7 +398,24 @@ class Trainer:
         """The dataset's latent decoder for previews, built on first use (rank 0 only draws)."""
         return dataset_decoder(self.cfg.data.path) if dist.get_rank() == 0 else None
 
+    @functools.cached_property
+    def preview_text(self):
+        """``(encode, prompts)`` for text-model previews: the dataset's text encoder and the run's
+        prompts (``log.preview_prompts``, or prompts covering the ``moving_digits`` captions)."""
+        encode = preview_text_encoder(self.cfg.data)
+        prompts = self.cfg.log.preview_prompts or (moving_digits_prompts() if self.cfg.data.name == "moving_digits"
+                                                   and not self.cfg.data.path else None)
+        return encode, prompts
+
     def preview(self) -> Optional[Path]:
+        if self.model_config.text_dim:
+            encode, prompts = self.preview_text
+            if encode is None or not prompts:
+                log.warning("text previews need the dataset's text encoder and log.preview_prompts; skipped")
+                return None
+            return draw_text_preview(PipelinedForward(self.ema.module), self.model_config, self.family, self.objective,
+                                     self.cfg, self.step, self.run_dir / "samples", write=dist.get_rank() == 0,
+                                     encode=encode, prompts=prompts, device=self.device)
         if self.model_config.num_classes == 0:
             log.warning("preview grids need a class-conditional model; skipped")
             return None

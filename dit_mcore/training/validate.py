@@ -22,6 +22,8 @@ from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.training.data import MOVING_DIGITS_TEXT_ENCODER
+from energon_data.encoders import build_text_encoder
 from dit_mcore.parallel.layout import check_layout
 
 BACKENDS = ("auto", "local", "te")
@@ -204,11 +206,14 @@ def _check_text(data, model, family) -> None:
     """A text family needs data with text of the model's width."""
     if "text" not in family.conditioning:
         return
-    if not data.path and data.name != "mock":
+    if not data.path and data.name not in ("mock", "moving_digits"):
         raise ConfigError(f"data.name={data.name!r} has no captions, but model.family={family.name} is conditioned "
                           "on text; use a prepared energon dataset (data.path=..., it carries text embeddings) "
                           "or data.name=mock")
-    width = _dataset_text_dim(Path(data.path)) if data.path else None
+    if data.path:
+        width = _dataset_text_dim(Path(data.path))
+    else:
+        width = build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).dim if data.name == "moving_digits" else None
     if width is not None and width != model.text_dim:
         raise ConfigError(f"model.text_dim={model.text_dim} but the dataset at data.path={data.path!r} has "
                           f"{width}-wide text embeddings; set model.text_dim={width}")
@@ -224,9 +229,12 @@ def _check_data_source(data, model) -> None:
         if path.is_dir() and not (path / ".nv-meta").is_dir():
             raise ConfigError(f"data.path={data.path!r} is not a prepared energon dataset (no .nv-meta/ inside); "
                               "prepare one with `python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
-    elif data.name == "digits" and data.image_size != model.input_size:
-        raise ConfigError(f"data.image_size={data.image_size}: the digits must have the model's size "
+    elif data.name in ("digits", "moving_digits") and data.image_size != model.input_size:
+        raise ConfigError(f"data.image_size={data.image_size}: the {data.name} must have the model's size "
                           f"{model.input_size}; set model.input_size={data.image_size}")
+    elif data.name in ("digits", "moving_digits") and model.in_channels != 1:
+        raise ConfigError(f"model.in_channels={model.in_channels}: the {data.name} are grey pixels; set "
+                          "model.in_channels=1")
 
 
 def validate_run(cfg, world_size: int) -> None:

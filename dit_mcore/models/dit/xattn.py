@@ -25,6 +25,9 @@ def _presets() -> dict:
     table["DiT-XAttn-28B"] = dict(_VIDEO, num_layers=42, hidden_size=5120, num_attention_heads=40)
     table["xattn-tiny"] = dict(_TEXT, num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2,
                                input_size=8, in_channels=4, text_dim=32)
+    # The CPU text-to-video demo: 16x16 grey frames, 4x4 patches, the tiny text encoder's 32-wide text.
+    table["xattn-moving-digits"] = dict(_TEXT, num_layers=4, hidden_size=128, num_attention_heads=4, patch_size=4,
+                                        input_size=16, in_channels=1, text_dim=32, learn_sigma=False)
     return table
 
 
