@@ -187,7 +187,7 @@ def test_presets_and_config_errors():
 def test_text_family_needs_text_data(tmp_path):
     from dit_mcore.training.config import DataConfig, ModelConfig, RunConfig
     from dit_mcore.training.validate import run_problems
-    cfg = RunConfig(model=ModelConfig(family="dit_xattn", preset="xattn-tiny"),
+    cfg = RunConfig(model=ModelConfig(family="dit_xattn", preset="xattn-tiny", in_channels=1),
                     data=DataConfig(name="digits", image_size=8))
     cfg.log.dir = str(tmp_path)
     assert any("has no captions" in p and "model.family=dit_xattn" in p for p in run_problems(cfg, 1))
