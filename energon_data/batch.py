@@ -22,6 +22,14 @@ import torch
 from energon_data.tokens import grid_positions
 
 
+def cumsum0(lengths: Sequence[int]) -> torch.Tensor:
+    """int32 ``[n+1]`` cumulative ``lengths`` from 0 (``cu_seqlens`` from per-sample lengths)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if len(lengths):
+        out[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out
+
+
 @dataclass
 class MicroBatch:
     """Clean tokens plus everything the model needs to know about the samples in them."""

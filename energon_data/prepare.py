@@ -221,12 +221,18 @@ def builtin_items(name: str, cfg: PrepareConfig) -> list[Item]:
 # --------------------------------------------------------------------------- state
 
 
-def _load_state(out: Path) -> dict | None:
+def prepare_record(out) -> dict | None:
+    """What ``prepare`` recorded for the dataset at ``out`` (its config, shards with their latent
+    shape and text width), or None when there is no readable record (e.g. a blend file)."""
     try:
-        state = json.loads((out / STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return json.loads((Path(out) / STATE_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
-    return state if state.get("version") == STATE_VERSION else None
+
+
+def _load_state(out: Path) -> dict | None:
+    state = prepare_record(out)
+    return state if state is not None and state.get("version") == STATE_VERSION else None
 
 
 def _save_state(out: Path, state: dict) -> None:

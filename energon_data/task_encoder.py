@@ -22,6 +22,7 @@ from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 
 from energon_data import shard_safety
 from energon_data.config import ConfigError
+from energon_data.batch import cumsum0
 from energon_data.packing import pack_lengths, round_up, shuffle_bins
 from energon_data.samples import EncodedSample, LatentBatch, LatentSample, PackedSample
 from energon_data.tokens import grid_positions, patchify
@@ -61,13 +62,6 @@ def patchify_latent(latent: torch.Tensor, patch_size: Sequence[int]) -> tuple[to
     return tokens[0], grid
 
 
-def _cumsum0(lengths: Sequence[int]) -> torch.Tensor:
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if len(lengths):
-        out[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
-    return out
-
-
 def layout(samples: Sequence[EncodedSample], total_len: int) -> PackedSample:
     """Lay ``samples`` out back to back, each padded to its ``padded_len``; the last one also takes the
     padding up to ``total_len``."""
@@ -86,10 +80,10 @@ def layout(samples: Sequence[EncodedSample], total_len: int) -> PackedSample:
         __restore_key__=(),  # energon sets it
         __subflavors__=samples[0].__subflavors__,
         tokens=tokens,
-        cu_seqlens=_cumsum0([len(s.tokens) for s in samples]),
+        cu_seqlens=cumsum0([len(s.tokens) for s in samples]),
         cu_seqlens_padded=torch.tensor(offsets, dtype=torch.int32),
         text_emb=torch.cat([s.text_emb for s in samples]),
-        cu_seqlens_text=_cumsum0([len(s.text_emb) for s in samples]),
+        cu_seqlens_text=cumsum0([len(s.text_emb) for s in samples]),
         grids=torch.tensor([list(s.grid) for s in samples], dtype=torch.int64),
         labels=torch.tensor([s.label for s in samples], dtype=torch.int64),
         keys=[s.__key__ for s in samples],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from energon_data.batch import MicroBatch
+from energon_data.batch import MicroBatch, cumsum0
 from energon_data.config import ConfigError, DataConfig
 from energon_data.packing import round_up
 from energon_data.tokens import patchify
@@ -74,8 +74,7 @@ class InMemoryImageLoader(_GlobalBatchCounter):
         if self.texts is None:
             return {}
         texts = [self.texts[i] for i in idx.tolist()]
-        lens = torch.tensor([0] + [len(t) for t in texts])
-        return dict(text_emb=torch.cat(texts), cu_seqlens_text=lens.cumsum(0).int())
+        return dict(text_emb=torch.cat(texts), cu_seqlens_text=cumsum0([len(t) for t in texts]))
 
 
 class MockLatentSource(_GlobalBatchCounter):
@@ -148,9 +147,8 @@ class MockLatentSource(_GlobalBatchCounter):
         the latents are the same with or without text."""
         if not self.text_dim:
             return {}
-        lens = torch.randint(1, self.max_text_len + 1, (n,), generator=g)
-        return dict(text_emb=torch.randn(int(lens.sum()), self.text_dim, generator=g),
-                    cu_seqlens_text=torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()]))
+        lens = torch.randint(1, self.max_text_len + 1, (n,), generator=g).tolist()
+        return dict(text_emb=torch.randn(sum(lens), self.text_dim, generator=g), cu_seqlens_text=cumsum0(lens))
 
     def next_global_batch(self) -> list[MicroBatch]:
         step, self.consumed_batches = self.consumed_batches, self.consumed_batches + 1
@@ -185,8 +183,8 @@ def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_siz
         from energon_data.encoders import build_text_encoder
         videos = moving_digits(data.num_videos, frames=data.video_frames, size=data.image_size, seed=0,
                                max_speed=2)  # a fixed dataset, like the digits
-        encoded = dict(zip(sorted(set(videos.captions)),
-                           build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).encode(sorted(set(videos.captions)))))
+        captions = sorted(set(videos.captions))  # 40 distinct ones: encode each once
+        encoded = dict(zip(captions, build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).encode(captions)))
         return InMemoryImageLoader(videos.videos, videos.labels, patch_size=model_config.patch_size,
                                    patch_size_t=model_config.patch_size_t,
                                    texts=[encoded[c] for c in videos.captions], **common)

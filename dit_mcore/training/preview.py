@@ -8,7 +8,6 @@ named in the log.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import Callable, Optional
@@ -34,9 +33,9 @@ def preview_classes(num_classes: int, max_rows: int = MAX_ROWS) -> torch.Tensor:
 def dataset_decoder(data_path: Optional[str]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """The latent decoder recorded by ``energon_data.prepare`` for the dataset at ``data_path``, if
     any (None for in-memory sources or datasets without a record)."""
-    if not data_path or not (Path(data_path) / "prepare_state.json").is_file():
-        return None
-    config = json.loads((Path(data_path) / "prepare_state.json").read_text()).get("config", {})
+    from energon_data.prepare import prepare_record
+    record = prepare_record(data_path) if data_path else None
+    config = (record or {}).get("config", {})
     if not config.get("encoder"):
         return None
     from energon_data.encoders import build_latent_encoder

@@ -19,7 +19,7 @@ from PIL import Image
 
 from dit_mcore.diffusion import sample
 from dit_mcore.models.text import TextContext
-from dit_mcore.training.sample_grid import save_grid
+from dit_mcore.training.sample_grid import save_grid, to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,11 @@ def preview_text_encoder(data) -> Optional[Callable]:
     """``encode(prompts) -> [L_i, D] tensors`` with the dataset's text encoder, or None if unknown."""
     from energon_data.encoders import build_text_encoder
     if data.path:
-        state = Path(data.path) / "prepare_state.json"
-        if not state.is_file():
+        from energon_data.prepare import prepare_record
+        record = prepare_record(data.path)
+        if record is None:
             return None
-        config = json.loads(state.read_text()).get("config", {})
+        config = record.get("config", {})
         try:
             return build_text_encoder(config.get("text_encoder", "tiny"), config.get("text_encoder_path"),
                                       **config.get("text_encoder_opts", {})).encode
@@ -57,8 +58,7 @@ def _slug(prompt: str) -> str:
 
 def _grey_frames(video: torch.Tensor) -> list[Image.Image]:
     """``[C, T, H, W]`` in [-1, 1] -> T grey PIL frames (channel 0 for latents of other widths)."""
-    pixels = ((video[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
-    return [Image.fromarray(frame.numpy(), mode="L") for frame in pixels]
+    return [Image.fromarray(frame.numpy(), mode="L") for frame in to_uint8(video[0])]
 
 
 @torch.no_grad()

@@ -16,8 +16,6 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import json
-
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.registry import families, get_family
@@ -195,10 +193,8 @@ def run_problems(cfg, world_size: int) -> list[str]:
 
 def _dataset_text_dim(path: Path) -> Optional[int]:
     """The text width a prepared dataset recorded (None if it has no record, e.g. a blend file)."""
-    state = path / "prepare_state.json"
-    if not state.is_file():
-        return None
-    shards = json.loads(state.read_text()).get("shards") or [{}]
+    from energon_data.prepare import prepare_record
+    shards = (prepare_record(path) or {}).get("shards") or [{}]
     return shards[0].get("text_dim")
 
 

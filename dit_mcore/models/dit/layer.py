@@ -68,26 +68,23 @@ class DiTLayer(TransformerLayer):
         router = getattr(self.mlp, "router", None)
         if router is not None:  # MoE: the load-balancing loss is weighted per sample, like the loss
             router.samples = conditioning.emb.shape[0]
-        attn_out, attn_bias = self.self_attention(
-            conditioning.modulate(self.norm(hidden_states), shift_a, scale_a), attention_mask=None,
-            rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
-        if attn_bias is not None:
-            attn_out = attn_out + attn_bias
-        hidden_states = conditioning.gated_add(hidden_states, gate_a, attn_out)
+        hidden_states = self._attend(self.self_attention, hidden_states, conditioning, shift_a, scale_a, gate_a,
+                                     rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
         if context is not None:
-            shift_c, scale_c, gate_c = chunks[3:6]
-            cross_out, cross_bias = self.cross_attention(
-                conditioning.modulate(self.norm(hidden_states), shift_c, scale_c), attention_mask=None,
-                key_value_states=context, packed_seq_params=context_params)
-            if cross_bias is not None:
-                cross_out = cross_out + cross_bias
-            hidden_states = conditioning.gated_add(hidden_states, gate_c, cross_out)
+            hidden_states = self._attend(self.cross_attention, hidden_states, conditioning, *chunks[3:6],
+                                         key_value_states=context, packed_seq_params=context_params)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             mlp_out = tensor_parallel.checkpoint(self._mlp_branch(conditioning), False, hidden_states,
                                                  shift_m, scale_m)
         else:
             mlp_out = self._mlp_branch(conditioning)(hidden_states, shift_m, scale_m)
         return conditioning.gated_add(hidden_states, gate_m, mlp_out)
+
+    def _attend(self, attention, hidden_states, conditioning: Conditioning, shift, scale, gate, **kwargs):
+        """``x + gate * attention(modulate(norm(x)))`` (self- or cross-attention)."""
+        out, bias = attention(conditioning.modulate(self.norm(hidden_states), shift, scale), attention_mask=None,
+                              **kwargs)
+        return conditioning.gated_add(hidden_states, gate, out if bias is None else out + bias)
 
     def _mlp_branch(self, conditioning: Conditioning):
         def branch(hidden_states, shift, scale):
