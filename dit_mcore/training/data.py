@@ -7,6 +7,8 @@ exactly the same batches.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from energon_data.batch import MicroBatch, cumsum0
@@ -15,8 +17,12 @@ from energon_data.packing import round_up
 from energon_data.tokens import patchify
 
 
-MOVING_DIGITS_TEXT_ENCODER = "tiny_text"
-"""The text encoder of the built-in ``moving_digits`` captions (deterministic, 32 wide)."""
+@functools.lru_cache(maxsize=1)
+def moving_digits_text_encoder():
+    """The text encoder of the built-in ``moving_digits`` captions (``tiny_text``: deterministic, 32
+    wide), built once per process for the data, the config check and the previews."""
+    from energon_data.encoders import build_text_encoder
+    return build_text_encoder("tiny_text")
 
 
 class _GlobalBatchCounter:
@@ -180,11 +186,10 @@ def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_siz
         return InMemoryImageLoader(images, labels, patch_size=model_config.patch_size, **common)
     if data.name == "moving_digits":
         from energon_data.datasets import moving_digits
-        from energon_data.encoders import build_text_encoder
         videos = moving_digits(data.num_videos, frames=data.video_frames, size=data.image_size, seed=0,
                                max_speed=2)  # a fixed dataset, like the digits
         captions = sorted(set(videos.captions))  # 40 distinct ones: encode each once
-        encoded = dict(zip(captions, build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).encode(captions)))
+        encoded = dict(zip(captions, moving_digits_text_encoder().encode(captions)))
         return InMemoryImageLoader(videos.videos, videos.labels, patch_size=model_config.patch_size,
                                    patch_size_t=model_config.patch_size_t,
                                    texts=[encoded[c] for c in videos.captions], **common)

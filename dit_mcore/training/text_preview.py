@@ -47,8 +47,8 @@ def preview_text_encoder(data) -> Optional[Callable]:
             log.warning("preview: cannot build the dataset's text encoder (%s); previews skipped", exc)
             return None
     if data.name == "moving_digits":
-        from dit_mcore.training.data import MOVING_DIGITS_TEXT_ENCODER
-        return build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).encode
+        from dit_mcore.training.data import moving_digits_text_encoder
+        return moving_digits_text_encoder().encode
     return None
 
 

@@ -20,8 +20,7 @@ from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
-from dit_mcore.training.data import MOVING_DIGITS_TEXT_ENCODER
-from energon_data.encoders import build_text_encoder
+from dit_mcore.training.data import moving_digits_text_encoder
 from dit_mcore.parallel.layout import check_layout
 
 BACKENDS = ("auto", "local", "te")
@@ -209,7 +208,7 @@ def _check_text(data, model, family) -> None:
     if data.path:
         width = _dataset_text_dim(Path(data.path))
     else:
-        width = build_text_encoder(MOVING_DIGITS_TEXT_ENCODER).dim if data.name == "moving_digits" else None
+        width = moving_digits_text_encoder().dim if data.name == "moving_digits" else None
     if width is not None and width != model.text_dim:
         raise ConfigError(f"model.text_dim={model.text_dim} but the dataset at data.path={data.path!r} has "
                           f"{width}-wide text embeddings; set model.text_dim={width}")
