@@ -73,6 +73,19 @@ class DiTConfig(TransformerConfig):
     """Probability of replacing a sample's text by the learned null text during training
     (classifier-free guidance on text)."""
 
+    position_embedding: str = "sincos"
+    """How tokens know where they are: ``"sincos"`` (fixed 2D/3D sin-cos table added to the patch
+    embedding, the DiT paper's) or ``"rope3d"`` (3D rotary embedding of queries and keys in every
+    self-attention, each head's channels split over time, height and width; MovieGen/Wan style)."""
+
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (``position_embedding="rope3d"``)."""
+
+    cross_attention_adaln: bool = True
+    """With text cross-attention: its input is adaLN-modulated and its output gated (three more adaLN
+    chunks per layer, NeMo's cross-attention DiT); False: it reads an affine RMSNorm of the stream and
+    its output is added to the residual ungated (MovieGen's Llama DiT)."""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their
@@ -101,6 +114,9 @@ class DiTConfig(TransformerConfig):
         return self.class_dropout_prob > 0
 
 
+POSITION_EMBEDDINGS = ("sincos", "rope3d")
+
+
 def _validate_dit_fields(cfg: DiTConfig) -> None:
     """Checks done before megatron's own, so errors name our field (``model.*`` on the command
     line) and a fix that passes every check."""
@@ -123,6 +139,13 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
     need(0.0 <= cfg.class_dropout_prob < 1.0, f"model.class_dropout_prob={cfg.class_dropout_prob}: must be in [0, 1)")
     need(cfg.text_dim >= 0, f"model.text_dim={cfg.text_dim}: must be >= 0 (0: no text cross-attention)")
     need(0.0 <= cfg.text_dropout_prob < 1.0, f"model.text_dropout_prob={cfg.text_dropout_prob}: must be in [0, 1)")
+    need(cfg.position_embedding in POSITION_EMBEDDINGS,
+         f"model.position_embedding={cfg.position_embedding!r}: use one of {POSITION_EMBEDDINGS}")
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    need(cfg.position_embedding != "rope3d" or (head_dim % 2 == 0 and head_dim >= 6),
+         f"model.position_embedding=rope3d needs an even head dim >= 6, got {head_dim} "
+         f"(hidden_size {cfg.hidden_size} / {cfg.num_attention_heads} heads); change the width or the heads")
+    need(cfg.rope_theta > 0, f"model.rope_theta={cfg.rope_theta}: must be > 0")
     need(cfg.frequency_embedding_size % 2 == 0,
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")
 

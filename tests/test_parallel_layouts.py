@@ -25,10 +25,19 @@ EXPERT_TO_ONE = "ep2_dense"  # resumed on one process (EP = 1)
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
-def layout_run(run_dir, data: str, moe: bool = False, xattn: bool = False, **parallel) -> RunConfig:
+TEXT_FAMILIES = {"xattn": "dit_xattn", "llama": "llama"}  # case-name prefix -> family
+TINY = {"dit": "tiny", "dit_xattn": "xattn-tiny", "llama": "llama-tiny"}
+
+
+def family_of(case: str) -> str:
+    return TEXT_FAMILIES.get(case.split("_")[0], "dit")
+
+
+def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **parallel) -> RunConfig:
     """A tiny DiT (4 heads so Ulysses splits over TP2 x CP2) on mock latents, dense or packed; with
-    ``moe``, its MoE variant (4 experts, top-2); with ``xattn``, the cross-attention DiT (labels and
-    random text of 1-8 tokens per sample, QK norm, text dropout)."""
+    ``moe``, its MoE variant (4 experts, top-2); ``family="dit_xattn"``: the cross-attention DiT (labels
+    and random text of 1-8 tokens per sample, QK norm, text dropout); ``"llama"``: the Llama DiT (3D
+    RoPE, GQA with 2 KV heads, SwiGLU, labels and text)."""
     channels = 4
     if data == "dense":
         data_cfg = DataConfig(name="mock", image_size=8, global_batch_size=8, micro_batch_size=2)
@@ -40,7 +49,8 @@ def layout_run(run_dir, data: str, moe: bool = False, xattn: bool = False, **par
         data_cfg = DataConfig(name="mock", image_size=8, mock_latent_shapes=PACKED_SHAPES, max_seq_len=62,
                               global_batch_size=4, micro_batch_size=1)
     return RunConfig(
-        model=ModelConfig(family="dit_xattn" if xattn else "dit", preset="xattn-tiny" if xattn else "tiny", num_layers=4, hidden_size=32, num_attention_heads=4, input_size=8,
+        model=ModelConfig(family=family, preset=TINY[family], num_layers=4, hidden_size=32, num_attention_heads=4,
+                          input_size=8,
                           in_channels=channels, num_classes=10, class_dropout_prob=0.1, backend="local",
                           num_moe_experts=4 if moe else None, moe_router_topk=2 if moe else None,
                           moe_aux_loss_coeff=0.1 if moe else None,
@@ -56,7 +66,7 @@ def layout_run(run_dir, data: str, moe: bool = False, xattn: bool = False, **par
 @torch.no_grad()
 def _randomize(trainer: Trainer) -> None:
     """Give every parameter random values keyed by its global name, identical on any layout (TP
-    ranks take their slice). adaLN-Zero starts every layer as the identity with zero gates, and
+    ranks take their slice, as megatron splits a whole weight). adaLN-Zero starts every layer as the identity with zero gates, and
     Adam's first steps follow gradient signs, so a few steps from the standard init barely depend
     on the layer weights; from here, every weight shows in the loss."""
     from megatron.core import parallel_state as ps
@@ -78,7 +88,10 @@ def _randomize(trainer: Trainer) -> None:
             shape[dim] *= tp
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         full = torch.randn(shape, generator=g) * 0.2
-        value = full.chunk(tp, dim)[tp_rank] if sharded else full
+        value = full
+        if sharded:  # strided like megatron's init (SwiGLU's fc1: this rank's gate rows, then its up rows)
+            stride = getattr(param, "partition_stride", 1)
+            value = torch.cat(full.chunk(tp * stride, dim)[tp_rank::tp], dim)
         if isinstance(param, DTensor):  # FSDP: this rank's dim-0 shard
             value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
         param.copy_(value)
@@ -110,7 +123,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
 
 def _layouts_worker(rank, world, run_dir, cases):
     results = {name: _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"),
-                                       xattn=name.startswith("xattn"), **parallel),
+                                       family=family_of(name), **parallel),
                             save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE))
                for name, data, parallel in cases}
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
@@ -129,14 +142,14 @@ def _layouts_worker(rank, world, run_dir, cases):
 _REFERENCES = {}
 
 
-def reference(tmp_path_factory, data: str, moe: bool = False, xattn: bool = False) -> dict:
+def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit") -> dict:
     """The one-process run of the same model and data (MoE layouts compare with the same MoE, text
-    layouts with the same cross-attention DiT)."""
-    if (data, moe, xattn) not in _REFERENCES:
-        kind = "moe" if moe else "xattn" if xattn else "dense"
+    layouts with the same family)."""
+    if (data, moe, family) not in _REFERENCES:
+        kind = "moe" if moe else family
         run_dir = tmp_path_factory.mktemp(f"single_{data.split(':')[0]}_{kind}")
-        _REFERENCES[data, moe, xattn] = _train(layout_run(run_dir, data, moe=moe, xattn=xattn), steps=STEPS + 1)
-    return _REFERENCES[data, moe, xattn]
+        _REFERENCES[data, moe, family] = _train(layout_run(run_dir, data, moe=moe, family=family), steps=STEPS + 1)
+    return _REFERENCES[data, moe, family]
 
 
 def _cases(world: int):
@@ -171,8 +184,9 @@ def _cases(world: int):
 
 
 def _text_cases(world: int):
-    """The cross-attention DiT under the layouts that touch its text: TP+SP (text whole on every TP
-    rank), CP (text whole on every CP rank, queries sharded), PP (text embedder on every stage),
+    """The text families under the layouts that touch their text and positions: TP+SP (text whole
+    on every TP rank), CP (text whole on every CP rank, queries sharded; the Llama DiT's RoPE angles
+    cut to each CP piece, samples straddling pieces), PP (text embedder and RoPE on every stage),
     FSDP. They run in their own spawn: after a text-model run, a later FSDP run in the same process
     got some weights on another device mesh (CPU/gloo; each run alone matches one process; not yet
     explained)."""
@@ -186,8 +200,12 @@ def _text_cases(world: int):
                                    "pipeline_model_parallel_size": 2, "distopt": True}}
     data = {"tp2_sp": "packed", "cp2_p2p": "dense", "cp2_a2a": "packed", "pp2": "packed", "fsdp2": "dense",
             "tp2_sp_cp2_a2a": "packed", "tp2_sp_pp2_distopt": "dense"}
-    return [(f"xattn_{name}_{data[name]}", data[name], dict(parallel))
-            for name, parallel in (two if world == 2 else four).items()]
+    xattn = [(f"xattn_{name}_{data[name]}", data[name], dict(parallel))
+             for name, parallel in (two if world == 2 else four).items()]
+    llama = {2: [("tp2_sp", "packed"), ("cp2_p2p", "packed"), ("cp2_a2a", "dense"), ("pp2", "packed")],
+             4: [("tp2_sp_cp2_a2a", "packed")]}[world]
+    layouts = {**two, **four}
+    return xattn + [(f"llama_{name}_{d}", d, dict(layouts[name])) for name, d in llama]
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +248,9 @@ def text_results(tmp_path_factory):
 
 @pytest.mark.parametrize("world, name, data", [(w, n, d) for w in (2, 4) for n, d, _ in _cases(w) + _text_cases(w)])
 def test_layout_equals_one_process(world_results, text_results, tmp_path_factory, world, name, data):
-    per_rank, _ = (text_results if name.startswith("xattn") else world_results)(world)
-    ref = reference(tmp_path_factory, data, moe=name.startswith("ep"), xattn=name.startswith("xattn"))
+    family = family_of(name)
+    per_rank, _ = (world_results if family == "dit" else text_results)(world)
+    ref = reference(tmp_path_factory, data, moe=name.startswith("ep"), family=family)
     for rank, result in enumerate(per_rank):
         got = result[name]
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5,

@@ -40,6 +40,16 @@ def packed_seq_params(batch) -> KernelsPackedSeqParams:
         max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen, segments=segments)
 
 
+def _expand_groups(query, key, value):
+    """Grouped-query attention: repeat each key/value head for the query heads of its group
+    (megatron's order: query head ``j`` reads group ``j // (heads / groups)``), as megatron's own
+    core attention does. The kernels then see plain multi-head attention."""
+    heads, groups = query.shape[-2], key.shape[-2]
+    if heads == groups:
+        return key, value
+    return tuple(x.repeat_interleave(heads // groups, dim=-2) for x in (key, value))
+
+
 class KernelsCoreAttention(MegatronModule):
     """Accepts megatron's core-attention constructor and call signature.
 
@@ -72,6 +82,7 @@ class KernelsCoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
                              "packed_seq_params.cu_seqlens_q/kv")
+        key, value = _expand_groups(query, key, value)
         if self.cross:
             return self._cross(query, key, value, packed_seq_params)
         thd = query.dim() == 3

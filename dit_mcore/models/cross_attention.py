@@ -6,6 +6,8 @@ context, both column-parallel (heads split over TP). Two things differ for DiT t
 - The text is whole on every rank, also under sequence parallel (it is short, and its length
   varies per sample, so it does not split evenly over TP): the K/V projection does not
   all-gather its input, and its input gradient is all-reduced over TP instead.
+- Every head has its own keys and values, also in a grouped-query model (megatron's
+  ``CrossAttention`` has no GQA; the text is short, so its K/V projection is cheap).
 - Optional per-head RMSNorm of queries and keys (``qk_layernorm``, as NeMo's cross-attention DiT
   and most video DiTs use), which megatron has for self-attention only. The norms are named
   ``q_layernorm`` / ``k_layernorm``, so megatron's ``finalize_model_grads`` sums their gradients
@@ -13,6 +15,7 @@ context, both column-parallel (heads split over TP). Two things differ for DiT t
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Union
 
@@ -38,6 +41,9 @@ class TextCrossAttention(CrossAttention):
     """Queries from the (possibly sequence-parallel) tokens, keys/values from the whole text."""
 
     def __init__(self, config, submodules: TextCrossAttentionSubmodules, layer_number: int, **kwargs):
+        if config.num_query_groups not in (None, config.num_attention_heads):
+            config = copy.copy(config)  # this attention only: one K/V head per query head
+            config.num_query_groups = config.num_attention_heads
         super().__init__(config, submodules, layer_number, **kwargs)
         kv = self.linear_kv
         if kv.sequence_parallel:  # the text is not sequence-sharded: no gather, reduce dgrad over TP

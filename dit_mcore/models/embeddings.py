@@ -97,3 +97,32 @@ def sincos_from_positions(positions: torch.Tensor, dim: int, max_coord: int) -> 
     spatial, temporal = _axis_tables(dim, size, str(positions.device))
     t, h, w = positions.unbind(-1)
     return (torch.cat([spatial[w], spatial[h]], dim=-1) + temporal[t]).float()
+
+
+def rope_axis_pairs(head_dim: int) -> tuple[int, int, int]:
+    """Rotation pairs of each head given to the ``(t, h, w)`` axes: height and width get
+    ``head_dim // 6`` each, time the rest (Wan's split; e.g. 22/21/21 of 64 pairs at head_dim 128)."""
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"3D RoPE needs an even head dim >= 6 (got {head_dim}): set model.hidden_size / "
+                         "model.num_attention_heads (or kv_channels) to an even value of at least 6")
+    spatial = head_dim // 6
+    return head_dim // 2 - 2 * spatial, spatial, spatial
+
+
+def rope3d_freqs(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotation angles of 3D RoPE for per-token ``(t, h, w)`` coordinates ``[N, 3]`` -> ``[N, 1, 1, head_dim]``
+    float32, in megatron's layout (``apply_rotary_pos_emb`` rotates channel ``i`` with ``i + head_dim/2``,
+    or neighbours when ``interleaved``), so megatron's and TE's RoPE kernels apply it.
+
+    Each axis ``a`` owns ``p_a`` pairs (:func:`rope_axis_pairs`) rotating at the frequencies
+    ``theta ** (-k / p_a)``, ``k < p_a``, times the token's coordinate on that axis: relative offsets in
+    time, height and width each move their own channels. Built per token, so a packed stream of
+    grids, or one context-parallel rank's piece of it, gets exactly the angles of its tokens."""
+    angles = []
+    for axis, pairs in enumerate(rope_axis_pairs(head_dim)):
+        inv = theta ** (-torch.arange(pairs, dtype=torch.float64, device=positions.device) / pairs)
+        angles.append(positions[:, axis, None].double() * inv)
+    freqs = torch.cat(angles, dim=-1).float()
+    freqs = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
+    return freqs[:, None, None, :]

@@ -47,6 +47,7 @@ def register(family: ModelFamily) -> ModelFamily:
 def _load_builtin() -> None:
     import dit_mcore.models.dit  # noqa: F401  (registers "dit")
     import dit_mcore.models.dit.xattn  # noqa: F401  (registers "dit_xattn")
+    import dit_mcore.models.dit.llama  # noqa: F401  (registers "llama")
 
 
 def get_family(name: str) -> ModelFamily:

@@ -81,6 +81,14 @@ class TokenShard:
 
     def scatter(self, x: torch.Tensor, dim: int = 0, pad_value: float = 0) -> torch.Tensor:
         """This rank's piece of ``x`` along ``dim`` (the whole stream, identical on every rank)."""
+        return self._piece(x, dim, pad_value, self.local_range)
+
+    def attention_piece(self, x: torch.Tensor, dim: int = 0, pad_value: float = 0) -> torch.Tensor:
+        """The part of ``x`` (the whole stream) that this rank's attention layers see: its
+        context-parallel piece (see :meth:`attention_range`), e.g. for per-token rotary angles."""
+        return self._piece(x, dim, pad_value, self.attention_range)
+
+    def _piece(self, x: torch.Tensor, dim: int, pad_value: float, cut) -> torch.Tensor:
         if not self.active:
             return x
         total = x.shape[dim]
@@ -89,7 +97,7 @@ class TokenShard:
             pad_shape = list(x.shape)
             pad_shape[dim] = extra
             x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim)
-        start, end = self.local_range(total)
+        start, end = cut(total)
         return x.narrow(dim, start, end - start)
 
     def gather(self, x: torch.Tensor, total: int, dim: int = 0) -> torch.Tensor:

@@ -17,16 +17,21 @@ class ModelConfig:
 
     family: str = "dit"
     """Model family from ``dit_mcore.models.registry`` (``dit``: the adaLN-Zero DiT; ``dit_xattn``: the
-    DiT with cross-attention to text)."""
+    DiT with cross-attention to text; ``llama``: the MovieGen-style Llama DiT with 3D RoPE)."""
     preset: str = "DiT-XL/2"
     """A preset of the family (``dit``: ``DiT-S/2`` … ``DiT-XL/8``, ``tiny``, ``digits``; ``dit_xattn``:
-    ``DiT-XAttn-XL/2``, ``DiT-XAttn-7B``, ``DiT-XAttn-28B``, ``xattn-tiny`` …)."""
+    ``DiT-XAttn-XL/2``, ``DiT-XAttn-7B``, ``DiT-XAttn-28B``, ``xattn-tiny`` …; ``llama``:
+    ``MovieGen-1B`` … ``MovieGen-30B``, ``llama-tiny``, ``llama-moving-digits``)."""
     num_layers: Optional[int] = None
     """Override the preset's depth."""
     hidden_size: Optional[int] = None
-    """Override the preset's width (FFN width follows as 4x)."""
+    """Override the preset's width (FFN width follows as 4x unless ``ffn_hidden_size`` is set)."""
+    ffn_hidden_size: Optional[int] = None
+    """Override the MLP's inner width (per gate with SwiGLU)."""
     num_attention_heads: Optional[int] = None
     """Override the preset's head count."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention (megatron's field; None: the preset's)."""
     patch_size: Optional[int] = None
     """Override the preset's patch size."""
     input_size: Optional[int] = None
@@ -82,7 +87,7 @@ class ModelConfig:
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
                      if f.name not in self._NOT_CONFIG_FIELDS and getattr(self, f.name) is not None}
-        if self.hidden_size is not None:
+        if self.hidden_size is not None and self.ffn_hidden_size is None:
             overrides["ffn_hidden_size"] = 4 * self.hidden_size
         if self.init_model_with_meta_device:  # layers then follow the meta device context
             overrides["use_cpu_initialization"] = True

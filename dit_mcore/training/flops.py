@@ -90,7 +90,8 @@ def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[in
     cross = bool(getattr(config, "text_dim", 0))
     if cross and context_lens is None:
         raise ValueError("a cross-attention model's FLOPs need context_lens (text tokens per sample)")
-    chunks = 9 if cross else 6  # adaLN chunks per layer (shift, scale, gate per sub-block)
+    # adaLN chunks per layer: shift, scale, gate per modulated sub-block
+    chunks = 9 if cross and getattr(config, "cross_attention_adaln", True) else 6
     adaln_per_sample = layers * 2.0 * h * chunks * h + 2.0 * h * 2 * h  # + 2 chunks in the final layer
     embed = tokens * (2.0 * config.patch_dim * h + 2.0 * h * config.out_patch_dim) \
         + samples * (cond_per_sample + adaln_per_sample)
@@ -99,7 +100,7 @@ def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[in
     if cross:
         text = float(sum(context_lens))
         embed += text * (2.0 * config.text_dim * h + 2.0 * h * h)  # text embedder (2-layer MLP)
-        linear += layers * (tokens * 2.0 * (h * q_dim + q_dim * h) + text * 2.0 * h * 2 * q_dim)
+        linear += layers * (tokens * 2.0 * (h * q_dim + q_dim * h) + text * 2.0 * h * 2 * q_dim)  # MHA K/V
         attention += layers * 4.0 * float(sum(n * m for n, m in zip(seqlens, context_lens))) * q_dim
 
     recompute = config.recompute_granularity

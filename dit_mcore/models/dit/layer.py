@@ -1,6 +1,7 @@
 """The adaLN-Zero DiT layer: a megatron-core ``TransformerLayer`` whose norms are modulated by a
 per-sample conditioning vector (see :mod:`dit_mcore.models.modulation`), optionally with
-cross-attention to text between self-attention and the MLP (the cross-attention DiT)."""
+cross-attention to text between self-attention and the MLP (the cross-attention DiT, and MovieGen's
+Llama DiT with its plain-residual cross-attention)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,12 +27,17 @@ class DiTLayerSubmodules:
     ``norm(hidden_size, eps=layernorm_epsilon)``: DiT uses a LayerNorm without affine parameters."""
     cross_attention: Optional[ModuleSpec] = None
     """Cross-attention to the text (``TextCrossAttention``); None: the class-conditional layer."""
+    cross_attention_norm: Optional[ModuleSpec] = None
+    """None: the cross-attention input is adaLN-modulated and its output gated (NeMo's DiT); a norm
+    spec (affine): cross-attention reads that norm of the stream and its output is added to the
+    residual as it is (MovieGen's Llama DiT)."""
 
 
 class DiTLayer(TransformerLayer):
     """``x += gate_a * Attn(modulate(norm(x)))``; ``x += gate_m * MLP(modulate(norm(x)))``; with
     cross-attention, ``x += gate_c * CrossAttn(modulate(norm(x)), text)`` between the two (nine
-    adaLN chunks instead of six, as NeMo's cross-attention DiT; zero gates keep the identity init).
+    adaLN chunks instead of six, as NeMo's cross-attention DiT; zero gates keep the identity init),
+    or with a ``cross_attention_norm``, ``x += CrossAttn(cross_norm(x), text)`` (MovieGen, six chunks).
 
     The megatron ``TransformerLayer`` builds the attention and MLP from the spec (so TP, TE and
     selective recompute of the core attention apply); its own norm slots are identities because
@@ -49,7 +55,12 @@ class DiTLayer(TransformerLayer):
                          pg_collection=pg_collection, vp_stage=vp_stage)
         self.norm = build_module(submodules.norm, config.hidden_size, eps=config.layernorm_epsilon)
         self.has_cross_attention = submodules.cross_attention is not None
-        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=9 if self.has_cross_attention else 6)
+        self.cross_norm = None
+        if submodules.cross_attention_norm is not None:
+            self.cross_norm = build_module(submodules.cross_attention_norm, config.hidden_size,
+                                           eps=config.layernorm_epsilon)
+        modulated_cross = self.has_cross_attention and self.cross_norm is None
+        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=9 if modulated_cross else 6)
         self.recompute_mlp = (config.recompute_granularity == "selective"
                               and "mlp" in (config.recompute_modules or ()))
 
@@ -70,7 +81,11 @@ class DiTLayer(TransformerLayer):
             router.samples = conditioning.emb.shape[0]
         hidden_states = self._attend(self.self_attention, hidden_states, conditioning, shift_a, scale_a, gate_a,
                                      rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
-        if context is not None:
+        if context is not None and self.cross_norm is not None:
+            out, bias = self.cross_attention(self.cross_norm(hidden_states), attention_mask=None,
+                                             key_value_states=context, packed_seq_params=context_params)
+            hidden_states = hidden_states + (out if bias is None else out + bias)
+        elif context is not None:
             hidden_states = self._attend(self.cross_attention, hidden_states, conditioning, *chunks[3:6],
                                          key_value_states=context, packed_seq_params=context_params)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():

@@ -8,6 +8,7 @@ what it is packed with.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -22,11 +23,13 @@ from torch import nn
 from dit_mcore.config import DiTConfig
 from dit_mcore.models.core_attention import KernelsPackedSeqParams, packed_seq_params
 from dit_mcore.models.dit.spec import dit_layer_spec
-from dit_mcore.models.embeddings import LabelEmbedder, TimestepEmbedder, sincos_from_positions, sincos_pos_embed
+from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d_freqs, sincos_from_positions,
+                                        sincos_pos_embed)
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.seeding import draw_base_seed, init_stream
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
+from energon_data.tokens import grid_positions
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
 
 
@@ -38,11 +41,12 @@ def _xavier_linear(in_features: int, out_features: int) -> nn.Linear:
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm + zero-initialised projection to the output patch values."""
+    """adaLN-modulated norm (the layers' kind) + zero-initialised projection to the output patch values."""
 
     def __init__(self, config: DiTConfig):
         super().__init__()
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, elementwise_affine=False)
+        norm = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+        self.norm = norm(config.hidden_size, eps=config.layernorm_epsilon, elementwise_affine=False)
         self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=2)
         self.linear = nn.Linear(config.hidden_size, config.out_patch_dim)
         nn.init.zeros_(self.linear.weight)
@@ -128,12 +132,27 @@ class DiT(MegatronModule):
             c = c + self.y_embedder(labels)
         return c
 
-    def _dense_positions(self, grid: Sequence[int], s: int, device) -> torch.Tensor:
-        grid = tuple(int(g) for g in grid)
+    @staticmethod
+    def _check_grid(grid: tuple, s: int) -> None:
         if grid[0] * grid[1] * grid[2] != s:
             raise ValueError(f"grid {grid} has {grid[0] * grid[1] * grid[2]} tokens but the input has {s}; "
                              "pass grid=(t, h, w) of the patchified latent")
-        return sincos_pos_embed(self.config.hidden_size, grid).to(device).unsqueeze(1)
+
+    def _dense_positions(self, grid: tuple, s: int, device) -> torch.Tensor:
+        self._check_grid(grid, s)
+        return sincos_pos_embed(self.config.hidden_size, grid).to(device)
+
+    def _grid_positions(self, grid: tuple, s: int) -> torch.Tensor:
+        self._check_grid(grid, s)
+        return grid_positions(grid)
+
+    def _rotary(self, positions: torch.Tensor, device) -> torch.Tensor:
+        """3D RoPE angles ``[s, 1, 1, head_dim]`` of the tokens this rank's attention sees (every
+        stage computes them: cheaper than sending them down the pipeline)."""
+        config = self.config
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        return rope3d_freqs(self.token_shard.attention_piece(positions.to(device)), head_dim,
+                            config.rope_theta, config.rotary_interleaved)
 
     def forward(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 *, batch=None, grid: Optional[Sequence[int]] = None,
@@ -155,30 +174,42 @@ class DiT(MegatronModule):
         hidden = tokens if self.pre_process else self.input_tensor
         cond_emb = self.conditioning(timesteps, labels)
         params = None
-        if batch is not None and batch.is_packed:
+        packed = batch is not None and batch.is_packed
+        if packed:
             # Tokens outside every sample (padding) point at sample 0: masked out of the loss.
             cond = Conditioning(cond_emb, shard.scatter(batch.token_to_sample, pad_value=-1).clamp(min=0))
             params = packed_seq_params(batch)
-            if self.pre_process:
-                max_coord = int(batch.grids.max())
-                pos = sincos_from_positions(shard.scatter(batch.positions), self.config.hidden_size,
-                                            max_coord).unsqueeze(1)
         else:
             cond = Conditioning(cond_emb)
-            if self.pre_process:
-                if batch is not None:
-                    grid = batch.grids[0].tolist()
-                side = self.config.input_size // self.config.patch_size
-                pos = shard.scatter(self._dense_positions(grid if grid is not None else (1, side, side),
-                                                          tokens.shape[0], tokens.device))
+            if batch is not None:
+                grid = batch.grids[0].tolist()
+            side = self.config.input_size // self.config.patch_size
+            grid = tuple(int(g) for g in grid) if grid is not None else (1, side, side)
+        rotary = None
+        if self.config.position_embedding == "rope3d":
+            rotary = self._rotary(batch.positions if packed else self._grid_positions(grid, tokens.shape[0]),
+                                  tokens.device)
+            if params is not None:
+                # Per-token angles: megatron's THD RoPE would restart each sample at position 0 and
+                # slice its own CP layout; as "sbhd" it applies our angles one to one (the kernels
+                # take the sample boundaries from the segments either way).
+                params = dataclasses.replace(params, qkv_format="sbhd")
         if self.pre_process:
-            if shard.active and not (batch is not None and batch.is_packed) and tokens.shape[0] % shard.size:
+            if shard.active and not packed and tokens.shape[0] % shard.size:
                 raise ValueError(f"a dense batch of {tokens.shape[0]} tokens per sample cannot be split evenly "
                                  f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
                                  f"token count is a multiple of {shard.size}, or packed data")
-            hidden = self.x_embedder(shard.scatter(tokens)) + pos.to(tokens.dtype)
+            hidden = self.x_embedder(shard.scatter(tokens))
+            if self.config.position_embedding == "sincos":
+                if packed:
+                    pos = sincos_from_positions(shard.scatter(batch.positions), self.config.hidden_size,
+                                                int(batch.grids.max()))
+                else:
+                    pos = shard.scatter(self._dense_positions(grid, tokens.shape[0], tokens.device))
+                hidden = hidden + pos.unsqueeze(1).to(tokens.dtype)
         text, text_params = self._text(context, batch, tokens.shape[0], tokens.shape[1], cond_emb.shape[0])
-        hidden = self.layers(hidden, cond, context=text, context_params=text_params, packed_seq_params=params)
+        hidden = self.layers(hidden, cond, context=text, context_params=text_params, rotary_pos_emb=rotary,
+                             packed_seq_params=params)
         if not self.post_process:
             return hidden
         # Every stage is called with the whole stream's tokens, so its length is known on the last.
@@ -237,7 +268,9 @@ class DiT(MegatronModule):
 def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool = True,
                 post_process: bool = True, vp_stage: Optional[int] = None, init_seed: Optional[int] = None) -> DiT:
     """Build a DiT for this rank (its pipeline stage's layers, tensor-parallel shards)."""
-    spec = dit_layer_spec(backend, num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
-                          cross_attention=config.text_dim > 0, qk_norm=config.qk_layernorm)
+    spec = dit_layer_spec(backend, norm="rmsnorm" if config.normalization == "RMSNorm" else "layernorm",
+                          num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                          cross_attention=config.text_dim > 0, qk_norm=config.qk_layernorm,
+                          cross_attention_adaln=config.cross_attention_adaln)
     return DiT(config, spec, pre_process=pre_process, post_process=post_process, init_seed=init_seed,
                vp_stage=vp_stage)

@@ -19,13 +19,15 @@ log = logging.getLogger(__name__)
 
 
 def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_experts: Optional[int] = None,
-                   moe_grouped_gemm: bool = False, cross_attention: bool = False, qk_norm: bool = False) -> ModuleSpec:
+                   moe_grouped_gemm: bool = False, cross_attention: bool = False, qk_norm: bool = False,
+                   cross_attention_adaln: bool = True) -> ModuleSpec:
     """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"``, ``"te"`` or ``"auto"`` (TE linears
     when installed on a GPU, else local, with a log line); ``norm``: ``"layernorm"`` (the paper's) or
     ``"rmsnorm"``, both without affine parameters (modulation replaces them); ``num_moe_experts``:
     megatron's ``MoELayer`` (top-k router, token dispatcher, experts) instead of the MLP;
-    ``cross_attention``: attention to the text after self-attention; ``qk_norm``: per-head RMSNorm of
-    queries and keys in every attention."""
+    ``cross_attention``: attention to the text after self-attention, modulated and gated when
+    ``cross_attention_adaln`` (NeMo's DiT), else on an affine norm of ``norm``'s kind and added to the
+    residual (MovieGen); ``qk_norm``: per-head RMSNorm of queries and keys in every attention."""
     column, row = linears(backend)
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
     if num_moe_experts:
@@ -48,5 +50,7 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
             mlp=mlp,
             norm=norm_spec(norm, affine=False),
             cross_attention=cross if cross_attention else None,
+            cross_attention_norm=norm_spec(norm, affine=True) if cross_attention and not cross_attention_adaln
+            else None,
         ),
     )
