@@ -86,6 +86,10 @@ class DiTConfig(TransformerConfig):
     chunks per layer, NeMo's cross-attention DiT); False: it reads an affine RMSNorm of the stream and
     its output is added to the residual ungated (MovieGen's Llama DiT)."""
 
+    spatial_temporal: bool = False
+    """ST-DiT: each layer's self-attention runs within each frame, then across the frames at each
+    position (two attentions, each modulated and gated), instead of over the whole sample."""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their

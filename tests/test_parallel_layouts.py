@@ -25,8 +25,8 @@ EXPERT_TO_ONE = "ep2_dense"  # resumed on one process (EP = 1)
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
-TEXT_FAMILIES = {"xattn": "dit_xattn", "llama": "llama"}  # case-name prefix -> family
-TINY = {"dit": "tiny", "dit_xattn": "xattn-tiny", "llama": "llama-tiny"}
+TEXT_FAMILIES = {"xattn": "dit_xattn", "llama": "llama", "stdit": "stdit"}  # case-name prefix -> family
+TINY = {"dit": "tiny", "dit_xattn": "xattn-tiny", "llama": "llama-tiny", "stdit": "stdit-tiny"}
 
 
 def family_of(case: str) -> str:
@@ -37,10 +37,15 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
     """A tiny DiT (4 heads so Ulysses splits over TP2 x CP2) on mock latents, dense or packed; with
     ``moe``, its MoE variant (4 experts, top-2); ``family="dit_xattn"``: the cross-attention DiT (labels
     and random text of 1-8 tokens per sample, QK norm, text dropout); ``"llama"``: the Llama DiT (3D
-    RoPE, GQA with 2 KV heads, SwiGLU, labels and text)."""
+    RoPE, GQA with 2 KV heads, SwiGLU, labels and text); ``"stdit"``: the ST-DiT. ``data="video"``: the
+    built-in moving digits (4 frames of 8x8, captions), dense."""
     channels = 4
     if data == "dense":
         data_cfg = DataConfig(name="mock", image_size=8, global_batch_size=8, micro_batch_size=2)
+    elif data == "video":
+        data_cfg = DataConfig(name="moving_digits", image_size=8, video_frames=4, num_videos=64, global_batch_size=8,
+                              micro_batch_size=2)
+        channels = 1
     elif data.startswith("energon:"):  # a prepared energon dataset (8x8 digits), packed by energon
         data_cfg = DataConfig(path=data.split(":", 1)[1], max_seq_len=62, packing_buffer_size=16,
                               global_batch_size=2, micro_batch_size=1)
@@ -204,8 +209,13 @@ def _text_cases(world: int):
              for name, parallel in (two if world == 2 else four).items()]
     llama = {2: [("tp2_sp", "packed"), ("cp2_p2p", "packed"), ("cp2_a2a", "dense"), ("pp2", "packed")],
              4: [("tp2_sp_cp2_a2a", "packed")]}[world]
+    # ST-DiT: CP switches frames <-> positions (dense video); one rank's spatial/temporal patterns of
+    # mixed grids under SP and PP (packed).
+    stdit = {2: [("cp2_p2p", "video"), ("tp2_sp", "packed"), ("pp2", "packed")],
+             4: [("tp2_sp_cp2_a2a", "video")]}[world]
     layouts = {**two, **four}
-    return xattn + [(f"llama_{name}_{d}", d, dict(layouts[name])) for name, d in llama]
+    return xattn + [(f"{family}_{name}_{d}", d, dict(layouts[name]))
+                    for family, cases in (("llama", llama), ("stdit", stdit)) for name, d in cases]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from kernels.context_parallel import context_parallel_attention
+from dit_mcore.models.st_attention import STPattern, st_attention
 from kernels.local_attention import Segments, segment_attention
 
 
@@ -27,6 +28,8 @@ class KernelsPackedSeqParams(PackedSeqParams):
     micro-batch so no layer syncs with the device to learn it."""
 
     segments: Optional[Segments] = None
+    st: Optional[STPattern] = None
+    """ST-DiT: where each sample's frames lie (spatial and temporal attention)."""
 
 
 def packed_seq_params(batch) -> KernelsPackedSeqParams:
@@ -53,9 +56,13 @@ def _expand_groups(query, key, value):
 class KernelsCoreAttention(MegatronModule):
     """Accepts megatron's core-attention constructor and call signature.
 
+    ``st_kind`` (class attribute of the subclasses below): ST-DiT spatial or temporal attention.
+
     Inputs are ``[s, b, h, d]`` (or ``[t, h, d]`` when megatron squeezed a THD batch); the output is
     ``[s, b, h*d]`` (``[t, h*d]``), as megatron's ``SelfAttention`` expects.
     """
+
+    st_kind: Optional[str] = None
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
@@ -71,7 +78,7 @@ class KernelsCoreAttention(MegatronModule):
         if isinstance(self.cp_method, list):  # megatron allows one type per layer
             self.cp_method = self.cp_method[layer_number - 1]
         self.cp_groups = {}
-        if config.context_parallel_size > 1 and not self.cross:
+        if config.context_parallel_size > 1 and not self.cross and self.st_kind is None:
             self.cp_groups["cp_group"] = parallel_state.get_context_parallel_group()
             if self.cp_method == "a2a+p2p":
                 a2a, p2p = parallel_state.get_hierarchical_context_parallel_groups()
@@ -85,6 +92,13 @@ class KernelsCoreAttention(MegatronModule):
         key, value = _expand_groups(query, key, value)
         if self.cross:
             return self._cross(query, key, value, packed_seq_params)
+        if self.st_kind is not None:
+            pattern = getattr(packed_seq_params, "st", None)
+            if pattern is None:
+                raise ValueError(f"{self.st_kind} attention needs packed_seq_params.st (the samples' frame "
+                                 "grids, dit_mcore.models.st_attention.STPattern)")
+            return st_attention(query, key, value, kind=self.st_kind, pattern=pattern,
+                                softmax_scale=self.softmax_scale, backend=self.backend)
         thd = query.dim() == 3
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = (x.unsqueeze(0) for x in (query, key, value))
@@ -119,3 +133,15 @@ class KernelsCoreAttention(MegatronModule):
         out = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
                                 backend=self.backend, return_lse=False)
         return out.view(b, s, -1).transpose(0, 1)
+
+
+class SpatialCoreAttention(KernelsCoreAttention):
+    """ST-DiT: attention within each frame."""
+
+    st_kind = "spatial"
+
+
+class TemporalCoreAttention(KernelsCoreAttention):
+    """ST-DiT: attention across the frames at each position."""
+
+    st_kind = "temporal"

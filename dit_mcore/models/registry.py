@@ -30,8 +30,9 @@ class ModelFamily:
     conditioning: tuple = ("labels",)
     """Conditioning inputs the family consumes (``labels``, ``text``)."""
     flops: Optional[Callable[..., object]] = None
-    """``(config, seqlens, context_lens=None) -> DiTFlops``: forward FLOPs of a micro-batch from its
-    samples' real token counts (``dit_mcore.training.flops``), for the logged FLOPs and MFU."""
+    """``(config, seqlens, context_lens=None, frames=None) -> DiTFlops``: forward FLOPs of a micro-batch
+    from its samples' real token counts, text lengths and frame counts (``dit_mcore.training.flops``),
+    for the logged FLOPs and MFU."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -48,6 +49,7 @@ def _load_builtin() -> None:
     import dit_mcore.models.dit  # noqa: F401  (registers "dit")
     import dit_mcore.models.dit.xattn  # noqa: F401  (registers "dit_xattn")
     import dit_mcore.models.dit.llama  # noqa: F401  (registers "llama")
+    import dit_mcore.models.dit.stdit  # noqa: F401  (registers "stdit")
 
 
 def get_family(name: str) -> ModelFamily:

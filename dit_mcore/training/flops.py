@@ -65,8 +65,13 @@ class DiTFlops:
         return self.model + self.attention * self.recompute_attention + self.mlp * self.recompute_mlp
 
 
-def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[int]] = None) -> DiTFlops:
+def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[int]] = None,
+              frames: Optional[Sequence[int]] = None) -> DiTFlops:
     """Forward FLOPs of one micro-batch of samples with ``seqlens`` real tokens each.
+
+    ``frames``: frames (token grid ``t``) per sample, for the ST-DiT (``config.spatial_temporal``),
+    whose attention runs within each frame (``T * S^2``) and across frames (``S * T^2``) instead of
+    over the whole sample, with a second set of attention projections.
 
     ``context_lens``: text tokens per sample, for models with cross-attention to text
     (``config.text_dim > 0``): text embedder, K/V projections of the text, Q and output projections,
@@ -92,10 +97,17 @@ def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[in
         raise ValueError("a cross-attention model's FLOPs need context_lens (text tokens per sample)")
     # adaLN chunks per layer: shift, scale, gate per modulated sub-block
     chunks = 9 if cross and getattr(config, "cross_attention_adaln", True) else 6
+    spatial_temporal = getattr(config, "spatial_temporal", False)
+    if spatial_temporal:
+        if frames is None:
+            raise ValueError("an ST-DiT's FLOPs need frames (the token grid's t per sample)")
+        chunks += 3
+        # spatial: T frames of S = n / T tokens; temporal: S positions of T tokens
+        squares = float(sum(n * n / t + n * t for n, t in zip(seqlens, frames)))
     adaln_per_sample = layers * 2.0 * h * chunks * h + 2.0 * h * 2 * h  # + 2 chunks in the final layer
     embed = tokens * (2.0 * config.patch_dim * h + 2.0 * h * config.out_patch_dim) \
         + samples * (cond_per_sample + adaln_per_sample)
-    linear = layers * tokens * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h)
+    linear = layers * tokens * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h) * (2 if spatial_temporal else 1)
     attention = layers * 4.0 * squares * q_dim
     if cross:
         text = float(sum(context_lens))

@@ -289,8 +289,8 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
-        flops = sum(self.family.flops(self.model_config, b.seqlens, b.text_seqlens).model
-                    for b in microbatches)  # host ints
+        flops = sum(self.family.flops(self.model_config, b.seqlens, b.text_seqlens, b.grids[:, 0].tolist()).model
+                    for b in microbatches)  # host ints (grids stay on the host)
         counts = torch.tensor([float(sum(b.num_skipped for b in microbatches)),
                                float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9],
                               device=self.device)

@@ -27,6 +27,9 @@ class DiTLayerSubmodules:
     ``norm(hidden_size, eps=layernorm_epsilon)``: DiT uses a LayerNorm without affine parameters."""
     cross_attention: Optional[ModuleSpec] = None
     """Cross-attention to the text (``TextCrossAttention``); None: the class-conditional layer."""
+    temporal_attention: Optional[ModuleSpec] = None
+    """ST-DiT: self-attention across frames, after ``self_attention`` (then within each frame);
+    modulated and gated like it (three more adaLN chunks)."""
     cross_attention_norm: Optional[ModuleSpec] = None
     """None: the cross-attention input is adaLN-modulated and its output gated (NeMo's DiT); a norm
     spec (affine): cross-attention reads that norm of the stream and its output is added to the
@@ -38,6 +41,7 @@ class DiTLayer(TransformerLayer):
     cross-attention, ``x += gate_c * CrossAttn(modulate(norm(x)), text)`` between the two (nine
     adaLN chunks instead of six, as NeMo's cross-attention DiT; zero gates keep the identity init),
     or with a ``cross_attention_norm``, ``x += CrossAttn(cross_norm(x), text)`` (MovieGen, six chunks).
+    The ST-DiT splits self-attention into spatial then temporal attention, each modulated and gated.
 
     The megatron ``TransformerLayer`` builds the attention and MLP from the spec (so TP, TE and
     selective recompute of the core attention apply); its own norm slots are identities because
@@ -59,8 +63,15 @@ class DiTLayer(TransformerLayer):
         if submodules.cross_attention_norm is not None:
             self.cross_norm = build_module(submodules.cross_attention_norm, config.hidden_size,
                                            eps=config.layernorm_epsilon)
+        self.temporal_attention = None
+        if submodules.temporal_attention is not None:
+            cp_type = config.cp_comm_type if config.context_parallel_size > 1 else None
+            self.temporal_attention = build_module(submodules.temporal_attention, config=config,
+                                                   layer_number=self.layer_number, pg_collection=pg_collection,
+                                                   **({"cp_comm_type": cp_type} if cp_type else {}))
         modulated_cross = self.has_cross_attention and self.cross_norm is None
-        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=9 if modulated_cross else 6)
+        chunks = 6 + 3 * modulated_cross + 3 * (self.temporal_attention is not None)
+        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=chunks)
         self.recompute_mlp = (config.recompute_granularity == "selective"
                               and "mlp" in (config.recompute_modules or ()))
 
@@ -81,6 +92,10 @@ class DiTLayer(TransformerLayer):
             router.samples = conditioning.emb.shape[0]
         hidden_states = self._attend(self.self_attention, hidden_states, conditioning, shift_a, scale_a, gate_a,
                                      rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
+        if self.temporal_attention is not None:
+            hidden_states = self._attend(self.temporal_attention, hidden_states, conditioning, *chunks[3:6],
+                                         rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
+            chunks = chunks[3:]  # the cross-attention's chunks follow
         if context is not None and self.cross_norm is not None:
             out, bias = self.cross_attention(self.cross_norm(hidden_states), attention_mask=None,
                                              key_value_states=context, packed_seq_params=context_params)

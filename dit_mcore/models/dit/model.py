@@ -28,6 +28,7 @@ from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.seeding import draw_base_seed, init_stream
+from dit_mcore.models.st_attention import STPattern
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from energon_data.tokens import grid_positions
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
@@ -146,6 +147,29 @@ class DiT(MegatronModule):
         self._check_grid(grid, s)
         return grid_positions(grid)
 
+    def _st_params(self, params, batch, grid, total: int, rows: int) -> KernelsPackedSeqParams:
+        """The frames of every sample in the stream this rank's attention sees (ST-DiT)."""
+        start, end = self.token_shard.attention_range(total)
+        cp = self.config.context_parallel_size
+        if batch is not None:  # packed: one rank's attention sees the whole stream
+            if cp > 1:
+                raise ValueError("the ST-DiT under context parallel takes dense batches (one grid per micro-batch): "
+                                 "set parallel.context_parallel_size=1 for packed data, or use dense video data")
+            grids = tuple((int(t), int(h) * int(w)) for t, h, w in batch.grids.tolist())
+            pattern = STPattern(tuple(batch.starts), grids, end - start)
+            return dataclasses.replace(params, qkv_format="sbhd", st=pattern)
+        frames, positions = grid[0], grid[1] * grid[2]
+        if cp > 1:
+            if frames % cp:
+                raise ValueError(f"the ST-DiT under context parallel shards whole frames: {frames} frame(s) per "
+                                 f"sample do not split over parallel.context_parallel_size={cp}; use a frame count "
+                                 f"divisible by {cp} (images: context_parallel_size=1)")
+            pattern = STPattern((0,), ((frames, positions),), end - start,
+                                cp_group=parallel_state.get_context_parallel_group())
+        else:
+            pattern = STPattern(tuple(i * total for i in range(rows)), ((frames, positions),) * rows, rows * total)
+        return KernelsPackedSeqParams(qkv_format="sbhd", st=pattern)
+
     def _rotary(self, positions: torch.Tensor, device) -> torch.Tensor:
         """3D RoPE angles ``[s, 1, 1, head_dim]`` of the tokens this rank's attention sees (every
         stage computes them: cheaper than sending them down the pipeline)."""
@@ -185,6 +209,8 @@ class DiT(MegatronModule):
                 grid = batch.grids[0].tolist()
             side = self.config.input_size // self.config.patch_size
             grid = tuple(int(g) for g in grid) if grid is not None else (1, side, side)
+        if self.config.spatial_temporal:
+            params = self._st_params(params, batch if packed else None, grid, tokens.shape[0], tokens.shape[1])
         rotary = None
         if self.config.position_embedding == "rope3d":
             rotary = self._rotary(batch.positions if packed else self._grid_positions(grid, tokens.shape[0]),
@@ -271,6 +297,7 @@ def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool 
     spec = dit_layer_spec(backend, norm="rmsnorm" if config.normalization == "RMSNorm" else "layernorm",
                           num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                           cross_attention=config.text_dim > 0, qk_norm=config.qk_layernorm,
-                          cross_attention_adaln=config.cross_attention_adaln)
+                          cross_attention_adaln=config.cross_attention_adaln,
+                          spatial_temporal=config.spatial_temporal)
     return DiT(config, spec, pre_process=pre_process, post_process=post_process, init_seed=init_seed,
                vp_stage=vp_stage)

@@ -9,7 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dit_mcore.models.core_attention import KernelsCoreAttention
+from dit_mcore.models.core_attention import KernelsCoreAttention, SpatialCoreAttention, TemporalCoreAttention
 from dit_mcore.models.cross_attention import HeadRMSNorm, TextCrossAttention, TextCrossAttentionSubmodules
 from dit_mcore.models.dit.layer import DiTLayer, DiTLayerSubmodules
 from dit_mcore.models.moe import moe_spec
@@ -20,19 +20,21 @@ log = logging.getLogger(__name__)
 
 def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_experts: Optional[int] = None,
                    moe_grouped_gemm: bool = False, cross_attention: bool = False, qk_norm: bool = False,
-                   cross_attention_adaln: bool = True) -> ModuleSpec:
+                   cross_attention_adaln: bool = True, spatial_temporal: bool = False) -> ModuleSpec:
     """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"``, ``"te"`` or ``"auto"`` (TE linears
     when installed on a GPU, else local, with a log line); ``norm``: ``"layernorm"`` (the paper's) or
     ``"rmsnorm"``, both without affine parameters (modulation replaces them); ``num_moe_experts``:
     megatron's ``MoELayer`` (top-k router, token dispatcher, experts) instead of the MLP;
     ``cross_attention``: attention to the text after self-attention, modulated and gated when
     ``cross_attention_adaln`` (NeMo's DiT), else on an affine norm of ``norm``'s kind and added to the
-    residual (MovieGen); ``qk_norm``: per-head RMSNorm of queries and keys in every attention."""
+    residual (MovieGen); ``qk_norm``: per-head RMSNorm of queries and keys in every attention;
+    ``spatial_temporal``: self-attention within each frame, then across frames (ST-DiT)."""
     column, row = linears(backend)
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
     if num_moe_experts:
         mlp = moe_spec(column, num_moe_experts, grouped_gemm=moe_grouped_gemm)
-    log.info("DiT layer spec: %s linears, %s, kernels core attention%s%s%s", column.__name__, norm,
+    log.info("DiT layer spec: %s linears, %s, kernels core attention%s%s%s%s", column.__name__, norm,
+             ", spatial then temporal self-attention" if spatial_temporal else "",
              ", cross-attention" if cross_attention else "", ", QK RMSNorm" if qk_norm else "",
              f", MoE with {num_moe_experts} experts" if num_moe_experts else "")
     head_norm = HeadRMSNorm if qk_norm else None
@@ -40,13 +42,16 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
         module=TextCrossAttention, params={"attn_mask_type": AttnMaskType.no_mask},
         submodules=TextCrossAttentionSubmodules(linear_q=column, linear_kv=column, core_attention=KernelsCoreAttention,
                                                 linear_proj=row, q_layernorm=head_norm, k_layernorm=head_norm))
+
+    def self_attention(core):
+        return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+                          submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=core, linear_proj=row,
+                                                             q_layernorm=head_norm, k_layernorm=head_norm))
     return ModuleSpec(
         module=DiTLayer,
         submodules=DiTLayerSubmodules(
-            self_attention=ModuleSpec(
-                module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
-                submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=KernelsCoreAttention,
-                                                   linear_proj=row, q_layernorm=head_norm, k_layernorm=head_norm)),
+            self_attention=self_attention(SpatialCoreAttention if spatial_temporal else KernelsCoreAttention),
+            temporal_attention=self_attention(TemporalCoreAttention) if spatial_temporal else None,
             mlp=mlp,
             norm=norm_spec(norm, affine=False),
             cross_attention=cross if cross_attention else None,

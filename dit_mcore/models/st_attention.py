@@ -1,0 +1,104 @@
+"""Spatial and temporal self-attention of the ST-DiT, as a megatron core attention.
+
+A video sample of ``T`` frames x ``S = H*W`` positions is ``T*S`` tokens, frame-major. Spatial
+attention runs within each frame, temporal attention within each position (across frames): both
+are batches of short independent sequences.
+
+- One rank (any TP/SP/PP layout): spatial attention is the block-diagonal pattern of the frames
+  (``Segments``, one strided run per sample); temporal attention gathers the tokens position-major,
+  attends over blocks of ``T`` and scatters back. Dense rows and packed streams of mixed grids
+  (images are one frame) take the same path.
+- Context parallel (dense batches): each CP rank holds a block of whole frames (the token stream is
+  cut into contiguous pieces, so ``T`` must divide by the CP size). Spatial attention is then
+  local; temporal attention switches the sharded dim from frames to positions with one all-to-all
+  of q|k|v and switches the output back (``kernels.spatial_temporal``: DSP's dynamic switch, two
+  all-to-alls per spatial+temporal pair).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from kernels.local_attention import Segments, segment_attention
+from kernels.spatial_temporal import STLayout, st_qkv_attention
+
+KINDS = ("spatial", "temporal")
+
+
+@dataclass(frozen=True)
+class STPattern:
+    """Where each sample's frames lie in the token stream one rank's attention sees."""
+
+    starts: tuple[int, ...]
+    """Offset of each sample in the stream (dense rows: ``i * tokens_per_row``)."""
+    grids: tuple[tuple[int, int], ...]
+    """``(T, S)`` of each sample: frames, positions per frame."""
+    length: int
+    """Tokens in the stream (padding included)."""
+    cp_group: Any = None
+    """Context parallel: the group whose ranks hold blocks of frames of every (dense) row."""
+
+
+@functools.lru_cache(maxsize=64)
+def spatial_segments(pattern: STPattern) -> Segments:
+    """One segment per frame of every sample."""
+    bounds = [(a + f * s, a + (f + 1) * s) for a, (t, s) in zip(pattern.starts, pattern.grids) for f in range(t)]
+    starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
+    return Segments(starts, ends, starts, ends)
+
+
+@functools.lru_cache(maxsize=64)
+def _temporal_plan(pattern: STPattern) -> tuple[torch.Tensor, Segments]:
+    """``order``: stream index of each token in position-major order (samples keep their place,
+    padding stays put), and one segment per (sample, position) in that order."""
+    order = torch.arange(pattern.length)
+    bounds = []
+    for a, (t, s) in zip(pattern.starts, pattern.grids):
+        order[a:a + t * s] = a + torch.arange(t * s).view(t, s).t().reshape(-1)
+        bounds += [(a + p * t, a + (p + 1) * t) for p in range(s)]
+    starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
+    return order, Segments(starts, ends, starts, ends)
+
+
+def temporal_plan(pattern: STPattern, device) -> tuple[torch.Tensor, torch.Tensor, Segments]:
+    """``(order, inverse, segments)`` of :func:`_temporal_plan` with the indices on ``device``."""
+    order, segments = _temporal_plan(pattern)
+    return _on_device(order, str(device)), _on_device(torch.argsort(order), str(device)), segments
+
+
+_DEVICE_COPIES: dict = {}
+
+
+def _on_device(index: torch.Tensor, device: str) -> torch.Tensor:
+    key = (id(index), device)
+    if key not in _DEVICE_COPIES:
+        if len(_DEVICE_COPIES) > 256:
+            _DEVICE_COPIES.clear()
+        _DEVICE_COPIES[key] = (index, index.to(device))  # keep the source alive while its id is a key
+    return _DEVICE_COPIES[key][1]
+
+
+def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_scale: Optional[float] = None,
+                 backend: str = "auto") -> torch.Tensor:
+    """``kind`` attention of megatron-layout ``[s, b, h, d]`` q/k/v (rows in stream order ``b`` then
+    ``s``; packed: ``b = 1``) -> ``[s, b, h*d]``."""
+    if kind not in KINDS:
+        raise ValueError(f"ST attention kind must be one of {KINDS}, got {kind!r}")
+    s, b = query.shape[:2]
+    q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
+    kw = dict(softmax_scale=softmax_scale, backend=backend)
+    if pattern.cp_group is not None:
+        layout = STLayout(grid=pattern.grids[0], group=pattern.cp_group, sharded="T")
+        out = st_qkv_attention(q, k, v, kind=kind, layout=layout, **kw)
+    else:
+        q, k, v = (x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v))
+        if kind == "spatial":
+            out = segment_attention(q, k, v, segments=spatial_segments(pattern), return_lse=False, **kw)
+        else:
+            order, inverse, segments = temporal_plan(pattern, q.device)
+            q, k, v = (x.index_select(1, order) for x in (q, k, v))
+            out = segment_attention(q, k, v, segments=segments, return_lse=False, **kw).index_select(1, inverse)
+    return out.reshape(b, s, -1).transpose(0, 1)

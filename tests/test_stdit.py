@@ -1,0 +1,140 @@
+"""The spatial-temporal DiT (``model.family=stdit``): spatial and temporal attention against
+per-frame / per-position attention, the layer at init, packed == dense with mixed grids, FLOPs,
+presets and the layouts it refuses."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dit_mcore.config import ConfigError
+from dit_mcore.models import Conditioning
+from dit_mcore.models.registry import get_family
+from dit_mcore.models.st_attention import STPattern, st_attention
+from dit_mcore.models.text import TextContext
+from dit_mcore.training.flops import dit_flops
+from energon_data.batch import MicroBatch
+from energon_data.tokens import patchify
+from megatron_env import single_process_world
+
+FAMILY = get_family("stdit")
+TEXT_DIM = 32
+
+
+@pytest.fixture(scope="module")
+def world():
+    single_process_world()
+
+
+def _model(**overrides):
+    cfg = FAMILY.make_config("stdit-tiny", **overrides)
+    return cfg, FAMILY.build(cfg, backend="local", init_seed=0)
+
+
+def _randomize(model, std=0.1):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def _attend64(q, k, v):
+    """float64 softmax attention of ``[n, h, d]`` tensors."""
+    q, k, v = (x.double() for x in (q, k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_spatial_and_temporal_attention_equal_per_frame_and_per_position_attention():
+    # A packed stream: a 3-frame video of 4 positions, 2 padding tokens, an image of 6 positions.
+    pattern = STPattern(starts=(0, 14), grids=((3, 4), (1, 6)), length=20)
+    q, k, v = (torch.randn(20, 1, 2, 8) for _ in range(3))
+    for kind in ("spatial", "temporal"):
+        out = st_attention(q, k, v, kind=kind, pattern=pattern, backend="math64").view(20, 2, 8)
+        ref = torch.zeros(20, 2, 8, dtype=torch.float64)
+        for start, (frames, positions) in zip(pattern.starts, pattern.grids):
+            idx = torch.arange(start, start + frames * positions).view(frames, positions)
+            groups = idx if kind == "spatial" else idx.t()  # rows: one frame / one position
+            for rows in groups:
+                ref[rows] = _attend64(q[rows, 0], k[rows, 0], v[rows, 0])
+        real = torch.cat([torch.arange(0, 12), torch.arange(14, 20)])
+        torch.testing.assert_close(out[real].double(), ref[real], rtol=1e-5, atol=1e-5)
+    # The image's temporal attention is over one frame: its output is v.
+    img = st_attention(q, k, v, kind="temporal", pattern=pattern, backend="math64").view(20, 2, 8)[14:]
+    torch.testing.assert_close(img, v[14:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_layer_has_spatial_temporal_cross_and_is_identity_at_init(world):
+    cfg, model = _model()
+    layer = model.layers[0]
+    assert layer.adaLN_modulation.chunks == 12
+    assert layer.self_attention.core_attention.st_kind == "spatial"
+    assert layer.temporal_attention.core_attention.st_kind == "temporal"
+    x, grid = patchify(torch.randn(2, 4, 3, 8, 8), 2)
+    h = torch.randn(x.shape[1], 2, cfg.hidden_size)
+    text = TextContext.from_list([torch.randn(3, TEXT_DIM), torch.randn(2, TEXT_DIM)])
+    ctx, cparams = model._text(text, None, x.shape[1], 2, 2)
+    params = model._st_params(None, None, grid, x.shape[1], 2)
+    cond = Conditioning(model.conditioning(torch.tensor([1.0, 2.0]), None))
+    out = layer(h, cond, context=ctx, context_params=cparams, packed_seq_params=params)
+    assert torch.equal(out, h)
+
+
+def test_dense_batch_equals_each_sample_alone_and_packed(world):
+    _, model = _model(attention_backend_name="math64")
+    _randomize(model)
+    g = torch.Generator().manual_seed(1)
+    tokens, grid = patchify(torch.randn(3, 4, 3, 8, 8, generator=g), 2)  # 3 frames of 4x4 tokens
+    t = torch.tensor([3.0, 400.0, 900.0])
+    texts = [torch.randn(n, TEXT_DIM, generator=g) for n in (3, 1, 5)]
+    dense = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
+    for i in range(3):
+        alone = model(tokens[i:i + 1].transpose(0, 1), t[i:i + 1], grid=grid,
+                      context=TextContext.from_list([texts[i]]))
+        torch.testing.assert_close(alone[:, 0], dense[:, i], rtol=1e-5, atol=1e-5)
+    image, igrid = patchify(torch.randn(1, 4, 4, 8, generator=g), 2)  # one frame of 2x4 tokens
+    n, pad = tokens.shape[1], torch.zeros(3, tokens.shape[-1])
+    stream = torch.cat([tokens[0], pad, image[0], tokens[2], pad])
+    batch = MicroBatch.packed(stream, torch.tensor([0, n, n + 8, 2 * n + 8], dtype=torch.int32),
+                              torch.tensor([grid, igrid, grid]), torch.zeros(3),
+                              torch.tensor([0, n + 3, n + 11, 2 * n + 14], dtype=torch.int32))
+    out = model(stream[:, None], t, batch=batch, context=TextContext.from_list(texts))[:, 0]
+    torch.testing.assert_close(out[:n], dense[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[n + 11:2 * n + 11], dense[:, 2], rtol=1e-5, atol=1e-5)
+    image_alone = model(image.transpose(0, 1), t[1:2], grid=igrid, context=TextContext.from_list([texts[1]]))
+    torch.testing.assert_close(out[n + 3:n + 11], image_alone[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_flops_match_torch_flop_counter(world):
+    cfg, model = _model(attention_backend_name="math64")
+    _randomize(model)
+    tokens, grid = patchify(torch.randn(2, 4, 4, 8, 8), 2)  # 4 frames x 16 positions
+    text = TextContext.from_list([torch.randn(6, TEXT_DIM), torch.randn(4, TEXT_DIM)])
+    with FlopCounterMode(display=False) as counter:
+        model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid, context=text).square().sum().backward()
+    f = dit_flops(cfg, [64, 64], text.lens, frames=[4, 4])
+    expected = 3 * (f.forward - f.attention) + 3.5 * f.attention  # the math kernel's backward recomputes QK^T
+    counted = float(counter.get_total_flops())
+    assert abs(counted - expected) <= 0.02 * counted, (counted, expected)
+    full = dit_flops(FAMILY.make_config("stdit-tiny", spatial_temporal=True), [64], [6], frames=[1])
+    assert f.attention < 2 * full.attention  # 4 frames split: cheaper than one 64-token attention each
+    with pytest.raises(ValueError, match="frames"):
+        dit_flops(cfg, [64], [6])
+
+
+def test_preset_sizes(world):
+    cfg = FAMILY.make_config("ST-DiT-XL/2")
+    h = cfg.hidden_size
+    with torch.device("meta"):
+        one, two = (sum(p.numel() for p in FAMILY.build(FAMILY.make_config("ST-DiT-XL/2", num_layers=n,
+                                                                            use_cpu_initialization=True),
+                                                         backend="local", init_seed=0).parameters()) for n in (1, 2))
+    # Per layer: spatial, temporal and cross-attention 4h^2 each (+ biases, QK norms), MLP 8h^2, 12 adaLN
+    # chunks 12h^2. (OpenSora's STDiT-XL/2 counts 0.72B: it shares one adaLN over all layers.)
+    assert two - one == pytest.approx(32 * h * h, rel=0.01)
+    assert one + (cfg.num_layers - 1) * (two - one) == pytest.approx(1.21e9, rel=0.01)
+
+
+def test_config_errors(world):
+    with pytest.raises(ConfigError, match="spatial_temporal=False"):
+        FAMILY.make_config("stdit-tiny", spatial_temporal=False)
+    assert FAMILY.make_config("ST-DiT-B/2").text_dim == 4096
