@@ -90,6 +90,11 @@ class DiTConfig(TransformerConfig):
     """ST-DiT: each layer's self-attention runs within each frame, then across the frames at each
     position (two attentions, each modulated and gated), instead of over the whole sample."""
 
+    st_attention: str = "dsp"
+    """ST-DiT under context parallel: ``"dsp"`` (all-to-all of the hidden states around the temporal
+    attention's projections, DSP) or ``"dsp_overlap"`` (the same cut into two pipelined all-to-alls
+    overlapping the projections). Under sequence parallel both switch q|k|v inside the attention."""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their
@@ -119,6 +124,7 @@ class DiTConfig(TransformerConfig):
 
 
 POSITION_EMBEDDINGS = ("sincos", "rope3d")
+ST_ATTENTION = ("dsp", "dsp_overlap")  # dit_mcore.models.st_attention.ST_ATTENTION (no model import here)
 
 
 def _validate_dit_fields(cfg: DiTConfig) -> None:
@@ -149,6 +155,10 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
     need(cfg.position_embedding != "rope3d" or (head_dim % 2 == 0 and head_dim >= 6),
          f"model.position_embedding=rope3d needs an even head dim >= 6, got {head_dim} "
          f"(hidden_size {cfg.hidden_size} / {cfg.num_attention_heads} heads); change the width or the heads")
+    need(cfg.st_attention in ST_ATTENTION,
+         f"model.st_attention={cfg.st_attention!r}: use one of {ST_ATTENTION}" + (
+             " (the two-level frame x position mesh of kernels.spatial_temporal needs a resident layout the "
+             "trainer does not build yet)" if cfg.st_attention == "mesh" else ""))
     need(cfg.rope_theta > 0, f"model.rope_theta={cfg.rope_theta}: must be > 0")
     need(cfg.frequency_embedding_size % 2 == 0,
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")

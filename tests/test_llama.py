@@ -220,3 +220,19 @@ def test_presets_and_config_errors():
         FAMILY.make_config("llama-tiny", hidden_size=60, num_attention_heads=12)
     with pytest.raises(ConfigError, match="model.position_embedding='alibi'"):
         FAMILY.make_config("llama-tiny", position_embedding="alibi")
+
+
+def test_moe_variant_routes_each_token_alone(world):
+    """``model.num_moe_experts`` swaps the SwiGLU MLP for megatron's MoE layer (SwiGLU experts):
+    routing is per token, so a sample's output does not depend on its batch."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    _, model = _model(attention_backend_name="math64", num_moe_experts=4, moe_router_topk=2,
+                      moe_token_dispatcher_type="alltoall")
+    assert isinstance(model.layers[0].mlp, MoELayer)
+    _randomize(model)
+    tokens, grid, t, texts = _inputs()
+    dense = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
+    alone = model(tokens[1:2].transpose(0, 1), t[1:2], grid=grid, context=TextContext.from_list([texts[1]]))
+    torch.testing.assert_close(alone[:, 0], dense[:, 1], rtol=1e-5, atol=1e-5)
+    dense.square().mean().backward()
+    assert model.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.grad is not None

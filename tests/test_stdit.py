@@ -138,3 +138,44 @@ def test_config_errors(world):
     with pytest.raises(ConfigError, match="spatial_temporal=False"):
         FAMILY.make_config("stdit-tiny", spatial_temporal=False)
     assert FAMILY.make_config("ST-DiT-B/2").text_dim == 4096
+
+
+def _switch_worker(rank, world):
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.parallel.initialize import initialize_distributed
+    from kernels.comm_counter import count_comm
+    initialize_distributed(ParallelConfig(context_parallel_size=2), seed=0)
+    g = torch.Generator().manual_seed(0)
+    tokens, grid = patchify(torch.randn(2, 4, 4, 8, 8, generator=g), 2)  # 4 frames x 16 positions
+    text = TextContext.from_list([torch.randn(3, TEXT_DIM, generator=g), torch.randn(2, TEXT_DIM, generator=g)])
+    results = {}
+    for mode in ("dsp", "dsp_overlap"):
+        cfg = FAMILY.make_config("stdit-tiny", context_parallel_size=2, st_attention=mode,
+                                 attention_backend_name="math64")
+        model = _randomize(FAMILY.build(cfg, backend="local", init_seed=0))
+        with count_comm() as comm:
+            out = model(tokens.transpose(0, 1), torch.tensor([5.0, 700.0]), grid=grid, context=text)
+        results[mode] = {"out": out.detach(), "a2a_calls": comm.calls("all_to_all_single"),
+                         "a2a_bytes": comm.bytes_sent("all_to_all_single"), "layers": cfg.num_layers,
+                         "hidden_bytes": 32 * 2 * cfg.hidden_size * 4}  # this rank's 2 frames x 16 positions x 2 rows
+    return results
+
+
+def test_context_parallel_switch_is_dsp_two_hidden_all_to_alls_per_layer():
+    """CP2: each rank holds 2 of 4 frames; per layer, the temporal attention's switch moves the hidden
+    states there and back (half of them leave the rank each way); the overlapped variant cuts each
+    into two all-to-alls with the same bytes and the same result."""
+    from dist_utils import run_distributed
+    per_rank = run_distributed(_switch_worker, 2)
+    for rank, res in enumerate(per_rank):
+        dsp, overlap = res["dsp"], res["dsp_overlap"]
+        assert dsp["a2a_calls"] == 2 * dsp["layers"], rank
+        assert dsp["a2a_bytes"] == 2 * dsp["layers"] * dsp["hidden_bytes"] // 2, rank
+        assert overlap["a2a_calls"] == 4 * dsp["layers"] and overlap["a2a_bytes"] == dsp["a2a_bytes"], rank
+        torch.testing.assert_close(overlap["out"], dsp["out"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(per_rank[0]["dsp"]["out"], per_rank[1]["dsp"]["out"], rtol=0, atol=0)
+
+
+def test_st_attention_choices():
+    with pytest.raises(ConfigError, match="model.st_attention='mesh'.*resident layout"):
+        FAMILY.make_config("stdit-tiny", st_attention="mesh")

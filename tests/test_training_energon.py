@@ -87,3 +87,41 @@ def test_mixed_image_and_video_blend_trains(tmp_path, digits_dataset):
     history = [trainer.train_step() for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
     assert 1 in grids and 2 in grids  # image (t=1) and video (t=2) samples both reached the model
+
+
+@pytest.fixture(scope="module")
+def captioned_videos(tmp_path_factory):
+    """A prepared energon dataset of captioned videos (moving digits, tiny-text captions)."""
+    from energon_data.prepare import prepare_dataset
+    out = tmp_path_factory.mktemp("moving_digits_energon")
+    prepare_dataset("moving_digits", str(out), encoder="identity", image_size=(8, 8), frames=2, num_videos=24,
+                    samples_per_shard=12, progress=False, workers=1)
+    return str(out)
+
+
+@pytest.mark.parametrize("family, preset", [("dit_xattn", "xattn-tiny"), ("llama", "llama-tiny"),
+                                            ("stdit", "stdit-tiny")])
+def test_text_families_train_on_energon_captions(tmp_path, captioned_videos, family, preset):
+    """The captions' embeddings flow from the prepared shards through packing to each text family:
+    every packed sample carries its own caption, and a step trains on them."""
+    from energon_data.prepare import prepare_record
+    cfg = energon_run(tmp_path, captioned_videos, max_steps=2)
+    cfg.model.family, cfg.model.preset, cfg.model.num_classes = family, preset, 10
+    cfg.data.max_seq_len = 96  # 3 clips of 2 x 4 x 4 tokens per pack
+    trainer = Trainer(cfg)
+    seen = []
+    original = trainer.model[0].forward
+
+    def spy(tokens, timesteps, labels, **kw):
+        seen.append((kw["batch"], kw["context"]))
+        return original(tokens, timesteps, labels, **kw)
+
+    trainer.model[0].forward = spy
+    metrics = [trainer.train_step() for _ in range(2)]
+    width = prepare_record(captioned_videos)["shards"][0]["text_dim"]
+    for batch, context in seen:
+        assert batch.has_text and batch.text_emb.shape[1] == width == trainer.model_config.text_dim
+        assert context.num_samples == batch.num_samples == len(batch.text_seqlens)
+        assert all(n > 0 for n in batch.text_seqlens)
+    assert max(batch.num_samples for batch, _ in seen) >= 2  # packs of several captioned clips
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)

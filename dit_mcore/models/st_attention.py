@@ -10,9 +10,14 @@ are batches of short independent sequences.
   (images are one frame) take the same path.
 - Context parallel (dense batches): each CP rank holds a block of whole frames (the token stream is
   cut into contiguous pieces, so ``T`` must divide by the CP size). Spatial attention is then
-  local; temporal attention switches the sharded dim from frames to positions with one all-to-all
-  of q|k|v and switches the output back (``kernels.spatial_temporal``: DSP's dynamic switch, two
-  all-to-alls per spatial+temporal pair).
+  local; temporal attention switches the sharded dim from frames to positions and back
+  (``kernels.spatial_temporal``, DSP's dynamic switch): two all-to-alls per spatial+temporal pair.
+  ``model.st_attention="dsp"`` switches the layer's hidden states before the QKV projection and
+  the projected output after it (:class:`STSelfAttention`: two hidden-size all-to-alls, DSP's
+  volume); ``"dsp_overlap"`` cuts both into two pipelined all-to-alls that overlap the
+  projections and attention. Under sequence parallel the TP ranks hold different tokens of a CP
+  piece, so the switch happens inside the core attention on q|k|v and the output instead (the
+  Ulysses volume, ``(2 + 2 h_kv/h)`` hidden sizes).
 """
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ from typing import Any, Optional
 import torch
 
 from kernels.local_attention import Segments, segment_attention
+from megatron.core.transformer.attention import SelfAttention
+
 from kernels.spatial_temporal import STLayout, st_qkv_attention
+from kernels.spatial_temporal import st_attention as st_hidden_attention
 
 KINDS = ("spatial", "temporal")
 
@@ -102,3 +110,33 @@ def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_sc
             q, k, v = (x.index_select(1, order) for x in (q, k, v))
             out = segment_attention(q, k, v, segments=segments, return_lse=False, **kw).index_select(1, inverse)
     return out.reshape(b, s, -1).transpose(0, 1)
+
+
+class STSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention`` whose context-parallel temporal attention switches hidden states
+    (DSP) rather than q|k|v, when sequence parallel is off; otherwise megatron's forward, with the
+    spatial/temporal core attention (:class:`~dit_mcore.models.core_attention.KernelsCoreAttention`)."""
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
+        pattern = getattr(packed_seq_params, "st", None)
+        kind = self.core_attention.st_kind
+        if (pattern is None or pattern.cp_group is None or kind != "temporal" or self.config.sequence_parallel
+                or kwargs.get("rotary_pos_emb") is not None):
+            return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params, **kwargs)
+
+        def qkv_proj(y):  # [b, m, C] -> [b, m, heads, d] each (this rank's TP heads)
+            q, k, v = self.get_query_key_value_tensors(y.transpose(0, 1))
+            if k.shape[-2] != q.shape[-2]:  # GQA: one key/value head per query head for the kernels
+                k, v = (x.repeat_interleave(q.shape[-2] // k.shape[-2], dim=-2) for x in (k, v))
+            return tuple(x.transpose(0, 1) for x in (q, k, v))
+
+        def out_proj(o):  # [b, m, heads, d] -> [b, m, C] (row-parallel: reduced over TP)
+            out, bias = self.linear_proj(o.transpose(0, 1).flatten(2))
+            return (out if bias is None else out + bias).transpose(0, 1)
+
+        layout = STLayout(grid=pattern.grids[0], group=pattern.cp_group, sharded="T")
+        out = st_hidden_attention(hidden_states.transpose(0, 1), kind=kind, layout=layout, qkv_proj=qkv_proj,
+                                  out_proj=out_proj, chunks=2 if self.config.st_attention == "dsp_overlap" else 1,
+                                  softmax_scale=self.core_attention.softmax_scale,
+                                  backend=self.core_attention.backend)
+        return out.transpose(0, 1), None

@@ -17,11 +17,13 @@ class ModelConfig:
 
     family: str = "dit"
     """Model family from ``dit_mcore.models.registry`` (``dit``: the adaLN-Zero DiT; ``dit_xattn``: the
-    DiT with cross-attention to text; ``llama``: the MovieGen-style Llama DiT with 3D RoPE)."""
+    DiT with cross-attention to text; ``llama``: the MovieGen-style Llama DiT with 3D RoPE; ``stdit``:
+    the spatial-temporal DiT)."""
     preset: str = "DiT-XL/2"
     """A preset of the family (``dit``: ``DiT-S/2`` … ``DiT-XL/8``, ``tiny``, ``digits``; ``dit_xattn``:
     ``DiT-XAttn-XL/2``, ``DiT-XAttn-7B``, ``DiT-XAttn-28B``, ``xattn-tiny`` …; ``llama``:
-    ``MovieGen-1B`` … ``MovieGen-30B``, ``llama-tiny``, ``llama-moving-digits``)."""
+    ``MovieGen-1B`` … ``MovieGen-30B``, ``llama-tiny``, ``llama-moving-digits``; ``stdit``: ``ST-DiT-S/2``,
+    ``ST-DiT-B/2``, ``ST-DiT-XL/2``, ``stdit-tiny``)."""
     num_layers: Optional[int] = None
     """Override the preset's depth."""
     hidden_size: Optional[int] = None
@@ -48,6 +50,9 @@ class ModelConfig:
     """Text-conditioned families: width of the dataset's text embeddings (its text encoder's)."""
     text_dropout_prob: Optional[float] = None
     """Text-dropout probability for classifier-free guidance on text."""
+    st_attention: Optional[str] = None
+    """ST-DiT under context parallel: "dsp" (all-to-all of hidden states around the temporal
+    attention) or "dsp_overlap" (the same in two pipelined all-to-alls)."""
     qk_layernorm: Optional[bool] = None
     """Per-head RMSNorm of queries and keys in every attention (megatron's field)."""
     backend: str = "auto"

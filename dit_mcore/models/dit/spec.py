@@ -13,6 +13,7 @@ from dit_mcore.models.core_attention import KernelsCoreAttention, SpatialCoreAtt
 from dit_mcore.models.cross_attention import HeadRMSNorm, TextCrossAttention, TextCrossAttentionSubmodules
 from dit_mcore.models.dit.layer import DiTLayer, DiTLayerSubmodules
 from dit_mcore.models.moe import moe_spec
+from dit_mcore.models.st_attention import STSelfAttention
 from dit_mcore.models.specs import linears, norm_spec
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
                                                 linear_proj=row, q_layernorm=head_norm, k_layernorm=head_norm))
 
     def self_attention(core):
-        return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+        return ModuleSpec(module=STSelfAttention if spatial_temporal else SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
                           submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=core, linear_proj=row,
                                                              q_layernorm=head_norm, k_layernorm=head_norm))
     return ModuleSpec(
