@@ -91,9 +91,13 @@ class DiTConfig(TransformerConfig):
     position (two attentions, each modulated and gated), instead of over the whole sample."""
 
     st_attention: str = "dsp"
-    """ST-DiT under context parallel: ``"dsp"`` (all-to-all of the hidden states around the temporal
-    attention's projections, DSP) or ``"dsp_overlap"`` (the same cut into two pipelined all-to-alls
-    overlapping the projections). Under sequence parallel both switch q|k|v inside the attention."""
+    """ST-DiT under context parallel: ``"dsp"`` (each rank holds whole frames; all-to-all of the hidden
+    states around the temporal attention's projections, DSP), ``"dsp_overlap"`` (the same cut into two
+    pipelined all-to-alls overlapping the projections), or ``"mesh"`` (two levels,
+    ``parallel.hierarchical_context_parallel_sizes=[inner, outer]``: frames over ``outer`` ranks,
+    each frame's positions over ``inner`` ranks; spatial attention runs Ulysses over the inner group,
+    temporal attention switches within the outer group; the degree may exceed the frame count).
+    Under sequence parallel the switches move q|k|v inside the attention."""
 
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
@@ -124,7 +128,7 @@ class DiTConfig(TransformerConfig):
 
 
 POSITION_EMBEDDINGS = ("sincos", "rope3d")
-ST_ATTENTION = ("dsp", "dsp_overlap")  # dit_mcore.models.st_attention.ST_ATTENTION (no model import here)
+ST_ATTENTION = ("dsp", "dsp_overlap", "mesh")
 
 
 def _validate_dit_fields(cfg: DiTConfig) -> None:
@@ -149,16 +153,17 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
     need(0.0 <= cfg.class_dropout_prob < 1.0, f"model.class_dropout_prob={cfg.class_dropout_prob}: must be in [0, 1)")
     need(cfg.text_dim >= 0, f"model.text_dim={cfg.text_dim}: must be >= 0 (0: no text cross-attention)")
     need(0.0 <= cfg.text_dropout_prob < 1.0, f"model.text_dropout_prob={cfg.text_dropout_prob}: must be in [0, 1)")
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    need(groups >= 1 and cfg.num_attention_heads % groups == 0,
+         f"model.num_query_groups={cfg.num_query_groups}: must divide model.num_attention_heads="
+         f"{cfg.num_attention_heads} (key/value heads shared by equal groups of query heads)")
     need(cfg.position_embedding in POSITION_EMBEDDINGS,
          f"model.position_embedding={cfg.position_embedding!r}: use one of {POSITION_EMBEDDINGS}")
     head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     need(cfg.position_embedding != "rope3d" or (head_dim % 2 == 0 and head_dim >= 6),
          f"model.position_embedding=rope3d needs an even head dim >= 6, got {head_dim} "
          f"(hidden_size {cfg.hidden_size} / {cfg.num_attention_heads} heads); change the width or the heads")
-    need(cfg.st_attention in ST_ATTENTION,
-         f"model.st_attention={cfg.st_attention!r}: use one of {ST_ATTENTION}" + (
-             " (the two-level frame x position mesh of kernels.spatial_temporal needs a resident layout the "
-             "trainer does not build yet)" if cfg.st_attention == "mesh" else ""))
+    need(cfg.st_attention in ST_ATTENTION, f"model.st_attention={cfg.st_attention!r}: use one of {ST_ATTENTION}")
     need(cfg.rope_theta > 0, f"model.rope_theta={cfg.rope_theta}: must be > 0")
     need(cfg.frequency_embedding_size % 2 == 0,
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")

@@ -59,7 +59,8 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           in_channels=channels, num_classes=10, class_dropout_prob=0.1, backend="local",
                           num_moe_experts=4 if moe else None, moe_router_topk=2 if moe else None,
                           moe_aux_loss_coeff=0.1 if moe else None,
-                          init_model_with_meta_device=parallel.pop("meta_init", None)),
+                          init_model_with_meta_device=parallel.pop("meta_init", None),
+                          st_attention=parallel.pop("st_attention", None)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False)),
         diffusion=DiffusionConfig(objective="flow", sample_steps=2),
@@ -211,9 +212,14 @@ def _text_cases(world: int):
              4: [("tp2_sp_cp2_a2a", "packed")]}[world]
     # ST-DiT: CP switches frames <-> positions (dense video); one rank's spatial/temporal patterns of
     # mixed grids under SP and PP (packed).
-    stdit = {2: [("cp2_p2p", "video"), ("tp2_sp", "packed"), ("pp2", "packed")],
-             4: [("tp2_sp_cp2_a2a", "video")]}[world]
-    layouts = {**two, **four}
+    stdit = {2: [("cp2_p2p", "video"), ("cp2_mesh", "video"), ("tp2_sp", "packed"), ("pp2", "packed")],
+             4: [("tp2_sp_cp2_a2a", "video"), ("cp4_mesh", "video")]}[world]
+    # The two-level ST mesh: positions over the inner ranks (Ulysses), frames over the outer ones.
+    mesh = {"cp2_mesh": {"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1],
+                         "st_attention": "mesh"},
+            "cp4_mesh": {"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 2],
+                         "st_attention": "mesh"}}
+    layouts = {**two, **four, **mesh}
     return xattn + [(f"{family}_{name}_{d}", d, dict(layouts[name]))
                     for family, cases in (("llama", llama), ("stdit", stdit)) for name, d in cases]
 

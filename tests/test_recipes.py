@@ -128,11 +128,15 @@ def test_torchrun_tiny_run_matches_in_process_run(tmp_path):
     assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=1e-5)
 
 
-def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path):
-    """The text-to-video demo through the CLI, a few steps: a clip per prompt (GIF of the dataset's
-    frames), a strip and an index of what was generated."""
+@pytest.mark.parametrize("family, preset", [("dit_xattn", "xattn-moving-digits"), ("llama", "llama-moving-digits"),
+                                            ("stdit", "stdit-moving-digits")])
+def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path, family, preset):
+    """The text-to-video demo through the CLI, a few steps, with each text family: a clip per prompt
+    (GIF of the dataset's frames, sampled from the EMA weights with text CFG), a strip and an index
+    of what was generated."""
     run_dir = tmp_path / "run"
-    rc, out = cli(["--factory", "pretrain_t2v_digits", "trainer.max_steps=2", "optim.warmup_steps=0", "data.num_videos=64",
+    rc, out = cli(["--factory", "pretrain_t2v_digits", f"model.family={family}", f"model.preset={preset}",
+                   "trainer.max_steps=2", "optim.warmup_steps=0", "data.num_videos=64",
                    "data.global_batch_size=8", "log.sample_interval=2", "diffusion.sample_steps=2",
                    "log.tensorboard=false", "log.progress_bar=false", f"log.dir={run_dir}"], tmp_path, timeout=400)
     assert rc == 0, out[-3000:]

@@ -176,6 +176,22 @@ def test_context_parallel_switch_is_dsp_two_hidden_all_to_alls_per_layer():
     torch.testing.assert_close(per_rank[0]["dsp"]["out"], per_rank[1]["dsp"]["out"], rtol=0, atol=0)
 
 
-def test_st_attention_choices():
-    with pytest.raises(ConfigError, match="model.st_attention='mesh'.*resident layout"):
-        FAMILY.make_config("stdit-tiny", st_attention="mesh")
+@pytest.mark.parametrize("parallel, model, data, match", [
+    (dict(context_parallel_size=2), {}, dict(name="mock", image_size=8, mock_latent_shapes=[[2, 8, 8]], max_seq_len=64),
+     "dense video"),
+    (dict(context_parallel_size=4), {}, dict(name="moving_digits", video_frames=2), "do not split over 4"),
+    (dict(context_parallel_size=2), dict(st_attention="mesh"), dict(name="moving_digits"),
+     "hierarchical_context_parallel_sizes=\\[inner, outer\\]"),
+    (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[4, 1]), dict(st_attention="mesh"),
+     dict(name="moving_digits", image_size=8), "heads over 4 inner ranks"),
+])
+def test_bad_spatial_temporal_layouts_fail_before_compute(parallel, model, data, match):
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.parallel.layout import check_layout
+    from energon_data.config import DataConfig
+    cfg = FAMILY.make_config("stdit-tiny", num_attention_heads=2, **model)
+    with pytest.raises(ConfigError, match=match):
+        check_layout(ParallelConfig(**parallel), cfg, DataConfig(**data), world_size=4)
+    assert FAMILY.make_config("stdit-tiny", st_attention="mesh").st_attention == "mesh"
+    with pytest.raises(ConfigError, match="model.st_attention='ring'"):
+        FAMILY.make_config("stdit-tiny", st_attention="ring")

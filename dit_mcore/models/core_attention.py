@@ -43,20 +43,12 @@ def packed_seq_params(batch) -> KernelsPackedSeqParams:
         max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen, segments=segments)
 
 
-def _expand_groups(query, key, value):
-    """Grouped-query attention: repeat each key/value head for the query heads of its group
-    (megatron's order: query head ``j`` reads group ``j // (heads / groups)``), as megatron's own
-    core attention does. The kernels then see plain multi-head attention."""
-    heads, groups = query.shape[-2], key.shape[-2]
-    if heads == groups:
-        return key, value
-    return tuple(x.repeat_interleave(heads // groups, dim=-2) for x in (key, value))
-
-
 class KernelsCoreAttention(MegatronModule):
     """Accepts megatron's core-attention constructor and call signature.
 
     ``st_kind`` (class attribute of the subclasses below): ST-DiT spatial or temporal attention.
+    Grouped-query attention passes through: the kernels take fewer key/value heads (``h % h_kv == 0``)
+    and expand only where a kernel or a Ulysses split needs it, so a ring never sends repeated heads.
 
     Inputs are ``[s, b, h, d]`` (or ``[t, h, d]`` when megatron squeezed a THD batch); the output is
     ``[s, b, h*d]`` (``[t, h*d]``), as megatron's ``SelfAttention`` expects.
@@ -89,7 +81,6 @@ class KernelsCoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
                              "packed_seq_params.cu_seqlens_q/kv")
-        key, value = _expand_groups(query, key, value)
         if self.cross:
             return self._cross(query, key, value, packed_seq_params)
         if self.st_kind is not None:

@@ -8,6 +8,10 @@ are batches of short independent sequences.
   (``Segments``, one strided run per sample); temporal attention gathers the tokens position-major,
   attends over blocks of ``T`` and scatters back. Dense rows and packed streams of mixed grids
   (images are one frame) take the same path.
+- Two-level mesh (``model.st_attention="mesh"``, dense): frames over the outer ranks, each frame's
+  positions over the inner ranks (the model reorders each row with :func:`mesh_order` before
+  cutting it); spatial attention runs Ulysses over the inner group, temporal attention switches
+  within the outer group.
 - Context parallel (dense batches): each CP rank holds a block of whole frames (the token stream is
   cut into contiguous pieces, so ``T`` must divide by the CP size). Spatial attention is then
   local; temporal attention switches the sharded dim from frames to positions and back
@@ -48,6 +52,13 @@ class STPattern:
     """Tokens in the stream (padding included)."""
     cp_group: Any = None
     """Context parallel: the group whose ranks hold blocks of frames of every (dense) row."""
+    inner_group: Any = None
+    """Two-level mesh (``model.st_attention="mesh"``): the group whose ranks hold blocks of each
+    frame's positions (``cp_group`` is then the frames' outer group)."""
+
+    def layout(self) -> STLayout:
+        """The kernels' resident layout of a dense row on this rank (context parallel only)."""
+        return STLayout(grid=self.grids[0], group=self.cp_group, sharded="T", inner_group=self.inner_group)
 
 
 @functools.lru_cache(maxsize=64)
@@ -59,34 +70,30 @@ def spatial_segments(pattern: STPattern) -> Segments:
 
 
 @functools.lru_cache(maxsize=64)
-def _temporal_plan(pattern: STPattern) -> tuple[torch.Tensor, Segments]:
+def _temporal_plan(pattern: STPattern, device: str) -> tuple[torch.Tensor, torch.Tensor, Segments]:
     """``order``: stream index of each token in position-major order (samples keep their place,
-    padding stays put), and one segment per (sample, position) in that order."""
+    padding stays put), its ``inverse``, both on ``device`` (copied once per pattern), and one
+    segment per (sample, position) in that order."""
     order = torch.arange(pattern.length)
     bounds = []
     for a, (t, s) in zip(pattern.starts, pattern.grids):
         order[a:a + t * s] = a + torch.arange(t * s).view(t, s).t().reshape(-1)
         bounds += [(a + p * t, a + (p + 1) * t) for p in range(s)]
     starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
-    return order, Segments(starts, ends, starts, ends)
+    return order.to(device), torch.argsort(order).to(device), Segments(starts, ends, starts, ends)
 
 
 def temporal_plan(pattern: STPattern, device) -> tuple[torch.Tensor, torch.Tensor, Segments]:
-    """``(order, inverse, segments)`` of :func:`_temporal_plan` with the indices on ``device``."""
-    order, segments = _temporal_plan(pattern)
-    return _on_device(order, str(device)), _on_device(torch.argsort(order), str(device)), segments
+    """``(order, inverse, segments)`` of the temporal attention of ``pattern`` on ``device``."""
+    return _temporal_plan(pattern, str(device))
 
 
-_DEVICE_COPIES: dict = {}
-
-
-def _on_device(index: torch.Tensor, device: str) -> torch.Tensor:
-    key = (id(index), device)
-    if key not in _DEVICE_COPIES:
-        if len(_DEVICE_COPIES) > 256:
-            _DEVICE_COPIES.clear()
-        _DEVICE_COPIES[key] = (index, index.to(device))  # keep the source alive while its id is a key
-    return _DEVICE_COPIES[key][1]
+def mesh_order(frames: int, positions: int, outer: int, inner: int) -> torch.Tensor:
+    """Token order of a frame-major ``frames x positions`` sample under the two-level mesh: rank
+    ``o * inner + u`` holds frame block ``o`` x position block ``u`` (frame-major inside), so cutting
+    the reordered stream into equal contiguous pieces gives every CP rank its mesh block."""
+    grid = torch.arange(frames * positions).view(outer, frames // outer, inner, positions // inner)
+    return grid.permute(0, 2, 1, 3).reshape(-1)
 
 
 def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_scale: Optional[float] = None,
@@ -99,8 +106,7 @@ def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_sc
     q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
     kw = dict(softmax_scale=softmax_scale, backend=backend)
     if pattern.cp_group is not None:
-        layout = STLayout(grid=pattern.grids[0], group=pattern.cp_group, sharded="T")
-        out = st_qkv_attention(q, k, v, kind=kind, layout=layout, **kw)
+        out = st_qkv_attention(q, k, v, kind=kind, layout=pattern.layout(), **kw)
     else:
         q, k, v = (x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v))
         if kind == "spatial":
@@ -114,28 +120,35 @@ def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_sc
 
 class STSelfAttention(SelfAttention):
     """megatron's ``SelfAttention`` whose context-parallel temporal attention switches hidden states
-    (DSP) rather than q|k|v, when sequence parallel is off; otherwise megatron's forward, with the
-    spatial/temporal core attention (:class:`~dit_mcore.models.core_attention.KernelsCoreAttention`)."""
+    (DSP) rather than q|k|v; megatron's own forward (the switch then inside the spatial/temporal core
+    attention, :class:`~dit_mcore.models.core_attention.KernelsCoreAttention`) under sequence
+    parallel (TP ranks hold different tokens) and with selective recompute of the core attention
+    (megatron recomputes exactly that part)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if getattr(config, "attention_output_gate", False):
+            raise ValueError("attention_output_gate is not supported by the ST-DiT's attention; set it to False")
+        self.hidden_switch = not config.sequence_parallel and not self.checkpoint_core_attention
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
         pattern = getattr(packed_seq_params, "st", None)
         kind = self.core_attention.st_kind
-        if (pattern is None or pattern.cp_group is None or kind != "temporal" or self.config.sequence_parallel
-                or kwargs.get("rotary_pos_emb") is not None):
+        if (pattern is None or pattern.cp_group is None or kind != "temporal" or not self.hidden_switch):
             return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params, **kwargs)
+        if kwargs.get("rotary_pos_emb") is not None:
+            raise ValueError("the ST-DiT's hidden-state switch takes no rotary embedding (its positions are the "
+                             "sin-cos table); use model.position_embedding=sincos")
 
-        def qkv_proj(y):  # [b, m, C] -> [b, m, heads, d] each (this rank's TP heads)
+        def qkv_proj(y):  # [b, m, C] -> [b, m, heads, d] each (this rank's TP heads; GQA passes through)
             q, k, v = self.get_query_key_value_tensors(y.transpose(0, 1))
-            if k.shape[-2] != q.shape[-2]:  # GQA: one key/value head per query head for the kernels
-                k, v = (x.repeat_interleave(q.shape[-2] // k.shape[-2], dim=-2) for x in (k, v))
             return tuple(x.transpose(0, 1) for x in (q, k, v))
 
         def out_proj(o):  # [b, m, heads, d] -> [b, m, C] (row-parallel: reduced over TP)
             out, bias = self.linear_proj(o.transpose(0, 1).flatten(2))
             return (out if bias is None else out + bias).transpose(0, 1)
 
-        layout = STLayout(grid=pattern.grids[0], group=pattern.cp_group, sharded="T")
-        out = st_hidden_attention(hidden_states.transpose(0, 1), kind=kind, layout=layout, qkv_proj=qkv_proj,
+        out = st_hidden_attention(hidden_states.transpose(0, 1), kind=kind, layout=pattern.layout(), qkv_proj=qkv_proj,
                                   out_proj=out_proj, chunks=2 if self.config.st_attention == "dsp_overlap" else 1,
                                   softmax_scale=self.core_attention.softmax_scale,
                                   backend=self.core_attention.backend)

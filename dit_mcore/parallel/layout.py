@@ -27,15 +27,19 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
     if heads % tp or kv_heads % tp:
         raise ConfigError(f"the model's {heads} attention heads ({kv_heads} kv heads) must divide by "
                           f"parallel.tensor_model_parallel_size={tp}; change TP or model.num_attention_heads")
-    _check_context_parallel(p, heads // tp, kv_heads // tp)
+    mesh = getattr(model, "spatial_temporal", False) and model.st_attention == "mesh"
+    _check_context_parallel(p, heads // tp, kv_heads // tp, st_mesh=mesh)
+    _check_spatial_temporal(p, model, data, heads // tp)
     _check_pipeline(p, model.num_layers, data, world_size)
     _check_experts(p, model.num_moe_experts, world_size)
     _check_token_split(p, model, data)
     _check_fsdp(p, world_size, use_distributed_optimizer)
 
 
-def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads: int) -> None:
+def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads: int, st_mesh: bool) -> None:
     cp, method, sizes = p.context_parallel_size, p.cp_comm_type, p.hierarchical_context_parallel_sizes
+    if st_mesh:
+        return  # the ST-DiT's attention does not use cp_comm_type; _check_spatial_temporal checks the mesh
     if method not in CP_COMM_TYPES:
         raise ConfigError(f"parallel.cp_comm_type={method!r} is unknown; use one of {CP_COMM_TYPES}")
     if method == "a2a+p2p":
@@ -55,6 +59,35 @@ def _check_context_parallel(p: ParallelConfig, local_heads: int, local_kv_heads:
     if a2a > 1 and a2a % local_kv_heads and local_kv_heads % a2a:
         raise ConfigError(f"Ulysses over {a2a} ranks needs the {local_kv_heads} kv heads per TP rank to divide "
                           f"or be divided by {a2a}; change model.num_query_groups or the a2a degree")
+
+
+def _check_spatial_temporal(p: ParallelConfig, model, data, local_heads: int) -> None:
+    """The ST-DiT under context parallel: dense video whose frames (and, on a mesh, positions) split
+    evenly over the ranks that hold them."""
+    cp, sizes = p.context_parallel_size, p.hierarchical_context_parallel_sizes
+    if not getattr(model, "spatial_temporal", False):
+        return
+    mesh = model.st_attention == "mesh"
+    if mesh and (cp == 1 or not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != cp):
+        raise ConfigError(f"model.st_attention='mesh' needs parallel.context_parallel_size > 1 and "
+                          f"parallel.hierarchical_context_parallel_sizes=[inner, outer] with product {cp} "
+                          f"(positions over inner ranks, frames over outer ranks), got {sizes}")
+    if cp == 1:
+        return
+    if data.packs or data.uses_energon:
+        raise ConfigError("the ST-DiT under context parallel takes dense video batches (one grid per micro-batch); "
+                          "packed data (data.max_seq_len, energon datasets) needs parallel.context_parallel_size=1")
+    inner, outer = (sizes[0], sizes[1]) if mesh else (1, cp)
+    frames = data.video_frames if data.name == "moving_digits" else 1
+    if frames % outer:
+        raise ConfigError(f"the ST-DiT under context parallel shards whole frames: {frames} frame(s) per sample do "
+                          f"not split over {outer} ranks; use data.video_frames divisible by {outer}"
+                          + ("" if mesh else ", or model.st_attention='mesh' with "
+                             "parallel.hierarchical_context_parallel_sizes=[positions, frames]"))
+    positions = (model.input_size // model.patch_size) ** 2
+    if mesh and (positions % inner or local_heads % inner):
+        raise ConfigError(f"model.st_attention='mesh' splits each frame's {positions} positions and each rank's "
+                          f"{local_heads} heads over {inner} inner ranks; choose an inner size dividing both")
 
 
 def _check_pipeline(p: ParallelConfig, num_layers: int, data, world_size: int) -> None:

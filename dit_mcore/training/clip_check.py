@@ -4,8 +4,9 @@ Reads a text-preview folder (``samples/step_XXXXXX/index.json`` and its GIFs, se
 :mod:`dit_mcore.training.text_preview`) whose prompts are ``moving_digits`` captions ("a 3 moving
 left") and checks each clip:
 
-- **direction**: the brightness centroid's first step (frame 0 -> 1) goes the prompted way (the
-  dataset's sprites bounce off the walls later, never on the first step);
+- **direction**: the centroid of the ink (pixels brighter than mid-grey, so faint noise does not pull
+  it to the centre) moves the prompted way on the first step, frame 0 -> 1 (the dataset's sprites
+  bounce off the walls later, never on the first step);
 - **digit**: each frame is read by a nearest-neighbour classifier over the dataset's digit scans
   (cosine similarity, best sprite-sized window of the frame); the clip's digit is the majority.
   Leave-one-out on real ``moving_digits`` clips it reads 99% of them right (tests/test_clip_check.py).
@@ -82,7 +83,9 @@ def check_clip(frames: torch.Tensor, prompt: str, *, sprite: int | None = None,
         raise ValueError(f"need [T >= 2, H, W] frames, got {tuple(frames.shape)}")
     digit, direction = int(match.group(1)), match.group(2)
     sprite = sprite or frames.shape[-1] // 2
-    ink = frames.clamp(min=0)
+    if sprite < 1 or min(frames.shape[-2:]) < sprite:
+        raise ValueError(f"frames of {tuple(frames.shape[-2:])} cannot hold a {sprite}-pixel digit; pass sprite=")
+    ink = frames * (frames > 0.5)
     mass = ink.sum((1, 2)).clamp(min=1e-6)
     ys, xs = (torch.arange(n, dtype=frames.dtype) for n in frames.shape[1:])
     cy, cx = (ink.sum(2) * ys).sum(1) / mass, (ink.sum(1) * xs).sum(1) / mass

@@ -27,7 +27,8 @@ class ModelConfig:
     num_layers: Optional[int] = None
     """Override the preset's depth."""
     hidden_size: Optional[int] = None
-    """Override the preset's width (FFN width follows as 4x unless ``ffn_hidden_size`` is set)."""
+    """Override the preset's width (the FFN width keeps the preset's ratio to it unless
+    ``ffn_hidden_size`` is set)."""
     ffn_hidden_size: Optional[int] = None
     """Override the MLP's inner width (per gate with SwiGLU)."""
     num_attention_heads: Optional[int] = None
@@ -92,11 +93,14 @@ class ModelConfig:
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
                      if f.name not in self._NOT_CONFIG_FIELDS and getattr(self, f.name) is not None}
+        family = get_family(self.family)
         if self.hidden_size is not None and self.ffn_hidden_size is None:
-            overrides["ffn_hidden_size"] = 4 * self.hidden_size
+            base = family.presets().get(self.preset, {})
+            ratio = base.get("ffn_hidden_size", 4 * base.get("hidden_size", 1)) / base.get("hidden_size", 1)
+            overrides["ffn_hidden_size"] = int(round(ratio * self.hidden_size))
         if self.init_model_with_meta_device:  # layers then follow the meta device context
             overrides["use_cpu_initialization"] = True
-        return get_family(self.family).make_config(self.preset, **overrides,
+        return family.make_config(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
                       virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,

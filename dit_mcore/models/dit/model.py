@@ -28,7 +28,7 @@ from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.seeding import draw_base_seed, init_stream
-from dit_mcore.models.st_attention import STPattern
+from dit_mcore.models.st_attention import STPattern, mesh_order
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from energon_data.tokens import grid_positions
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
@@ -160,22 +160,43 @@ class DiT(MegatronModule):
             return dataclasses.replace(params, qkv_format="sbhd", st=pattern)
         frames, positions = grid[0], grid[1] * grid[2]
         if cp > 1:
-            if frames % cp:
-                raise ValueError(f"the ST-DiT under context parallel shards whole frames: {frames} frame(s) per "
-                                 f"sample do not split over parallel.context_parallel_size={cp}; use a frame count "
-                                 f"divisible by {cp} (images: context_parallel_size=1)")
-            pattern = STPattern((0,), ((frames, positions),), end - start,
-                                cp_group=parallel_state.get_context_parallel_group())
+            outer, inner = self._st_mesh_sizes()
+            if frames % outer or positions % inner:
+                raise ValueError(f"the ST-DiT under context parallel shards whole frames over {outer} ranks"
+                                 + (f" and each frame's positions over {inner}" if inner > 1 else "")
+                                 + f": a {frames}-frame sample of {positions} positions does not split; use frame "
+                                 f"(and position) counts divisible by them (images: context_parallel_size=1, or "
+                                 f"model.st_attention=mesh with hierarchical_context_parallel_sizes=[{cp}, 1])")
+            if inner > 1:
+                inner_group, outer_group = parallel_state.get_hierarchical_context_parallel_groups()
+            else:
+                inner_group, outer_group = None, parallel_state.get_context_parallel_group()
+            pattern = STPattern((0,), ((frames, positions),), end - start, cp_group=outer_group,
+                                inner_group=inner_group)
         else:
             pattern = STPattern(tuple(i * total for i in range(rows)), ((frames, positions),) * rows, rows * total)
         return KernelsPackedSeqParams(qkv_format="sbhd", st=pattern)
 
+    def _st_mesh_sizes(self) -> tuple[int, int]:
+        """``(outer, inner)``: ranks over which an ST-DiT row's frames and each frame's positions split."""
+        config = self.config
+        if config.spatial_temporal and config.st_attention == "mesh" and config.context_parallel_size > 1:
+            inner, outer = config.hierarchical_context_parallel_sizes
+            return outer, inner
+        return config.context_parallel_size, 1
+
+    def _mesh_order(self, grid: tuple) -> Optional[torch.Tensor]:
+        """The two-level mesh's token order of a dense row (None for every other layout)."""
+        outer, inner = self._st_mesh_sizes()
+        if inner == 1:
+            return None
+        return mesh_order(grid[0], grid[1] * grid[2], outer, inner)
+
     def _rotary(self, positions: torch.Tensor, device) -> torch.Tensor:
         """3D RoPE angles ``[s, 1, 1, head_dim]`` of the tokens this rank's attention sees (every
         stage computes them: cheaper than sending them down the pipeline)."""
-        config = self.config
-        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-        return rope3d_freqs(self.token_shard.attention_piece(positions.to(device)), head_dim,
+        config = self.config  # megatron's __post_init__ sets kv_channels (the head dim)
+        return rope3d_freqs(self.token_shard.attention_piece(positions.to(device)), config.kv_channels,
                             config.rope_theta, config.rotary_interleaved)
 
     def forward(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -209,12 +230,14 @@ class DiT(MegatronModule):
                 grid = batch.grids[0].tolist()
             side = self.config.input_size // self.config.patch_size
             grid = tuple(int(g) for g in grid) if grid is not None else (1, side, side)
+        order = None  # the two-level ST mesh reorders each dense row so its pieces are mesh blocks
         if self.config.spatial_temporal:
             params = self._st_params(params, batch if packed else None, grid, tokens.shape[0], tokens.shape[1])
+            order = None if packed else self._mesh_order(grid)
         rotary = None
         if self.config.position_embedding == "rope3d":
-            rotary = self._rotary(batch.positions if packed else self._grid_positions(grid, tokens.shape[0]),
-                                  tokens.device)
+            positions = batch.positions if packed else self._grid_positions(grid, tokens.shape[0])
+            rotary = self._rotary(positions if order is None else positions[order], tokens.device)
             if params is not None:
                 # Per-token angles: megatron's THD RoPE would restart each sample at position 0 and
                 # slice its own CP layout; as "sbhd" it applies our angles one to one (the kernels
@@ -225,13 +248,14 @@ class DiT(MegatronModule):
                 raise ValueError(f"a dense batch of {tokens.shape[0]} tokens per sample cannot be split evenly "
                                  f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
                                  f"token count is a multiple of {shard.size}, or packed data")
-            hidden = self.x_embedder(shard.scatter(tokens))
+            hidden = self.x_embedder(shard.scatter(tokens if order is None else tokens[order.to(tokens.device)]))
             if self.config.position_embedding == "sincos":
                 if packed:
                     pos = sincos_from_positions(shard.scatter(batch.positions), self.config.hidden_size,
                                                 int(batch.grids.max()))
                 else:
-                    pos = shard.scatter(self._dense_positions(grid, tokens.shape[0], tokens.device))
+                    pos = self._dense_positions(grid, tokens.shape[0], tokens.device)
+                    pos = shard.scatter(pos if order is None else pos[order.to(pos.device)])
                 hidden = hidden + pos.unsqueeze(1).to(tokens.dtype)
         text, text_params = self._text(context, batch, tokens.shape[0], tokens.shape[1], cond_emb.shape[0])
         hidden = self.layers(hidden, cond, context=text, context_params=text_params, rotary_pos_emb=rotary,
@@ -239,7 +263,8 @@ class DiT(MegatronModule):
         if not self.post_process:
             return hidden
         # Every stage is called with the whole stream's tokens, so its length is known on the last.
-        return shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
+        out = shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
+        return out if order is None else out[torch.argsort(order).to(out.device)]
 
     def _text(self, context: Optional[TextContext], batch, total: int, rows: int, samples: int):
         """The embedded text ``[L, 1, hidden]`` and the cross-attention pattern from the query tokens

@@ -27,6 +27,9 @@ def _presets() -> dict:
              for name, (layers, hidden, heads) in _SIZES.items()}
     table["stdit-tiny"] = dict(_STDIT, num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2,
                                input_size=8, in_channels=4, text_dim=32)
+    # The CPU text-to-video demo's size: 16x16 grey frames, 4x4 patches, the tiny text encoder's 32-wide text.
+    table["stdit-moving-digits"] = dict(_STDIT, num_layers=4, hidden_size=128, num_attention_heads=4, patch_size=4,
+                                        input_size=16, in_channels=1, text_dim=32)
     return table
 
 
