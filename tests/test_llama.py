@@ -236,3 +236,15 @@ def test_moe_variant_routes_each_token_alone(world):
     torch.testing.assert_close(alone[:, 0], dense[:, 1], rtol=1e-5, atol=1e-5)
     dense.square().mean().backward()
     assert model.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.grad is not None
+
+
+def test_rope3d_angles_equal_diffusers_wan_rotary_embedding():
+    """Interleaved 3D RoPE = diffusers' ``WanRotaryPosEmbed`` (the same t/h/w split of each head, the
+    same frequencies), so Wan-style checkpoints see the angles they were trained with."""
+    wan = pytest.importorskip("diffusers.models.transformers.transformer_wan")
+    head_dim, grid = 48, (3, 4, 5)
+    rope = wan.WanRotaryPosEmbed(head_dim, (1, 1, 1), max_seq_len=16)
+    cos, sin = rope(torch.zeros(1, 1, *grid))  # [1, t*h*w, 1, head_dim], pairs interleaved
+    ours = rope3d_freqs(grid_positions(grid), head_dim, 10000.0, interleaved=True)[:, 0, 0].double()
+    torch.testing.assert_close(ours.cos(), cos[0, :, 0].double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.sin(), sin[0, :, 0].double(), rtol=1e-6, atol=1e-6)
