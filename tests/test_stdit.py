@@ -177,8 +177,8 @@ def test_context_parallel_switch_is_dsp_two_hidden_all_to_alls_per_layer():
 
 
 @pytest.mark.parametrize("parallel, model, data, match", [
-    (dict(context_parallel_size=2), {}, dict(name="mock", image_size=8, mock_latent_shapes=[[2, 8, 8]], max_seq_len=64),
-     "dense video"),
+    (dict(context_parallel_size=2, hierarchical_context_parallel_sizes=[2, 1]), dict(st_attention="mesh"),
+     dict(name="mock", image_size=8, mock_latent_shapes=[[2, 8, 8]], max_seq_len=64), "dense video"),
     (dict(context_parallel_size=4), {}, dict(name="moving_digits", video_frames=2), "do not split over 4"),
     (dict(context_parallel_size=2), dict(st_attention="mesh"), dict(name="moving_digits"),
      "hierarchical_context_parallel_sizes=\\[inner, outer\\]"),

@@ -8,6 +8,10 @@ are batches of short independent sequences.
   (``Segments``, one strided run per sample); temporal attention gathers the tokens position-major,
   attends over blocks of ``T`` and scatters back. Dense rows and packed streams of mixed grids
   (images are one frame) take the same path.
+- Packed streams under context parallel: each rank holds a contiguous piece of a stream of mixed
+  grids, not aligned with frames; its queries attend to keys and values gathered from the CP group
+  (spatial: the kernels' all-gather CP attention over the frames; temporal: the gathered stream in
+  position-major order, the rank's queries sorted into it).
 - Two-level mesh (``model.st_attention="mesh"``, dense): frames over the outer ranks, each frame's
   positions over the inner ranks (the model reorders each row with :func:`mesh_order` before
   cutting it); spatial attention runs Ulysses over the inner group, temporal attention switches
@@ -25,12 +29,15 @@ are batches of short independent sequences.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from kernels.all_gather import all_gather_attention
+from kernels.collectives import gather_along
 from kernels.local_attention import Segments, segment_attention
 from megatron.core.transformer.attention import SelfAttention
 
@@ -52,6 +59,9 @@ class STPattern:
     """Tokens in the stream (padding included)."""
     cp_group: Any = None
     """Context parallel: the group whose ranks hold blocks of frames of every (dense) row."""
+    query_range: Optional[tuple[int, int]] = None
+    """Packed streams under context parallel: ``[start, end)`` of this rank's queries in the whole
+    (padded) stream that ``starts`` and ``length`` describe; keys and values are gathered."""
     inner_group: Any = None
     """Two-level mesh (``model.st_attention="mesh"``): the group whose ranks hold blocks of each
     frame's positions (``cp_group`` is then the frames' outer group)."""
@@ -88,6 +98,39 @@ def temporal_plan(pattern: STPattern, device) -> tuple[torch.Tensor, torch.Tenso
     return _temporal_plan(pattern, str(device))
 
 
+@functools.lru_cache(maxsize=64)
+def _gathered_temporal_plan(pattern: STPattern, device: str):
+    """Temporal attention of this rank's queries against the gathered stream: ``(order, sort,
+    unsort, segments)`` -- the position-major order of the whole stream, the sort of the local
+    queries into that order (and back), and one segment per (sample, position) from the sorted
+    local queries to its keys in the reordered stream."""
+    start, end = pattern.query_range
+    order, inverse, groups = _temporal_plan(pattern, "cpu")
+    rank_in_order = inverse[start:end]  # where each local token sits in the position-major stream
+    sort = torch.argsort(rank_in_order)
+    placed = rank_in_order[sort].tolist()
+    q_starts, q_ends = [], []
+    for a, e in zip(groups.q_starts, groups.q_ends):  # local queries of each group are consecutive
+        q_starts.append(bisect.bisect_left(placed, a))
+        q_ends.append(bisect.bisect_left(placed, e))
+    segments = Segments(tuple(q_starts), tuple(q_ends), groups.kv_starts, groups.kv_ends)
+    return order.to(device), sort.to(device), torch.argsort(sort).to(device), segments
+
+
+def _gathered(q, k, v, kind: str, pattern: STPattern, softmax_scale=None, backend="auto") -> torch.Tensor:
+    """``kind`` attention of this rank's piece ``[1, n, h, d]`` of a packed stream under CP: keys and
+    values gathered from the CP group (whose pieces tile the stream in rank order)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if kind == "spatial":  # frames are contiguous ranges of the stream: the kernels' all-gather CP
+        return all_gather_attention(q, k, v, group=pattern.cp_group, segments=spatial_segments(pattern),
+                                    softmax_scale=scale, backend=backend)[0]
+    order, sort, unsort, segments = _gathered_temporal_plan(pattern, str(q.device))
+    k, v = (gather_along(x, 1, pattern.cp_group).index_select(1, order) for x in (k, v))
+    out = segment_attention(q.index_select(1, sort), k, v, segments=segments, softmax_scale=scale,
+                            backend=backend, return_lse=False)
+    return out.index_select(1, unsort)
+
+
 def mesh_order(frames: int, positions: int, outer: int, inner: int) -> torch.Tensor:
     """Token order of a frame-major ``frames x positions`` sample under the two-level mesh: rank
     ``o * inner + u`` holds frame block ``o`` x position block ``u`` (frame-major inside), so cutting
@@ -105,7 +148,9 @@ def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_sc
     s, b = query.shape[:2]
     q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
     kw = dict(softmax_scale=softmax_scale, backend=backend)
-    if pattern.cp_group is not None:
+    if pattern.query_range is not None:
+        out = _gathered(q, k, v, kind, pattern, **kw)
+    elif pattern.cp_group is not None:
         out = st_qkv_attention(q, k, v, kind=kind, layout=pattern.layout(), **kw)
     else:
         q, k, v = (x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v))
@@ -134,7 +179,8 @@ class STSelfAttention(SelfAttention):
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
         pattern = getattr(packed_seq_params, "st", None)
         kind = self.core_attention.st_kind
-        if (pattern is None or pattern.cp_group is None or kind != "temporal" or not self.hidden_switch):
+        if (pattern is None or pattern.cp_group is None or pattern.query_range is not None or kind != "temporal"
+                or not self.hidden_switch):
             return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params, **kwargs)
         if kwargs.get("rotary_pos_emb") is not None:
             raise ValueError("the ST-DiT's hidden-state switch takes no rotary embedding (its positions are the "

@@ -74,9 +74,11 @@ def _check_spatial_temporal(p: ParallelConfig, model, data, local_heads: int) ->
                           f"(positions over inner ranks, frames over outer ranks), got {sizes}")
     if cp == 1:
         return
-    if data.packs or data.uses_energon:
-        raise ConfigError("the ST-DiT under context parallel takes dense video batches (one grid per micro-batch); "
-                          "packed data (data.max_seq_len, energon datasets) needs parallel.context_parallel_size=1")
+    if data.packs or data.uses_energon:  # packed streams: keys and values gathered, any grid works
+        if mesh:
+            raise ConfigError("model.st_attention='mesh' takes dense video batches (one grid per micro-batch); "
+                              "packed data (data.max_seq_len, energon datasets) needs model.st_attention='dsp'")
+        return
     inner, outer = (sizes[0], sizes[1]) if mesh else (1, cp)
     frames = data.video_frames if data.name == "moving_digits" else 1
     if frames % outer:

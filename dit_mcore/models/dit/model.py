@@ -151,12 +151,16 @@ class DiT(MegatronModule):
         """The frames of every sample in the stream this rank's attention sees (ST-DiT)."""
         start, end = self.token_shard.attention_range(total)
         cp = self.config.context_parallel_size
-        if batch is not None:  # packed: one rank's attention sees the whole stream
-            if cp > 1:
-                raise ValueError("the ST-DiT under context parallel takes dense batches (one grid per micro-batch): "
-                                 "set parallel.context_parallel_size=1 for packed data, or use dense video data")
+        if batch is not None:  # packed: without CP one rank's attention sees the whole stream
             grids = tuple((int(t), int(h) * int(w)) for t, h, w in batch.grids.tolist())
-            pattern = STPattern(tuple(batch.starts), grids, end - start)
+            if cp > 1:
+                if self.config.st_attention == "mesh":
+                    raise ValueError("model.st_attention=mesh takes dense video batches (one grid per micro-batch); "
+                                     "use model.st_attention=dsp for packed data")
+                pattern = STPattern(tuple(batch.starts), grids, self.token_shard.padded(total),
+                                    cp_group=parallel_state.get_context_parallel_group(), query_range=(start, end))
+            else:
+                pattern = STPattern(tuple(batch.starts), grids, end - start)
             return dataclasses.replace(params, qkv_format="sbhd", st=pattern)
         frames, positions = grid[0], grid[1] * grid[2]
         if cp > 1:
