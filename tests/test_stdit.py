@@ -195,3 +195,24 @@ def test_bad_spatial_temporal_layouts_fail_before_compute(parallel, model, data,
     assert FAMILY.make_config("stdit-tiny", st_attention="mesh").st_attention == "mesh"
     with pytest.raises(ConfigError, match="model.st_attention='ring'"):
         FAMILY.make_config("stdit-tiny", st_attention="ring")
+
+
+@pytest.mark.parametrize("family, preset", [("stdit", "stdit-tiny"), ("dit_xattn", "xattn-tiny")])
+def test_moe_variant_of_text_families(world, family, preset):
+    """``model.num_moe_experts`` gives each text family megatron's MoE MLP; routing is per token, so a
+    sample's output does not depend on its batch, and the experts train."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    fam = get_family(family)
+    cfg = fam.make_config(preset, attention_backend_name="math64", num_moe_experts=4, moe_router_topk=2,
+                          add_bias_linear=False, moe_token_dispatcher_type="alltoall")
+    model = _randomize(fam.build(cfg, backend="local", init_seed=0))
+    assert isinstance(model.layers[0].mlp, MoELayer)
+    g = torch.Generator().manual_seed(2)
+    tokens, grid = patchify(torch.randn(2, 4, 2, 8, 8, generator=g), 2)
+    texts = [torch.randn(3, TEXT_DIM, generator=g), torch.randn(2, TEXT_DIM, generator=g)]
+    t = torch.tensor([5.0, 600.0])
+    both = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
+    alone = model(tokens[1:].transpose(0, 1), t[1:], grid=grid, context=TextContext.from_list(texts[1:]))
+    torch.testing.assert_close(alone[:, 0], both[:, 1], rtol=1e-5, atol=1e-5)
+    both.square().mean().backward()
+    assert model.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.grad.abs().sum() > 0
