@@ -8,14 +8,6 @@ are batches of short independent sequences.
   (``Segments``, one strided run per sample); temporal attention gathers the tokens position-major,
   attends over blocks of ``T`` and scatters back. Dense rows and packed streams of mixed grids
   (images are one frame) take the same path.
-- Packed streams under context parallel: each rank holds a contiguous piece of a stream of mixed
-  grids, not aligned with frames; its queries attend to keys and values gathered from the CP group
-  (spatial: the kernels' all-gather CP attention over the frames; temporal: the gathered stream in
-  position-major order, the rank's queries sorted into it).
-- Two-level mesh (``model.st_attention="mesh"``, dense): frames over the outer ranks, each frame's
-  positions over the inner ranks (the model reorders each row with :func:`mesh_order` before
-  cutting it); spatial attention runs Ulysses over the inner group, temporal attention switches
-  within the outer group.
 - Context parallel (dense batches): each CP rank holds a block of whole frames (the token stream is
   cut into contiguous pieces, so ``T`` must divide by the CP size). Spatial attention is then
   local; temporal attention switches the sharded dim from frames to positions and back
@@ -26,6 +18,14 @@ are batches of short independent sequences.
   projections and attention. Under sequence parallel the TP ranks hold different tokens of a CP
   piece, so the switch happens inside the core attention on q|k|v and the output instead (the
   Ulysses volume, ``(2 + 2 h_kv/h)`` hidden sizes).
+- Two-level mesh (``model.st_attention="mesh"``, dense): frames over the outer ranks, each frame's
+  positions over the inner ranks (the model reorders each row with :func:`mesh_order` before
+  cutting it); spatial attention runs Ulysses over the inner group, temporal attention switches
+  within the outer group.
+- Packed streams under context parallel: each rank holds a contiguous piece of a stream of mixed
+  grids, not aligned with frames; its queries attend to keys and values gathered from the CP group
+  (spatial: the kernels' all-gather CP attention over the frames; temporal: the gathered stream in
+  position-major order, the rank's queries sorted into it).
 """
 from __future__ import annotations
 
@@ -35,16 +35,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from megatron.core.transformer.attention import SelfAttention
 
 from kernels.all_gather import all_gather_attention
 from kernels.collectives import gather_along
 from kernels.local_attention import Segments, segment_attention
-from megatron.core.transformer.attention import SelfAttention
-
-from kernels.spatial_temporal import STLayout, st_qkv_attention
+from kernels.spatial_temporal import KINDS, STLayout, st_qkv_attention
 from kernels.spatial_temporal import st_attention as st_hidden_attention
-
-KINDS = ("spatial", "temporal")
 
 
 @dataclass(frozen=True)
