@@ -193,10 +193,13 @@ def _text_cases(world: int):
     """The text families under the layouts that touch their text and positions: TP+SP (text whole
     on every TP rank), CP (text whole on every CP rank, queries sharded; the Llama DiT's RoPE angles
     cut to each CP piece, samples straddling pieces), PP (text embedder and RoPE on every stage),
-    FSDP. Each family runs in a spawn of its own: after a run of another model, a later FSDP run in
-    the same process got its root module's weights on a device mesh over the previous run's groups
-    (CPU/gloo; each run alone matches one process; not explained yet -- clearing DTensor's
-    sharding-propagation caches does not help)."""
+    FSDP. Each family runs in a spawn of its own: when a second FSDP model is built in a process
+    (after ``initialize_model_parallel`` rebuilt the groups), right after megatron's wrapping its
+    root-module parameters (embedders, final layer: shapes the previous model also had) sit on a
+    mesh over the previous run's DP group while its layers sit on the new one, and megatron's
+    grad-norm check fails (``current_group == data_parallel_group``). Meshes over the same ranks
+    compare equal in torch, so some cache hands back the old one; clearing DTensor's
+    sharding-propagation caches does not help. Each run alone matches one process."""
     two = {"tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
            "cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
            "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
