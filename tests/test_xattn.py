@@ -1,5 +1,7 @@
 """The cross-attention DiT (``model.family=dit_xattn``): text reaches each sample's tokens and
 nothing else, packed == dense, text dropout is the null text, guidance, presets, FLOPs, errors."""
+import json
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -191,3 +193,19 @@ def test_text_family_needs_text_data(tmp_path):
                     data=DataConfig(name="digits", image_size=8))
     cfg.log.dir = str(tmp_path)
     assert any("has no captions" in p and "model.family=dit_xattn" in p for p in run_problems(cfg, 1))
+
+
+def test_text_previews_of_a_model_with_labels_and_text(world, tmp_path):
+    """A model conditioned on labels and text samples its prompt clips with the null class."""
+    from types import SimpleNamespace
+
+    from dit_mcore.diffusion import build_objective
+    from dit_mcore.training.config import DiffusionConfig
+    from dit_mcore.training.text_preview import draw_text_preview
+    cfg, model = _model(num_classes=10, class_dropout_prob=0.1)
+    run = SimpleNamespace(data=SimpleNamespace(video_frames=2), diffusion=DiffusionConfig(sample_steps=2, cfg_scale=3.0))
+    g = torch.Generator().manual_seed(0)
+    folder = draw_text_preview(model, cfg, FAMILY, build_objective("flow"), run, 7, tmp_path, write=True,
+                               encode=lambda prompts: [torch.randn(2, TEXT_DIM, generator=g) for _ in prompts],
+                               prompts=["a", "b"])
+    assert [e["prompt"] for e in json.loads((folder / "index.json").read_text())] == ["a", "b"]

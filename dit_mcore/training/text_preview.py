@@ -67,11 +67,19 @@ def draw_text_preview(ema_model, model_config, family, objective, cfg, step: int
     """Sample one clip per prompt with the run's sampler and CFG scale (text dropped to the null
     text for the unconditional half). Every rank computes; only ``write`` ranks save."""
     text = TextContext.from_list([e.float() for e in encode(prompts)]).to(device)
+    labels = null_label = None
+    if model_config.num_classes:  # conditioned on labels too: prompts name no class, so the null class
+        if not model_config.use_cfg_embedding:
+            log.warning("text previews of a model that also takes class labels need its null class "
+                        "(model.class_dropout_prob > 0); previews skipped")
+            return None
+        null_label = model_config.num_classes
+        labels = torch.full((len(prompts),), null_label, dtype=torch.long, device=device)
     frames, side = max(1, cfg.data.video_frames), model_config.input_size
     noise = torch.randn(len(prompts), model_config.in_channels, frames, side, side,
                         generator=torch.Generator().manual_seed(seed)).to(device)
     clips = sample(objective, family.image_model_fn(ema_model, model_config), noise, steps=cfg.diffusion.sample_steps,
-                   text=text, cfg_scale=cfg.diffusion.cfg_scale).float().cpu()
+                   text=text, labels=labels, null_label=null_label, cfg_scale=cfg.diffusion.cfg_scale).float().cpu()
     if not write:
         return None
     folder = out_dir / f"step_{step:06d}"
