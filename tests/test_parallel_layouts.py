@@ -4,6 +4,7 @@ gloo), on dense images and on packed mixed image/video sequences.
 Layouts that share a world size run one after another inside one spawn (a gloo world takes seconds
 to start on 2 cores); the one-process references run in the pytest process.
 """
+import math
 import zlib
 
 import pytest
@@ -193,13 +194,8 @@ def _text_cases(world: int):
     """The text families under the layouts that touch their text and positions: TP+SP (text whole
     on every TP rank), CP (text whole on every CP rank, queries sharded; the Llama DiT's RoPE angles
     cut to each CP piece, samples straddling pieces), PP (text embedder and RoPE on every stage),
-    FSDP. Each family runs in a spawn of its own: when a second FSDP model is built in a process
-    (after ``initialize_model_parallel`` rebuilt the groups), right after megatron's wrapping its
-    root-module parameters (embedders, final layer: shapes the previous model also had) sit on a
-    mesh over the previous run's DP group while its layers sit on the new one, and megatron's
-    grad-norm check fails (``current_group == data_parallel_group``). Meshes over the same ranks
-    compare equal in torch, so some cache hands back the old one; clearing DTensor's
-    sharding-propagation caches does not help. Each run alone matches one process."""
+    FSDP. All families share one spawn per world size, so its FSDP runs also check that FSDP models
+    of different families built one after another in a process each get their own mesh."""
     two = {"tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
            "cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
            "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -261,22 +257,20 @@ def world_results(tmp_path_factory, energon_digits):
 
 @pytest.fixture(scope="module")
 def text_results(tmp_path_factory):
-    """Per (world, family): each text family's cases in a spawn of their own (see ``_text_cases``)."""
     results = {}
 
-    def get(world, family):
-        if (world, family) not in results:
-            run_dir = tmp_path_factory.mktemp(f"text_w{world}_{family}")
-            cases = [c for c in _text_cases(world) if family_of(c[0]) == family]
-            results[world, family] = (run_distributed(_layouts_worker, world, str(run_dir), cases), run_dir)
-        return results[world, family]
+    def get(world):
+        if world not in results:
+            run_dir = tmp_path_factory.mktemp(f"text_w{world}")
+            results[world] = (run_distributed(_layouts_worker, world, str(run_dir), _text_cases(world)), run_dir)
+        return results[world]
     return get
 
 
 @pytest.mark.parametrize("world, name, data", [(w, n, d) for w in (2, 4) for n, d, _ in _cases(w) + _text_cases(w)])
 def test_layout_equals_one_process(world_results, text_results, tmp_path_factory, world, name, data):
     family = family_of(name)
-    per_rank, _ = world_results(world) if family == "dit" else text_results(world, family)
+    per_rank, _ = (world_results if family == "dit" else text_results)(world)
     ref = reference(tmp_path_factory, data, moe=name.startswith("ep"), family=family)
     for rank, result in enumerate(per_rank):
         got = result[name]
@@ -407,3 +401,14 @@ def test_packed_streams_need_no_layout_specific_padding():
     run sees exactly the samples a one-process run sees."""
     cfg = layout_run("/tmp/unused", "packed")
     check_layout(ParallelConfig(context_parallel_size=8, cp_comm_type="p2p"), _model(), cfg.data, 8)
+
+
+def test_fsdp_models_built_one_after_another_in_a_process(tmp_path):
+    """A second FSDP model in a process (a new trainer rebuilt the groups) gets its own mesh for every
+    parameter: DTensor's sharding cache used to hand its root parameters (shapes the first model
+    also had) the first model's mesh, and megatron's grad-norm check then failed."""
+    for family in ("dit_xattn", "llama"):
+        trainer = Trainer(layout_run(tmp_path / family, "dense", family=family, fsdp="torch"))
+        meshes = {p.device_mesh.get_group() for p in trainer.model[0].parameters()}
+        assert meshes == {trainer.ddp_chunks[0].device_mesh.get_group()}, family
+        assert math.isfinite(trainer.train_step()["grad_norm"])
