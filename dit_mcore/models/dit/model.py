@@ -220,47 +220,16 @@ class DiT(MegatronModule):
             context: the samples' text (cross-attention DiT, ``config.text_dim > 0``); None otherwise.
         """
         shard = self.token_shard
-        hidden = tokens if self.pre_process else self.input_tensor
+        packed = batch if batch is not None and batch.is_packed else None
+        if packed is None:
+            grid = self._grid(batch, grid)
         cond_emb = self.conditioning(timesteps, labels)
-        params = None
-        packed = batch is not None and batch.is_packed
-        if packed:
-            # Tokens outside every sample (padding) point at sample 0: masked out of the loss.
-            cond = Conditioning(cond_emb, shard.scatter(batch.token_to_sample, pad_value=-1).clamp(min=0))
-            params = packed_seq_params(batch)
+        if packed is not None:  # tokens outside every sample (padding) point at sample 0: masked out of the loss
+            cond = Conditioning(cond_emb, shard.scatter(packed.token_to_sample, pad_value=-1).clamp(min=0))
         else:
             cond = Conditioning(cond_emb)
-            if batch is not None:
-                grid = batch.grids[0].tolist()
-            side = self.config.input_size // self.config.patch_size
-            grid = tuple(int(g) for g in grid) if grid is not None else (1, side, side)
-        order = None  # the two-level ST mesh reorders each dense row so its pieces are mesh blocks
-        if self.config.spatial_temporal:
-            params = self._st_params(params, batch if packed else None, grid, tokens.shape[0], tokens.shape[1])
-            order = None if packed else self._mesh_order(grid)
-        rotary = None
-        if self.config.position_embedding == "rope3d":
-            positions = batch.positions if packed else self._grid_positions(grid, tokens.shape[0])
-            rotary = self._rotary(positions if order is None else positions[order], tokens.device)
-            if params is not None:
-                # Per-token angles: megatron's THD RoPE would restart each sample at position 0 and
-                # slice its own CP layout; as "sbhd" it applies our angles one to one (the kernels
-                # take the sample boundaries from the segments either way).
-                params = dataclasses.replace(params, qkv_format="sbhd")
-        if self.pre_process:
-            if shard.active and not packed and tokens.shape[0] % shard.size:
-                raise ValueError(f"a dense batch of {tokens.shape[0]} tokens per sample cannot be split evenly "
-                                 f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
-                                 f"token count is a multiple of {shard.size}, or packed data")
-            hidden = self.x_embedder(shard.scatter(tokens if order is None else tokens[order.to(tokens.device)]))
-            if self.config.position_embedding == "sincos":
-                if packed:
-                    pos = sincos_from_positions(shard.scatter(batch.positions), self.config.hidden_size,
-                                                int(batch.grids.max()))
-                else:
-                    pos = self._dense_positions(grid, tokens.shape[0], tokens.device)
-                    pos = shard.scatter(pos if order is None else pos[order.to(pos.device)])
-                hidden = hidden + pos.unsqueeze(1).to(tokens.dtype)
+        params, rotary, order = self._attention_layout(packed, grid, tokens)
+        hidden = self._embed(tokens, packed, grid, order) if self.pre_process else self.input_tensor
         text, text_params = self._text(context, batch, tokens.shape[0], tokens.shape[1], cond_emb.shape[0])
         hidden = self.layers(hidden, cond, context=text, context_params=text_params, rotary_pos_emb=rotary,
                              packed_seq_params=params)
@@ -269,6 +238,51 @@ class DiT(MegatronModule):
         # Every stage is called with the whole stream's tokens, so its length is known on the last.
         out = shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
         return out if order is None else out[torch.argsort(order).to(out.device)]
+
+    def _grid(self, batch, grid) -> tuple:
+        """The token grid ``(t, h, w)`` every row of a dense batch shares."""
+        if batch is not None:
+            grid = batch.grids[0].tolist()
+        side = self.config.input_size // self.config.patch_size
+        return tuple(int(g) for g in grid) if grid is not None else (1, side, side)
+
+    def _attention_layout(self, packed, grid: tuple, tokens: torch.Tensor):
+        """``(packed_seq_params, rotary angles, token order)`` of the self-attention: the samples'
+        boundaries (packed) or frames (ST-DiT), the 3D RoPE angles of the tokens this rank's
+        attention sees, and the two-level ST mesh's reorder of dense rows (None: stream order)."""
+        params = packed_seq_params(packed) if packed is not None else None
+        order = None
+        if self.config.spatial_temporal:
+            params = self._st_params(params, packed, grid, tokens.shape[0], tokens.shape[1])
+            order = None if packed is not None else self._mesh_order(grid)
+        rotary = None
+        if self.config.position_embedding == "rope3d":
+            positions = packed.positions if packed is not None else self._grid_positions(grid, tokens.shape[0])
+            rotary = self._rotary(positions if order is None else positions[order], tokens.device)
+            if params is not None:
+                # Per-token angles: megatron's THD RoPE would restart each sample at position 0 and
+                # slice its own CP layout; as "sbhd" it applies our angles one to one (the kernels
+                # take the sample boundaries from the segments either way).
+                params = dataclasses.replace(params, qkv_format="sbhd")
+        return params, rotary, order
+
+    def _embed(self, tokens: torch.Tensor, packed, grid: tuple, order: Optional[torch.Tensor]) -> torch.Tensor:
+        """Patch embedding of this rank's tokens, plus the sin-cos positions unless RoPE carries them."""
+        shard = self.token_shard
+        if shard.active and packed is None and tokens.shape[0] % shard.size:
+            raise ValueError(f"a dense batch of {tokens.shape[0]} tokens per sample cannot be split evenly "
+                             f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
+                             f"token count is a multiple of {shard.size}, or packed data")
+        hidden = self.x_embedder(shard.scatter(tokens if order is None else tokens[order.to(tokens.device)]))
+        if self.config.position_embedding != "sincos":
+            return hidden
+        if packed is not None:
+            pos = sincos_from_positions(shard.scatter(packed.positions), self.config.hidden_size,
+                                        int(packed.grids.max()))
+        else:
+            pos = self._dense_positions(grid, tokens.shape[0], tokens.device)
+            pos = shard.scatter(pos if order is None else pos[order.to(pos.device)])
+        return hidden + pos.unsqueeze(1).to(tokens.dtype)
 
     def _text(self, context: Optional[TextContext], batch, total: int, rows: int, samples: int):
         """The embedded text ``[L, 1, hidden]`` and the cross-attention pattern from the query tokens
