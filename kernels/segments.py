@@ -58,9 +58,8 @@ class Run:
 
     def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
         """``[n, h, q_len]`` view of ``lse [1, h, s_q]``."""
-        _, s1, s2 = lse.stride()
-        return lse.as_strided((self.n, lse.shape[1], self.q_len), (self.q_stride * s2, s1, s2),
-                              lse.storage_offset() + self.q_start * s2)
+        windows = lse[0, :, self.q_start:].unfold(1, self.q_len, self.q_stride)  # [h, W, q_len]
+        return windows[:, :self.n].transpose(0, 1)
 
     def covers(self, s_q: int, s_kv: int) -> bool:
         """True when the run's views are the whole tensors (reshapes, nothing to copy or zero)."""
@@ -69,9 +68,11 @@ class Run:
 
 
 def _strided_tokens(x, n, start, stride, length):
-    st = x.stride()
-    return x.as_strided((n, length) + tuple(x.shape[2:]), (stride * st[1],) + tuple(st[1:]),
-                        x.storage_offset() + start * st[1])
+    """``[n, length, ...]`` view of ``x [1, s, ...]``: ``n`` windows of ``length`` tokens every
+    ``stride`` tokens from ``start``. ``unfold`` rather than ``as_strided``: no ``storage_offset()``,
+    which breaks ``torch.compile`` graphs under dynamic shapes (and torch 2.13 then resumes the
+    frame with a mangled stack)."""
+    return x[0, start:].unfold(0, length, stride)[:n].movedim(-1, 1)
 
 
 @dataclass(frozen=True, eq=False)
