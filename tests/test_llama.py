@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from dit_mcore.config import ConfigError
 from dit_mcore.models import Conditioning
@@ -17,6 +16,7 @@ from dit_mcore.parallel.token_shard import TokenShard
 from dit_mcore.training.flops import dit_flops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import grid_positions, patchify
+from family_models import assert_flops_match, count_params, counted_flops, randomize
 from megatron_env import single_process_world
 
 FAMILY = get_family("llama")
@@ -31,14 +31,6 @@ def world():
 def _model(**overrides):
     cfg = FAMILY.make_config("llama-tiny", **overrides)
     return cfg, FAMILY.build(cfg, backend="local", init_seed=0)
-
-
-def _randomize(model, std=0.1):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 def _rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -131,7 +123,7 @@ def _inputs(n=3, lens=(3, 1, 5)):
 
 def test_dense_batch_equals_each_sample_alone_and_packed(world):
     _, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     tokens, grid, t, texts = _inputs()
     dense = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
     for i in range(3):
@@ -157,7 +149,7 @@ def test_positions_come_from_rope_only(world):
     """No additive table: moving a token's content to another place changes its output only
     through the attention (a 1-token sample has nothing to attend to but itself)."""
     _, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     tok = torch.randn(1, 1, model.config.patch_dim)
     t = torch.tensor([10.0])
     text = TextContext.from_list([torch.randn(2, TEXT_DIM)])
@@ -171,39 +163,24 @@ def test_positions_come_from_rope_only(world):
 
 def test_flops_match_torch_flop_counter(world):
     cfg, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     tokens, grid, _, _ = _inputs(2)
     text = TextContext.from_list([torch.randn(40, TEXT_DIM), torch.randn(24, TEXT_DIM)])
-    with FlopCounterMode(display=False) as counter:
-        model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid, context=text).square().sum().backward()
+    counted = counted_flops(lambda: model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid,
+                                          context=text))
     f = dit_flops(cfg, [32, 32], text.lens)
-    expected = 3 * (f.forward - f.attention) + 3.5 * f.attention  # the math kernel's backward recomputes QK^T
-    counted = float(counter.get_total_flops())
-    assert abs(counted - expected) <= 0.02 * counted, (counted, expected)
-
-
-def _count_params(name: str) -> int:
-    """Parameters of a preset, and of one of its layers, from one- and two-layer builds on the meta
-    device (nothing allocated)."""
-    counts = []
-    for layers in (1, 2):
-        with torch.device("meta"):
-            model = FAMILY.build(FAMILY.make_config(name, num_layers=layers, use_cpu_initialization=True),
-                                 backend="local", init_seed=0)
-        counts.append(sum(p.numel() for p in model.parameters()))
-    per_layer = counts[1] - counts[0]
-    return counts[0] + (FAMILY.make_config(name).num_layers - 1) * per_layer, per_layer
+    assert_flops_match(counted, f)
 
 
 @pytest.mark.parametrize("name, billions", [("MovieGen-1B", 1.10), ("MovieGen-3B", 3.31), ("MovieGen-5B", 6.29),
                                             ("MovieGen-30B", 37.0)])
 def test_preset_sizes(world, name, billions):
     cfg = FAMILY.make_config(name)
-    h, ffn, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
     kv = cfg.num_query_groups * cfg.kv_channels
     # Per layer: GQA self-attention (Q and output h^2 each, K and V h*kv each), MHA cross-attention
     # 4h^2, SwiGLU 3*h*ffn, six adaLN chunks 6h^2 (+ bias), the cross-attention RMSNorm's h.
-    count, counted_per_layer = _count_params(name)
+    count, counted_per_layer = count_params(FAMILY, name)
     assert counted_per_layer == (2 * h * h + 2 * h * kv) + 4 * h * h + 3 * h * ffn + 6 * h * h + 6 * h + h
     # 1B and 3B are sized to their names; 5B and 30B are NeMo's / MovieGen's dims, whose headline
     # counts leave out the per-layer adaLN (6h^2 a layer: 10.9B of the 30B's 37.0B).
@@ -229,7 +206,7 @@ def test_moe_variant_routes_each_token_alone(world):
     _, model = _model(attention_backend_name="math64", num_moe_experts=4, moe_router_topk=2,
                       moe_token_dispatcher_type="alltoall")
     assert isinstance(model.layers[0].mlp, MoELayer)
-    _randomize(model)
+    randomize(model)
     tokens, grid, t, texts = _inputs()
     dense = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
     alone = model(tokens[1:2].transpose(0, 1), t[1:2], grid=grid, context=TextContext.from_list([texts[1]]))

@@ -3,7 +3,6 @@ per-frame / per-position attention, the layer at init, packed == dense with mixe
 presets and the layouts it refuses."""
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from dit_mcore.config import ConfigError
 from dit_mcore.models import Conditioning
@@ -13,6 +12,7 @@ from dit_mcore.models.text import TextContext
 from dit_mcore.training.flops import dit_flops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify
+from family_models import assert_flops_match, count_params, counted_flops, randomize
 from megatron_env import single_process_world
 
 FAMILY = get_family("stdit")
@@ -27,14 +27,6 @@ def world():
 def _model(**overrides):
     cfg = FAMILY.make_config("stdit-tiny", **overrides)
     return cfg, FAMILY.build(cfg, backend="local", init_seed=0)
-
-
-def _randomize(model, std=0.1):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 def _attend64(q, k, v):
@@ -81,7 +73,7 @@ def test_layer_has_spatial_temporal_cross_and_is_identity_at_init(world):
 
 def test_dense_batch_equals_each_sample_alone_and_packed(world):
     _, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     g = torch.Generator().manual_seed(1)
     tokens, grid = patchify(torch.randn(3, 4, 3, 8, 8, generator=g), 2)  # 3 frames of 4x4 tokens
     t = torch.tensor([3.0, 400.0, 900.0])
@@ -106,15 +98,13 @@ def test_dense_batch_equals_each_sample_alone_and_packed(world):
 
 def test_flops_match_torch_flop_counter(world):
     cfg, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     tokens, grid = patchify(torch.randn(2, 4, 4, 8, 8), 2)  # 4 frames x 16 positions
     text = TextContext.from_list([torch.randn(6, TEXT_DIM), torch.randn(4, TEXT_DIM)])
-    with FlopCounterMode(display=False) as counter:
-        model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid, context=text).square().sum().backward()
+    counted = counted_flops(lambda: model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid,
+                                          context=text))
     f = dit_flops(cfg, [64, 64], text.lens, frames=[4, 4])
-    expected = 3 * (f.forward - f.attention) + 3.5 * f.attention  # the math kernel's backward recomputes QK^T
-    counted = float(counter.get_total_flops())
-    assert abs(counted - expected) <= 0.02 * counted, (counted, expected)
+    assert_flops_match(counted, f)
     full = dit_flops(FAMILY.make_config("stdit-tiny", spatial_temporal=True), [64], [6], frames=[1])
     assert f.attention < 2 * full.attention  # 4 frames split: cheaper than one 64-token attention each
     with pytest.raises(ValueError, match="frames"):
@@ -124,14 +114,11 @@ def test_flops_match_torch_flop_counter(world):
 def test_preset_sizes(world):
     cfg = FAMILY.make_config("ST-DiT-XL/2")
     h = cfg.hidden_size
-    with torch.device("meta"):
-        one, two = (sum(p.numel() for p in FAMILY.build(FAMILY.make_config("ST-DiT-XL/2", num_layers=n,
-                                                                            use_cpu_initialization=True),
-                                                         backend="local", init_seed=0).parameters()) for n in (1, 2))
+    count, per_layer = count_params(FAMILY, "ST-DiT-XL/2")
     # Per layer: spatial, temporal and cross-attention 4h^2 each (+ biases, QK norms), MLP 8h^2, 12 adaLN
     # chunks 12h^2. (OpenSora's STDiT-XL/2 counts 0.72B: it shares one adaLN over all layers.)
-    assert two - one == pytest.approx(32 * h * h, rel=0.01)
-    assert one + (cfg.num_layers - 1) * (two - one) == pytest.approx(1.21e9, rel=0.01)
+    assert per_layer == pytest.approx(32 * h * h, rel=0.01)
+    assert count == pytest.approx(1.21e9, rel=0.01)
 
 
 def test_config_errors(world):
@@ -152,7 +139,7 @@ def _switch_worker(rank, world):
     for mode in ("dsp", "dsp_overlap"):
         cfg = FAMILY.make_config("stdit-tiny", context_parallel_size=2, st_attention=mode,
                                  attention_backend_name="math64")
-        model = _randomize(FAMILY.build(cfg, backend="local", init_seed=0))
+        model = randomize(FAMILY.build(cfg, backend="local", init_seed=0))
         with count_comm() as comm:
             out = model(tokens.transpose(0, 1), torch.tensor([5.0, 700.0]), grid=grid, context=text)
         results[mode] = {"out": out.detach(), "a2a_calls": comm.calls("all_to_all_single"),
@@ -205,7 +192,7 @@ def test_moe_variant_of_text_families(world, family, preset):
     fam = get_family(family)
     cfg = fam.make_config(preset, attention_backend_name="math64", num_moe_experts=4, moe_router_topk=2,
                           add_bias_linear=False, moe_token_dispatcher_type="alltoall")
-    model = _randomize(fam.build(cfg, backend="local", init_seed=0))
+    model = randomize(fam.build(cfg, backend="local", init_seed=0))
     assert isinstance(model.layers[0].mlp, MoELayer)
     g = torch.Generator().manual_seed(2)
     tokens, grid = patchify(torch.randn(2, 4, 2, 8, 8, generator=g), 2)

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.samplers import euler_flow
@@ -14,6 +13,7 @@ from dit_mcore.models.text import TextContext
 from dit_mcore.training.flops import dit_flops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify
+from family_models import assert_flops_match, count_params, counted_flops, randomize
 from megatron_env import single_process_world
 
 FAMILY = get_family("dit_xattn")
@@ -29,14 +29,6 @@ def _model(**overrides):
     cfg = FAMILY.make_config("xattn-tiny", **overrides)
     model = FAMILY.build(cfg, backend="local", init_seed=0)
     return cfg, model
-
-
-def _randomize(model, std=0.1):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 def _inputs(n=3, lens=(3, 1, 5)):
@@ -57,7 +49,7 @@ def test_identity_at_init_and_text_reaches_only_its_sample(world):
     for layer in model.layers:  # nine zero-initialised adaLN chunks: every layer is the identity
         assert layer.adaLN_modulation.chunks == 9
         assert torch.equal(layer(h, Conditioning(model.conditioning(t, None)), context=ctx, context_params=params), h)
-    _randomize(model)
+    randomize(model)
     base = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
     changed = list(texts)
     changed[1] = torch.randn(4, TEXT_DIM)  # another caption, another length, for sample 1 only
@@ -68,7 +60,7 @@ def test_identity_at_init_and_text_reaches_only_its_sample(world):
 
 def test_dense_batch_equals_each_sample_alone_and_packed(world):
     _, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     tokens, grid, t, texts = _inputs()
     dense = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext.from_list(texts))
     for i in range(3):
@@ -90,7 +82,7 @@ def test_dense_batch_equals_each_sample_alone_and_packed(world):
 
 def test_dropped_text_is_the_learned_null_text(world):
     _, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     tokens, grid, t, texts = _inputs()
     keep = torch.tensor([True, False, True])
     dropped = model(tokens.transpose(0, 1), t, grid=grid, context=TextContext(torch.cat(texts), (3, 1, 5), keep))
@@ -108,7 +100,7 @@ def test_dropped_text_is_the_learned_null_text(world):
 
 def test_text_guidance_is_one_doubled_call_with_the_null_text(world):
     _, model = _model(attention_backend_name="math64")
-    _randomize(model)
+    randomize(model)
     fn = FAMILY.image_model_fn(model, model.config)
     _, _, _, texts = _inputs(2)
     text = TextContext.from_list(texts)
@@ -139,30 +131,17 @@ def test_qk_norm_in_self_and_cross_attention(world):
 
 def test_flops_match_torch_flop_counter(world):
     cfg, model = _model(attention_backend_name="math64", input_size=16)
-    _randomize(model)
+    randomize(model)
     x = torch.randn(2, 4, 16, 16)
     tokens, grid = patchify(x, 2)
     text = TextContext.from_list([torch.randn(40, TEXT_DIM), torch.randn(24, TEXT_DIM)])
-    with FlopCounterMode(display=False) as counter:
-        model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid, context=text).square().sum().backward()
+    counted = counted_flops(lambda: model(tokens.transpose(0, 1), torch.tensor([1.0, 2.0]), grid=grid,
+                                          context=text))
     f = dit_flops(cfg, [64, 64], text.lens)
-    expected = 3 * (f.forward - f.attention) + 3.5 * f.attention  # the math kernel's backward recomputes QK^T
-    counted = float(counter.get_total_flops())
-    assert abs(counted - expected) <= 0.02 * counted, (counted, expected)
+    assert_flops_match(counted, f)
     assert f.attention > dit_flops(cfg, [64, 64], [1, 1]).attention  # text length counts
     with pytest.raises(ValueError, match="context_lens"):
         dit_flops(cfg, [64])
-
-
-def _count_params(name: str) -> int:
-    """Parameters of a preset from one- and two-layer builds on the meta device (nothing allocated)."""
-    counts = []
-    for layers in (1, 2):
-        with torch.device("meta"):
-            model = FAMILY.build(FAMILY.make_config(name, num_layers=layers, use_cpu_initialization=True),
-                                 backend="local", init_seed=0)
-        counts.append(sum(p.numel() for p in model.parameters()))
-    return counts[0] + (FAMILY.make_config(name).num_layers - 1) * (counts[1] - counts[0])
 
 
 @pytest.mark.parametrize("name, billions", [("DiT-XAttn-7B", 7.0), ("DiT-XAttn-28B", 28.0)])
@@ -171,8 +150,9 @@ def test_preset_sizes(world, name, billions):
     h, layers = cfg.hidden_size, cfg.num_layers
     # Per layer: self-attention 4h^2, cross-attention 4h^2, MLP 8h^2, nine adaLN chunks 9h^2 (+ bias).
     per_layer = 25 * h * h + 9 * h + 4 * cfg.kv_channels
-    assert _count_params(name) == pytest.approx(layers * per_layer, rel=0.02)
-    assert _count_params(name) == pytest.approx(billions * 1e9, rel=0.1)
+    count = count_params(FAMILY, name)[0]
+    assert count == pytest.approx(layers * per_layer, rel=0.02)
+    assert count == pytest.approx(billions * 1e9, rel=0.1)
 
 
 def test_presets_and_config_errors():
