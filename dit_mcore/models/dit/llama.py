@@ -6,11 +6,10 @@ text on an affine RMSNorm whose output is added to the residual (NeMo's ``Movieg
 that add). Same model classes as the DiT; this module is its presets."""
 import torch.nn.functional as F
 
-from dit_mcore.config import ConfigError, build_preset
 from dit_mcore.models.adapter import image_model_fn, token_model_fn
 from dit_mcore.models.dit.model import build_model
 from dit_mcore.models.dit.spec import dit_layer_spec
-from dit_mcore.models.dit.xattn import T5_XXL
+from dit_mcore.models.dit.xattn import T5_XXL, build_text_preset
 from dit_mcore.models.registry import ModelFamily, register
 from dit_mcore.training.flops import dit_flops
 
@@ -49,11 +48,7 @@ PRESETS = _presets()
 
 def preset(name: str, **overrides):
     """A Llama-DiT ``DiTConfig`` from a preset of :data:`PRESETS`."""
-    config = build_preset(PRESETS, name, overrides, family="llama")
-    if config.text_dim <= 0:
-        raise ConfigError(f"model.text_dim={config.text_dim}: the Llama DiT cross-attends to text; set the "
-                          "dataset's text width (e.g. 4096 for T5-XXL)")
-    return config
+    return build_text_preset(PRESETS, name, overrides, family="llama")
 
 
 FAMILY = register(ModelFamily(

@@ -34,13 +34,18 @@ def _presets() -> dict:
 PRESETS = _presets()
 
 
+def build_text_preset(table: dict, name: str, overrides: dict, *, family: str):
+    """``build_preset`` for a family whose every layer cross-attends to text: ``text_dim`` must be set."""
+    config = build_preset(table, name, overrides, family=family)
+    if config.text_dim <= 0:
+        raise ConfigError(f"model.text_dim={config.text_dim}: model.family={family} cross-attends to text; set the "
+                          "dataset's text width (its text encoder's dim, e.g. 4096 for T5-XXL)")
+    return config
+
+
 def preset(name: str, **overrides):
     """A cross-attention ``DiTConfig`` from a preset of :data:`PRESETS`."""
-    config = build_preset(PRESETS, name, overrides, family="dit_xattn")
-    if config.text_dim <= 0:
-        raise ConfigError(f"model.text_dim={config.text_dim}: the cross-attention DiT needs the text width "
-                          "(the dataset's text encoder dim, e.g. 4096 for T5-XXL)")
-    return config
+    return build_text_preset(PRESETS, name, overrides, family="dit_xattn")
 
 
 FAMILY = register(ModelFamily(
