@@ -89,7 +89,8 @@ class DataConfig:
     the trainer (context/sequence parallel need even splits); set it only for standalone loaders."""
     max_consecutive_skips: Optional[int] = 1000
     """Stop with an error naming the reason and the fix once a loader worker has skipped more than
-    this many samples in a row (e.g. every sample longer than ``max_seq_len``), instead of spinning
+    this many samples in a row (e.g. every sample longer than ``max_seq_len``), or failed to read or
+    decode more than this many in a row (truncated or damaged shards, named), instead of spinning
     forever without a batch. None: no limit."""
     first_batch_timeout_s: Optional[float] = 600.0
     """Stop with an error naming the likely causes when the train loader yields no first batch

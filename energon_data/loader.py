@@ -48,22 +48,31 @@ def task_encoder_for(cfg: DataConfig) -> LatentTaskEncoder:
                              max_abs_value=cfg.max_abs_value, max_consecutive_skips=cfg.max_consecutive_skips)
 
 
-def error_handler(exc: Exception, sample, sources=None) -> None:
+def error_handler(exc: Exception, sample, sources=None, *, max_consecutive_skips: Optional[int] = None) -> None:
     """energon's handler for errors while loading, decoding or encoding a sample: re-raise the ones
     that mean no batch can ever be built, so they reach the training process (with workers too) at
     once; otherwise the sample is skipped, counted (``unreadable`` in the batch's skip counts) and
     logged -- one line naming the shard for unreadable ones (see ``shard_safety``), energon's full
-    report for the rest. energon stops after 100 such errors in a row."""
+    report for the rest. More than ``max_consecutive_skips`` (``data.max_consecutive_skips``;
+    None: no limit) failures in a row raise :class:`SkipStreakError` naming the shards."""
     if isinstance(exc, SkipStreakError):
         raise exc
     shard = shard_safety.shard_of(sample, sources)
-    shard_safety.failed_samples[shard] += 1
+    in_a_row = shard_safety.note_failure(shard)
     reason = shard_safety.unreadable_reason(sample)
     if reason is not None:
         log.warning("skipped an unreadable sample of shard %s (%s); the shard is truncated or damaged: "
                     "copy it again or re-run energon_data.prepare", shard, reason)
     else:
         log_exception(exc, sample, sources)
+    if max_consecutive_skips is not None and sum(in_a_row.values()) > max_consecutive_skips:
+        shards = ", ".join(f"{name} ({n})" for name, n in in_a_row.most_common())
+        raise SkipStreakError(
+            f"a data loader worker could not read or decode the last {sum(in_a_row.values())} samples it tried "
+            f"(by shard: {shards}; last error: {reason or f'{type(exc).__name__}: {exc}'}): the shards are "
+            "truncated, damaged or not written by energon_data.prepare; copy them again or re-run "
+            f"energon_data.prepare. Stopped after more than data.max_consecutive_skips={max_consecutive_skips} "
+            "failures in a row (None: no limit).")
 
 
 def _init_worker(energon_init, worker_id: int) -> None:
@@ -80,8 +89,9 @@ def _workers_exit_with_parent(loader):
 
 
 def _worker_config(cfg: DataConfig, dp_rank: int, dp_size: int, **kw) -> WorkerConfig:
+    handler = functools.partial(error_handler, max_consecutive_skips=cfg.max_consecutive_skips)
     return WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=cfg.num_workers,
-                        global_error_handler=error_handler, **kw)
+                        global_error_handler=handler, **kw)
 
 
 def dataset_path(cfg: DataConfig) -> str:
@@ -97,17 +107,20 @@ def dataset_path(cfg: DataConfig) -> str:
     return yaml_path
 
 
-def _check(cfg: DataConfig, dp_rank: int, dp_size: int):
+def _start_loader(cfg: DataConfig, dp_rank: int, dp_size: int):
+    """Check the arguments of a new loader; its failure counts start from none (loaders without
+    workers read in this process and share its counts)."""
     if not cfg.uses_energon:
         raise ValueError("data.path is empty; set it to a prepared energon dataset (or set data.blend)")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     cfg.validate()
+    shard_safety.reset_counts()
 
 
 def build_train_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, seed: int = 0):
     """Infinite, shuffled, savable train loader of :class:`~energon_data.samples.LatentBatch` for one DP rank."""
-    _check(cfg, dp_rank, dp_size)
+    _start_loader(cfg, dp_rank, dp_size)
     ds = get_train_dataset(
         dataset_path(cfg), worker_config=_worker_config(cfg, dp_rank, dp_size, seed_offset=seed),
         batch_size=cfg.micro_batch(dp_size), packing_buffer_size=cfg.packing_buffer_size if cfg.packing else None,
@@ -121,7 +134,7 @@ def build_train_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, seed: int
 def build_val_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, limit: Optional[int] = None):
     """One pass over the validation data (``cfg.val_path``, else the ``val`` split of ``cfg.path``),
     split across DP ranks, in a fixed order; ``limit`` caps the number of batches per rank."""
-    _check(cfg, dp_rank, dp_size)
+    _start_loader(cfg, dp_rank, dp_size)
     path = cfg.val_path or cfg.path
     ds = get_val_dataset(
         path, split_part="val" if cfg.val_path is None else "train",

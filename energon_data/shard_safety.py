@@ -10,6 +10,9 @@ must cost its samples, not the run.
   handler, and stops the run. :func:`harden` makes such a read return a placeholder sample that
   names the shard and the error, which then fails where energon's handler catches it, so it is
   skipped like any corrupt sample (``energon_data.loader.error_handler`` logs one line and counts it).
+* Bounding: energon stops a reader after a fixed 100 failures in a row; :func:`harden` lifts that
+  limit so the run's own bound applies instead (``data.max_consecutive_skips``, counted here per
+  process by :func:`note_failure` and reset by every accepted sample, see ``loader.error_handler``).
 
 Both are applied when ``energon_data.loader`` is imported, so in loader workers too.
 """
@@ -24,6 +27,28 @@ UNREADABLE = "__unreadable__"
 
 failed_samples: Counter = Counter()
 """Samples this process's loader skipped on read or decode errors, by shard (drained into batches)."""
+
+_failure_run: Counter = Counter()
+"""Read or decode failures since this process's loader last accepted a sample, by shard."""
+
+
+def note_failure(shard: str) -> Counter:
+    """Count one failed sample of ``shard``; returns the failures in a row so far, by shard."""
+    failed_samples[shard] += 1
+    _failure_run[shard] += 1
+    return _failure_run
+
+
+def note_success() -> None:
+    """A sample was read and accepted: the run of failures is over."""
+    if _failure_run:
+        _failure_run.clear()
+
+
+def reset_counts() -> None:
+    """A new loader starts with no failures (without workers its reads share this process's counts)."""
+    failed_samples.clear()
+    _failure_run.clear()
 
 
 class UnsafeMemberError(ValueError):
@@ -54,6 +79,18 @@ def _tolerant(read):
     return read_or_placeholder
 
 
+def _unbounded_reads(build):
+    """energon's reader gives up after 100 failures in a row whatever the run says; the run's
+    ``data.max_consecutive_skips`` (enforced by ``loader.error_handler``) bounds them instead."""
+
+    def build_without_energon_bound(self, *args, **kwargs):
+        dataset = build(self, *args, **kwargs)
+        dataset._map_failure_handler.tolerance = 0  # energon: 0 = no limit
+        return dataset
+    build_without_energon_bound.__wrapped__ = build
+    return build_without_energon_bound
+
+
 def _raw_parts(sample) -> tuple:
     parts = getattr(sample, "data", None)
     return parts if isinstance(parts, tuple) else (sample,)
@@ -73,6 +110,7 @@ def shard_of(sample, sources=None) -> str:
 
 
 def harden() -> None:
+    from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
     from megatron.energon.flavors.webdataset.itar_reader import ITarReader
     from webdataset import autodecode
     autodecode.pytorch_weights_only = True
@@ -80,3 +118,5 @@ def harden() -> None:
         autodecode.decoders[ext] = _refuse_pickle
     if not hasattr(ITarReader._get_item_by_sample_pointer, "__wrapped__"):
         ITarReader._get_item_by_sample_pointer = _tolerant(ITarReader._get_item_by_sample_pointer)
+    if not hasattr(BaseWebdatasetFactory.build, "__wrapped__"):
+        BaseWebdatasetFactory.build = _unbounded_reads(BaseWebdatasetFactory.build)

@@ -226,6 +226,7 @@ class LatentTaskEncoder(DefaultTaskEncoder[LatentSample, EncodedSample, LatentBa
             self._skip("too_large", key, f"max |latent| {float(latent.abs().max()):.3g} > {self.max_abs_value}")
         if self.streak.count:
             self.streak = SkipStreak()
+        shard_safety.note_success()
         tokens, grid = patchify_latent(latent, self.patch_size)
         label = sample.meta.get("label")
         return EncodedSample.derive_from(sample, tokens=tokens, text_emb=sample.text_emb, grid=grid,
