@@ -155,14 +155,36 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     _signal_after(trainer, 2, signal.SIGUSR1)
     with pytest.raises(Preempted) as stop:
         trainer.fit()
-    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 2
+    # The vote on a signal that arrived during step 2 travels with step 3's logged loss.
+    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 3
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
     resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=5))
-    assert resumed.step == 2
+    assert resumed.step == 3
     rest = [h["loss"] for h in resumed.fit()]
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["loss"] for x in lines] == full and rest == full[2:]
+    assert [x["loss"] for x in lines] == full and rest == full[3:]
+
+
+def _preempted_worker(rank, world, run_dir):
+    cfg = tiny_run(run_dir, max_steps=6)
+    cfg.parallel.tensor_model_parallel_size = 2  # one data-parallel replica: the vote must cross TP
+    trainer = Trainer(cfg)
+    if rank == 1:
+        _signal_after(trainer, 2, signal.SIGTERM)
+    try:
+        trainer.fit()
+    except Preempted as stop:
+        return stop.step, stop.signame
+    return trainer.step, None
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Only rank 1 is signalled; the world-wide vote (read with the step's loss, no extra sync) makes
+    both ranks save the same step and exit preempted."""
+    from dist_utils import run_distributed
+    assert run_distributed(_preempted_worker, 2, str(tmp_path)) == [(3, "SIGTERM"), (3, "SIGTERM")]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000003"
 
 
 def test_sigterm_to_the_cli_saves_and_exits_with_the_preempted_code(tmp_path):

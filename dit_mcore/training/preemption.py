@@ -2,8 +2,10 @@
 ``--signal=USR1@<s>``) makes the run finish its step, save, and exit with
 :data:`EXIT_PREEMPTED`; running the same command again resumes from that checkpoint.
 
-The signal only sets a flag; every rank's flag is combined each step (one tiny all-reduce on the
-step's host sync), so all ranks stop after the same step. After SIGUSR1 under Slurm, rank 0 also
+The signal only sets a flag. Each step starts an asynchronous all-reduce (max) of every rank's
+flag over the world and reads it with the step's own host sync (the logged loss), so the vote adds
+no synchronisation and every rank stops after the same step: the one after the signal arrived
+(a signal during step N is voted on in step N+1, which then saves). After SIGUSR1 under Slurm, rank 0 also
 requeues the job (``scontrol requeue``), as the time-limit warning means "continue later";
 SIGTERM (``scancel``, scheduler preemption) leaves requeueing to Slurm's own policy.
 """
@@ -42,6 +44,9 @@ class PreemptionSignals:
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.agreed: Optional[int] = None
+        self._ballot: Optional[torch.Tensor] = None
+        self._vote = None  # the all-reduce in flight
         self._previous: dict = {}
         self._owner = os.getpid()
 
@@ -65,12 +70,27 @@ class PreemptionSignals:
             log.warning("received %s: finishing this step, then saving and exiting", signal.Signals(signum).name)
         self.received = signum
 
-    def agreed(self, device) -> Optional[int]:
-        """The signal any rank received (the same answer on every rank), or None."""
-        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+    def start_vote(self, device) -> None:
+        """Start combining every rank's flag (max over the world) without waiting for it; call
+        once per step on every rank, before :meth:`ballot`."""
+        self._ballot = torch.tensor([float(self.received or 0)], device=device)
+        self._vote = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) or None
+            self._vote = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, async_op=True)
+
+    def ballot(self) -> torch.Tensor:
+        """The vote started by :meth:`start_vote`: a one-element device tensor holding the signal any
+        rank had received (0: none), the same on every rank; waits for the all-reduce (on a GPU
+        the stream waits, the host does not)."""
+        if self._vote is not None:
+            self._vote.wait()
+            self._vote = None
+        return self._ballot
+
+    def settle(self, ballot_sum: float, replicas: int) -> None:
+        """Record the vote's outcome from the ballot summed over ``replicas`` ranks (each holding the
+        same world-wide vote) as :attr:`agreed`: the signal to act on after this step, or None."""
+        self.agreed = round(ballot_sum / replicas) or None
 
 
 def requeue_if_slurm(signum: int) -> None:

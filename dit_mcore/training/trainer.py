@@ -110,6 +110,7 @@ class Trainer:
         self.loader = self._build_data()
         self.skipped_samples = 0
         self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
+        self.signals = PreemptionSignals()
         self.last_saved: Optional[str] = None  # the newest checkpoint's name (kept if training diverges)
         self.async_saves = None
         if cfg.trainer.async_save:
@@ -285,6 +286,7 @@ class Trainer:
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(n))])}
 
     def train_step(self) -> dict:
+        self.signals.start_vote(self.device)
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -307,9 +309,11 @@ class Trainer:
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # losses live on the last stage
             dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
-        totals = torch.cat([totals, counts])
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        totals = torch.cat([totals, counts, self.signals.ballot()])
+        dp_group = parallel_state.get_data_parallel_group()
+        dist.all_reduce(totals, group=dp_group)
         totals = totals.tolist()  # the one host sync of the step (the logged loss)
+        self.signals.settle(totals[5], dist.get_world_size(dp_group))
         loss = totals[0] / max(totals[1], 1.0)
         ok, grad_norm = step_if_finite(self.optimizer, math.isfinite(loss))
         if ok:
@@ -350,7 +354,7 @@ class Trainer:
                                                            cfg.trainer.peak_tflops))
         history = []
         try:
-            with PreemptionSignals() as signals:
+            with self.signals:
                 while self.step < cfg.trainer.max_steps:
                     metrics = self.train_step()
                     history.append({"step": self.step, **metrics})
@@ -360,7 +364,7 @@ class Trainer:
                     if log_now:
                         metrics.update(rate.flush())
                     logger.step(self.step, metrics if log_now else None)
-                    self._after_step(signals)
+                    self._after_step()
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
                 self.save()
             self.finish_saves()
@@ -373,7 +377,7 @@ class Trainer:
             logger.close()
         return history
 
-    def _after_step(self, signals: PreemptionSignals) -> None:
+    def _after_step(self) -> None:
         """Between steps, in order: publish a finished asynchronous save; stop on divergence (no
         save) or on a preemption signal (save, requeue under Slurm, exit 75); previews; the
         periodic save, held back while the latest step was skipped as non-finite."""
@@ -381,7 +385,7 @@ class Trainer:
         if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
             self.async_saves.maybe_finalize_async_calls(blocking=False)
         self.divergence.raise_if_diverged(self.step, self.last_saved)
-        signum = signals.agreed(self.device)
+        signum = self.signals.agreed
         if signum is not None:
             path = self.save()
             self.finish_saves()
