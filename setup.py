@@ -30,7 +30,8 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
-        "test": ["pytest", "diffusers", "transformers", "safetensors"],
+        "fp8": ["torchao==0.18.0"],  # model.fp8: float8 training of the transformer linears
+        "test": ["pytest", "diffusers", "transformers", "safetensors", "torchao==0.18.0"],
         "bench": ["matplotlib", "diffusers"],  # benchmarks/throughput.py plots, the diffusers side by side
     },
 )

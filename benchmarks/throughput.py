@@ -1,7 +1,7 @@
 """Training throughput grid through the real trainer, on mock data: images/s, tokens/s, model
 TFLOPS per GPU, MFU and peak memory per point, one JSON line each, plus PNG plots.
 
-A point is one (preset, data shape, micro-batch, recompute, compile, precision); each is built as a
+A point is one (preset, data shape, micro-batch, recompute, compile, precision, FP8 recipe); each is built as a
 ``Trainer`` on ``data.name=mock`` (dense image latents of ``--image-sizes``, or packed video-like
 sequences of ``--packed-lens`` tokens), warmed up, then timed over ``--steps`` optimizer steps
 (each step already ends on the host: the logged loss). FLOPs come from the trainer's own count
@@ -15,6 +15,8 @@ weights, batch, precision), with the ratio.
         --compile 0,1 --dtype bf16 --diffusers                                              # one GPU
     python benchmarks/throughput.py --presets DiT-XL/2 --packed-lens 4096,8192 --batches 1,2 \\
         --recompute none,selective --compile 1 --dtype bf16 --autotune
+    python benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+        --dtype bf16 --fp8 none,rowwise,tensorwise                      # FP8 (torchao) next to bf16
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def run_config(point: dict, run_dir: str):
         data = DataConfig(name="mock", image_size=side, global_batch_size=batch, micro_batch_size=batch)
     return RunConfig(
         model=ModelConfig(preset=point["preset"], input_size=32 if packed_len else side, compile=point["compile"],
-                          **RECOMPUTE[point["recompute"]]),
+                          fp8=point.get("fp8"), **RECOMPUTE[point["recompute"]]),
         data=data,
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"),
         diffusion=DiffusionConfig(objective="flow"),
@@ -128,7 +130,7 @@ def diffusers_side_by_side(point: dict, steps: int) -> dict:
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
-    """Throughput and MFU against batch (one line per preset x shape x compile x recompute)."""
+    """Throughput and MFU against batch (one line per preset x shape x compile x recompute x FP8)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -139,14 +141,15 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     paths = []
     for metric, label in (("images_per_s", "images/s"), ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"])  # noqa: E731
+        key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
+                         r.get("fp8") or "none")
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
                 continue
             shape = f"packed {k[1]}" if group[0]["packed_len"] else f"{k[1]}x{k[1]}"
             ax.plot([r["batch"] for r in group], [r[metric] for r in group], marker="o",
-                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}")
+                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -173,6 +176,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--recompute", default="none", help=f"any of {','.join(RECOMPUTE)}")
     p.add_argument("--compile", default="0", help="0, 1 or 0,1")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
+    p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
+                   "none,tensorwise,rowwise (MFU stays against the --dtype peak)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -184,9 +189,11 @@ def main(argv=None) -> list[dict]:
 
     shapes = [{"image_size": s, "packed_len": None} for s in _list(args.image_sizes, int)] + \
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
-    points = [{"preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype}
-              for preset, shape, batch, rc, c in itertools.product(
-                  _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile))]
+    points = [{"preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
+               "fp8": None if fp8 == "none" else fp8}
+              for preset, shape, batch, rc, c, fp8 in itertools.product(
+                  _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
+                  _list(args.fp8))]
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
@@ -196,7 +203,7 @@ def main(argv=None) -> list[dict]:
                 point = {**point, "batch": autotune(point)}
             row = {**measure(point, args.warmup, args.steps, args.peak_tflops), "command": command,
                    "autotuned": args.autotune}
-            if args.diffusers and not point["packed_len"]:
+            if args.diffusers and not point["packed_len"] and not point["fp8"]:  # diffusers has no FP8 pair
                 row.update(diffusers_side_by_side(point, args.steps))
             rows.append(row)
             f.write(json.dumps(row) + "\n")
@@ -205,7 +212,8 @@ def main(argv=None) -> list[dict]:
             ratio = f" | {row['ratio_over_diffusers']:.2f}x diffusers" if "ratio_over_diffusers" in row else ""
             shape = f"packed {point['packed_len']}" if point["packed_len"] else f"{point['image_size']}x{point['image_size']}"
             print(f"{point['preset']} {shape} batch {point['batch']} recompute={point['recompute']} "
-                  f"compile={int(point['compile'])} {point['dtype']}: {row['images_per_s']:.1f} img/s | "
+                  f"compile={int(point['compile'])} {point['dtype']}{' fp8=' + point['fp8'] if point['fp8'] else ''}: "
+                  f"{row['images_per_s']:.1f} img/s | "
                   f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
                   f"MFU {mfu}{ratio}", flush=True)
     for path in plot(rows, out):

@@ -6,8 +6,10 @@ named ``DiT-XL/2`` etc., and a ``tiny`` preset for tests and CPU demos.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,11 @@ class DiTConfig(TransformerConfig):
     temporal attention switches within the outer group; the degree may exceed the frame count).
     Under sequence parallel the switches move q|k|v inside the attention."""
 
+    float8_recipe: Optional[str] = None
+    """FP8 training of the attention and MLP linears with torchao's dynamic scaling: ``"tensorwise"``
+    or ``"rowwise"`` (see ``dit_mcore.models.float8``); None: off. (megatron's own ``fp8`` fields
+    belong to Transformer Engine and stay unset.)"""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their
@@ -167,6 +174,19 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
     need(cfg.rope_theta > 0, f"model.rope_theta={cfg.rope_theta}: must be > 0")
     need(cfg.frequency_embedding_size % 2 == 0,
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")
+    if cfg.float8_recipe is not None:
+        _validate_float8(cfg, need)
+
+
+def _validate_float8(cfg: DiTConfig, need) -> None:
+    from dit_mcore.models.float8 import ALIGNMENT, RECIPES, misaligned_dims
+    need(cfg.float8_recipe in RECIPES, f"model.fp8={cfg.float8_recipe!r}: use one of {RECIPES} or None (off)")
+    need(importlib.util.find_spec("torchao") is not None,
+         "model.fp8 needs torchao: pip install 'torchao==0.18.0' (or pip install -e '.[fp8]')")
+    bad = misaligned_dims(cfg, head_dim=cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
+    need(not bad, f"model.fp8={cfg.float8_recipe!r}: float8 GEMMs need every weight dim of the transformer "
+                  f"linears divisible by {ALIGNMENT} on the GPU, but {', '.join(bad)}; choose widths that are "
+                  f"multiples of {ALIGNMENT} x TP or set model.fp8=None")
 
 
 def _width_fix(hidden: int, heads: int, tp: int = 1) -> str:

@@ -65,7 +65,7 @@ def moe_spec(column_linear, num_experts: int, *, grouped_gemm: bool = False) -> 
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
-    if column_linear is ColumnParallelLinear:
+    if issubclass(column_linear, ColumnParallelLinear):  # local linears (float8 ones too: experts stay unscaled)
         provider = LocalSpecProvider()
     else:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider

@@ -7,6 +7,7 @@ log line, never silently.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -19,10 +20,17 @@ BACKENDS = ("auto", "local", "te")
 NORMS = ("layernorm", "rmsnorm")
 
 
-def linears(backend: str):
-    """``(column_parallel, row_parallel)`` linear classes for ``backend``."""
+def linears(backend: str, float8_recipe: Optional[str] = None):
+    """``(column_parallel, row_parallel)`` linear classes for ``backend``; with ``float8_recipe``
+    the local megatron linears with a float8 matmul (torchao, :mod:`dit_mcore.models.float8`)."""
     if backend not in BACKENDS:
         raise ValueError(f"model.backend={backend!r} is unknown; use one of {BACKENDS}")
+    if float8_recipe is not None:
+        if backend == "te":
+            raise ValueError("model.fp8 runs on the local megatron linears (torchao); Transformer Engine's FP8 "
+                             "is not wired: use model.backend=local or auto")
+        from dit_mcore.models.float8 import float8_linears
+        return float8_linears(float8_recipe)
     if backend == "auto":
         backend = "te" if torch.cuda.is_available() else "local"
     if backend == "te":

@@ -79,6 +79,11 @@ class ModelConfig:
     """Load-balancing loss weight (default 1e-2; logged as ``load_balancing_loss``)."""
     moe_grouped_gemm: Optional[bool] = None
     """Run the local experts as one grouped GEMM (Transformer Engine on GPU)."""
+    fp8: Optional[str] = None
+    """FP8 training of the attention and MLP linears with torchao's dynamic float8 scaling:
+    "tensorwise" (one scale per tensor) or "rowwise" (one per row, more accurate); the adaLN
+    modulation, embedders, norms, final layer and MoE experts keep the run's precision. Pays off
+    with ``compile=True`` on GPUs with float8 tensor cores (H100 and newer); None: off."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
@@ -88,7 +93,7 @@ class ModelConfig:
     part (initialised on the host, the same values as a direct build): for models bigger than one
     device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
-    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile")
+    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "fp8")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
@@ -100,6 +105,8 @@ class ModelConfig:
             overrides["ffn_hidden_size"] = int(round(ratio * self.hidden_size))
         if self.init_model_with_meta_device:  # layers then follow the meta device context
             overrides["use_cpu_initialization"] = True
+        if self.fp8 is not None:
+            overrides["float8_recipe"] = self.fp8
         return family.make_config(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional
 
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
+from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.data import moving_digits_text_encoder
@@ -103,6 +104,10 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(m.class_dropout_prob is None or 0.0 <= m.class_dropout_prob < 1.0, "model.class_dropout_prob",
            m.class_dropout_prob, "must be in [0, 1) (the label-dropout probability for CFG)")
     r.need(m.backend in BACKENDS, "model.backend", m.backend, f"use one of {BACKENDS}{did_you_mean(m.backend, BACKENDS)}")
+    r.need(m.fp8 is None or m.fp8 in FLOAT8_RECIPES, "model.fp8", m.fp8,
+           f"use one of {FLOAT8_RECIPES}{did_you_mean(str(m.fp8), FLOAT8_RECIPES)} or None (off)")
+    r.need(m.fp8 is None or m.backend != "te", "model.fp8", m.fp8,
+           "runs on the local megatron linears (torchao); Transformer Engine's FP8 is not wired: set model.backend=auto")
     r.need(m.num_moe_experts is None or m.num_moe_experts >= 1, "model.num_moe_experts", m.num_moe_experts,
            "must be >= 1, or unset for a dense MLP")
     if m.moe_router_topk is not None:

@@ -341,6 +341,6 @@ def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool 
                           num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                           cross_attention=config.text_dim > 0, qk_norm=config.qk_layernorm,
                           cross_attention_adaln=config.cross_attention_adaln,
-                          spatial_temporal=config.spatial_temporal)
+                          spatial_temporal=config.spatial_temporal, float8_recipe=config.float8_recipe)
     return DiT(config, spec, pre_process=pre_process, post_process=post_process, init_seed=init_seed,
                vp_stage=vp_stage)

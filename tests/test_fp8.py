@@ -1,0 +1,114 @@
+"""FP8 training (``model.fp8``, torchao's dynamic float8 scaling on megatron's local linears): only the
+transformer linears multiply in float8, checkpoints keep their keys, the numerics are float8's
+(measurably quantised, within float8's error of full precision), training tracks full precision,
+and bad settings fail before compute. Run on the CPU, whose ``_scaled_mm`` computes the same float8
+products as the GPU's (speed is a benchmark's business: ``benchmarks/throughput.py --fp8``)."""
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+
+from dit_mcore.config import ConfigError, preset  # noqa: E402
+from dit_mcore.models.dit.model import build_model  # noqa: E402
+from dit_mcore.models.float8 import float8_modules  # noqa: E402
+from dit_mcore.training.trainer import Trainer  # noqa: E402
+from dit_mcore.training.validate import run_problems  # noqa: E402
+from energon_data.tokens import patchify  # noqa: E402
+from family_models import randomize  # noqa: E402
+from megatron_env import single_process_world  # noqa: E402
+from test_training import tiny_run  # noqa: E402
+
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+@pytest.fixture(scope="module")
+def world():
+    single_process_world()
+
+
+def _config(recipe=None):
+    return dataclasses.replace(preset("tiny"), hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+                               kv_channels=16, num_layers=2, float8_recipe=recipe)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_only_the_transformer_linears_run_in_float8_and_checkpoints_keep_their_keys(world):
+    plain, fp8 = build_model(_config()), build_model(_config("rowwise"))
+    assert sorted(float8_modules(fp8)) == sorted(f"layers.{i}.{name}" for i in range(2) for name in LINEARS)
+    assert float8_modules(plain) == []
+    # adaLN modulation, embedders and the final layer keep the run's precision.
+    assert not any(("adaLN" in n or "embedder" in n or "final" in n) for n in float8_modules(fp8))
+    a, b = plain.state_dict(), fp8.state_dict()
+    assert {k: v.shape for k, v in a.items() if torch.is_tensor(v)} == \
+           {k: v.shape for k, v in b.items() if torch.is_tensor(v)}
+    fp8.load_state_dict(a)  # a full-precision checkpoint loads into the FP8 model
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_forward_and_backward_stay_within_float8_error_of_full_precision(world, recipe):
+    """Random weights (so every layer shows): the FP8 model's output and gradients differ from the
+    same weights in fp32 by float8's rounding -- more than fp32 noise (it really quantises), far less
+    than a wrong matmul or a lost gradient would."""
+    plain = randomize(build_model(_config()))
+    fp8 = build_model(_config(recipe))
+    fp8.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    tokens, grid = patchify(x, 2)
+    t, y = torch.tensor([10.0, 200.0, 500.0, 900.0]), torch.tensor([0, 3, 5, 9])
+    outs, grads = [], []
+    for model in (plain, fp8):
+        out = model(tokens.transpose(0, 1).contiguous(), t, y, grid=grid)
+        out.square().mean().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert 1e-3 < _rel(outs[1], outs[0]) < 0.05
+    for i in range(2):
+        for name in LINEARS:
+            key = f"layers.{i}.{name}.weight"
+            assert 1e-3 < _rel(grads[1][key], grads[0][key]) < 0.15, key
+    # Parameters outside the float8 linears see float8 only through their inputs' gradients.
+    assert _rel(grads[1]["final_layer.linear.weight"], grads[0]["final_layer.linear.weight"]) < 0.05
+
+
+def test_float8_training_tracks_full_precision(tmp_path):
+    def losses(name, fp8):
+        cfg = tiny_run(tmp_path / name, max_steps=12)
+        cfg.model.fp8 = fp8
+        trainer = Trainer(cfg)
+        assert len(float8_modules(trainer.model)) == (8 if fp8 else 0)
+        return torch.tensor([h["loss"] for h in trainer.fit()])
+
+    full, fp8 = losses("full", None), losses("fp8", "rowwise")
+    torch.testing.assert_close(fp8, full, rtol=2e-2, atol=0)
+    assert fp8[-1] < fp8[0]
+
+
+def test_compiled_float8_layers_train_exactly_as_eager(tmp_path):
+    """Speed needs the casts fused (``model.compile``): the compiled FP8 layers give the eager losses."""
+    def losses(name, compile):
+        cfg = tiny_run(tmp_path / name, max_steps=3)
+        cfg.model.fp8, cfg.model.compile = "rowwise", compile
+        return [h["loss"] for h in Trainer(cfg).fit()]
+
+    assert losses("compiled", True) == losses("eager", False)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"fp8": "fp16"}, "model.fp8='fp16': use one of ('tensorwise', 'rowwise')"),
+    ({"fp8": "rowwise", "backend": "te"}, "model.fp8='rowwise': runs on the local megatron linears"),
+    ({"fp8": "rowwise", "hidden_size": 40}, "divisible by 16 on the GPU, but hidden_size = 40"),
+])
+def test_bad_fp8_settings_fail_before_compute(tmp_path, changes, expected):
+    cfg = tiny_run(tmp_path)
+    for field, value in changes.items():
+        setattr(cfg.model, field, value)
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and expected in problems[0], problems
+    if "hidden_size" in changes:
+        with pytest.raises(ConfigError, match="model.fp8"):
+            cfg.model.build(cfg.parallel)
