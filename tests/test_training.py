@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
 from dit_mcore.config import ConfigError
@@ -142,3 +143,35 @@ def test_an_moe_run_after_another_moe_model_in_the_same_process(tmp_path):
     cfg = tiny_run(tmp_path / "deep", max_steps=2)
     cfg.model.num_layers, cfg.model.num_moe_experts, cfg.model.moe_router_topk = 3, 2, 2
     assert all(math.isfinite(h["loss"]) for h in Trainer(cfg).fit())
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts scalar reads to the host (``.item()``, ``float(t)``, ``bool(t)``): each one a device
+    sync on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_grad_norm_kernel_reads_nothing_to_the_host(tmp_path):
+    """Without apex/TE megatron's stand-in l2 kernel syncs the host per parameter; the trainer's
+    foreach kernel, put in its place, returns the norm on the device and equals float64."""
+    from megatron.core.optimizer import clip_grads
+    from dit_mcore.training.optim import foreach_l2_norm
+    trainer = Trainer(tiny_run(tmp_path))
+    assert clip_grads.l2_norm_impl is foreach_l2_norm
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (3, 64, 1000)]
+    with _HostReads() as reads:
+        norm, _ = foreach_l2_norm(2048, None, [grads], False)
+    assert reads.count == 0 and norm.shape == (1,)
+    expected = torch.cat([g.double() for g in grads]).norm()
+    torch.testing.assert_close(norm.double()[0], expected, rtol=1e-6, atol=0)
+    trainer.train_step()
+    with _HostReads() as reads:
+        trainer.optimizer.get_grad_norm()
+    assert reads.count == 1  # megatron's own final .item() of the norm
