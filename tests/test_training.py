@@ -146,16 +146,49 @@ def test_an_moe_run_after_another_moe_model_in_the_same_process(tmp_path):
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts scalar reads to the host (``.item()``, ``float(t)``, ``bool(t)``): each one a device
-    sync on a GPU."""
+    """Counts scalar reads to the host (``.item()``, ``float(t)``, ``bool(t)``; each one a device
+    sync on a GPU) and ops whose output size depends on the data (``nonzero`` and kin: a sync too),
+    with the innermost frame outside torch that asked for each."""
+
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique",
+               "aten.unique", "aten.repeat_interleave.Tensor")
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count, self.callers = 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
+        if str(func).startswith(self.SYNCING):
+            import traceback
+            self.count += 1
+            frames = [f for f in traceback.extract_stack()[:-1]  # the CPU shims only pass calls through
+                      if "/torch/" not in f.filename and not f.filename.endswith("cpu_shims.py")]
+            self.callers.append(f"{frames[-1].filename}:{frames[-1].name}" if frames else "?")
         return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_training_step_reads_to_the_host_only_where_megatron_does(tmp_path, packed):
+    """Nothing in the model, the kernels or the trainer's step syncs the device with the host: the
+    only reads in a step (its data drawn beforehand, on the host) are megatron's (the token count in
+    ``finalize_model_grads``, the grad norm's ``.item()``), torch's CPU Adam step counters (host
+    tensors on a GPU too), and the packed sin-cos table's size from the batch's grids, which
+    ``MicroBatch.to`` keeps on the host. The logged loss is read once with ``tolist()``, not counted."""
+    cfg = tiny_run(tmp_path)
+    if packed:
+        cfg.data = DataConfig(name="mock", mock_latent_shapes=[[1, 8, 8], [2, 4, 4]], max_seq_len=64,
+                              global_batch_size=4, micro_batch_size=2)
+        cfg.model.num_classes = 10
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    batches = trainer.loader.next_global_batch()
+    trainer.loader.next_global_batch = lambda: batches
+    with _HostReads() as reads:
+        trainer.train_step()
+    allowed = ("finalize_model_grads.py:finalize_model_grads", "clip_grads.py:get_grad_norm_fp32",
+               "optimizer/optimizer.py:step_with_ready_grads") + (("dit/model.py:_embed",) if packed else ())
+    assert reads.callers and all(c.endswith(allowed) for c in reads.callers), sorted(set(reads.callers))
+    assert batches[0].to("meta").grids.device.type == "cpu"
 
 
 def test_grad_norm_kernel_reads_nothing_to_the_host(tmp_path):
