@@ -34,6 +34,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("model", "num_layers", 0, "model.num_layers=0: must be >= 1"),
     ("model", "moe_router_topk", 2, "model.moe_router_topk=2: must be in [1, model.num_moe_experts=None]"),
     ("model", "num_attention_heads", 3, "set model.num_attention_heads=2 or model.hidden_size=36"),
+    ("model", "fp8", "fp16", "model.fp8='fp16': use one of ('tensorwise', 'rowwise')"),
     ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
     ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
     ("data", "micro_batch_size", 0, "data.micro_batch_size=0: must be >= 1"),
@@ -98,3 +99,12 @@ def test_override_names_are_checked_with_a_did_you_mean(arg, expected):
     from recipes.entry import train
     problem = override_problem(arg, config_sections(train))
     assert (problem is None) if expected is None else (expected in problem), problem
+
+
+def test_layernorm_recompute_with_compile_is_refused_before_compute(tmp_path):
+    cfg = tiny_run(tmp_path)
+    cfg.model.recompute_granularity, cfg.model.recompute_modules, cfg.model.compile = "selective", ["layernorm"], True
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "does not trace under model.compile=True" in problems[0], problems
+    cfg.model.compile = False
+    assert run_problems(cfg, world_size=1) == []

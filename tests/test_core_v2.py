@@ -90,7 +90,10 @@ def test_packed_modulation_gradients_match_autograd(world):
                                             recompute_num_layers=1),
                                        dict(recompute_granularity="full", recompute_method="block",
                                             recompute_num_layers=1),
-                                       dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])])
+                                       dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+                                       dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+                                       dict(recompute_granularity="selective",
+                                            recompute_modules=["core_attn", "layernorm"])])
 def test_recompute_equals_no_recompute(world, recompute):
     torch.manual_seed(0)
     base = preset("tiny", num_layers=3)
@@ -196,3 +199,30 @@ def test_bf16_mixed_precision_tracks_fp32(tmp_path):
     bf16 = losses(trainer.fit())
     torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=2e-2, atol=0)
     assert bf16 != fp32
+
+
+def test_layernorm_recompute_frees_the_normed_input_of_every_sublayer(world):
+    """Selective recompute of ``"layernorm"``: the modulated norm's output, saved by the first linear
+    of the attention and the MLP, is freed after the forward and recomputed in the backward, so
+    autograd keeps at least one ``[tokens, hidden]`` activation less per sublayer."""
+    def kept_bytes(model, x, t, y) -> int:
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model(x, t, y)
+        kept = sum(s.nbytes() for s in storages.values())  # storages freed for recompute count 0
+        out.sum().backward()
+        return kept
+
+    layers, tokens, samples = 3, 16, 4
+    x = torch.randn(tokens, samples, preset("tiny").patch_dim)
+    t, y = torch.tensor([1.0, 300.0, 600.0, 900.0]), torch.tensor([1, 2, 3, 4])
+    plain = get_family("dit").build(preset("tiny", num_layers=layers)).train()
+    lean = get_family("dit").build(preset("tiny", num_layers=layers, recompute_granularity="selective",
+                                          recompute_modules=["layernorm"])).train()
+    lean.load_state_dict(plain.state_dict())
+    activation = tokens * samples * plain.config.hidden_size * 4
+    assert kept_bytes(plain, x, t, y) - kept_bytes(lean, x, t, y) >= 2 * layers * activation

@@ -99,7 +99,6 @@ def test_compiled_float8_layers_train_exactly_as_eager(tmp_path):
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({"fp8": "fp16"}, "model.fp8='fp16': use one of ('tensorwise', 'rowwise')"),
     ({"fp8": "rowwise", "backend": "te"}, "model.fp8='rowwise': runs on the local megatron linears"),
     ({"fp8": "rowwise", "hidden_size": 40}, "divisible by 16 on the GPU, but hidden_size = 40"),
 ])

@@ -8,7 +8,7 @@ and ``srun`` starting one task per "GPU"), on the single-node cluster of ``setup
 Only what a CPU box lacks is overridden: no container image, 2 fake GPUs, a short time limit.
 
     bash benchmarks/slurm/setup_local_slurm.sh
-    python benchmarks/slurm/preempt_requeue.py                     # Slurm's own warning, ~8 minutes
+    python benchmarks/slurm/preempt_requeue.py                     # Slurm's own warning, ~12 minutes
     python benchmarks/slurm/preempt_requeue.py --trigger scancel   # scancel --signal=USR1 mid-run
 
 Checks: the preempted job restarted (``Restarts>=1``), each cut incarnation's trainers logged the
@@ -120,8 +120,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trigger", choices=("timelimit", "scancel"), default="timelimit",
                    help="timelimit: Slurm's own warning, --signal=USR1@S before --time; scancel: by hand")
-    p.add_argument("--steps", type=int, default=3000,
-                   help="max_steps: the tiny model steps ~25/s on 2 cores, so the run outlasts the warning")
+    p.add_argument("--steps", type=int, default=6000,
+                   help="max_steps: the tiny model steps 15-35/s on 2 cores; the run must outlast the warning")
     p.add_argument("--time", default="00:04:00", help="time limit of the job that gets preempted")
     p.add_argument("--signal-s", type=int, default=120, help="warning this many seconds before the limit")
     p.add_argument("--partition", default="debug")

@@ -10,7 +10,8 @@ for layers that take per-sample conditioning.
   ``"block"`` (checkpoint the first ``recompute_num_layers`` layers of the stage), through
   megatron's ``tensor_parallel.checkpoint`` (which restores the model-parallel RNG states).
   ``"selective"`` is handled inside the layers (megatron's attention checkpoints its core
-  attention; DiT layers checkpoint their MLP branch when ``"mlp"`` is in ``recompute_modules``).
+  attention; DiT layers checkpoint their MLP branch when ``"mlp"`` is in ``recompute_modules``, and
+  free and recompute each sublayer's modulated norm with ``"layernorm"``).
 - Token sharding is not its concern: under sequence/context parallel the stack runs on this
   rank's piece of the token stream, which the model cuts before its patch embedding and
   reassembles after its final layer (:mod:`dit_mcore.parallel.token_shard`), so the per-token

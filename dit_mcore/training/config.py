@@ -69,7 +69,9 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None
     """Layers per chunk ("uniform") or checkpointed layers ("block")."""
     recompute_modules: Optional[list[str]] = None
-    """With selective recompute: which parts ("core_attn", "mlp"); None: megatron's default."""
+    """With selective recompute: which parts ("core_attn", "mlp", "layernorm": each sublayer's
+    modulated norm output freed after the forward and recomputed; not with ``compile``); None:
+    megatron's default."""
 
     num_moe_experts: Optional[int] = None
     """MoE variant: experts per layer (megatron's ``MoELayer`` replaces each MLP); None: dense."""

@@ -104,6 +104,10 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(m.class_dropout_prob is None or 0.0 <= m.class_dropout_prob < 1.0, "model.class_dropout_prob",
            m.class_dropout_prob, "must be in [0, 1) (the label-dropout probability for CFG)")
     r.need(m.backend in BACKENDS, "model.backend", m.backend, f"use one of {BACKENDS}{did_you_mean(m.backend, BACKENDS)}")
+    norm_recompute = m.recompute_granularity == "selective" and "layernorm" in (m.recompute_modules or ())
+    r.need(not (norm_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
+           "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
+           "drop 'layernorm' or set model.compile=False")
     r.need(m.fp8 is None or m.fp8 in FLOAT8_RECIPES, "model.fp8", m.fp8,
            f"use one of {FLOAT8_RECIPES}{did_you_mean(str(m.fp8), FLOAT8_RECIPES)} or None (off)")
     r.need(m.fp8 is None or m.backend != "te", "model.fp8", m.fp8,

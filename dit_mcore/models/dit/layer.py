@@ -72,8 +72,9 @@ class DiTLayer(TransformerLayer):
         modulated_cross = self.has_cross_attention and self.cross_norm is None
         chunks = 6 + 3 * modulated_cross + 3 * (self.temporal_attention is not None)
         self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=chunks)
-        self.recompute_mlp = (config.recompute_granularity == "selective"
-                              and "mlp" in (config.recompute_modules or ()))
+        selective = config.recompute_modules or () if config.recompute_granularity == "selective" else ()
+        self.recompute_mlp = "mlp" in selective
+        self.recompute_norm = "layernorm" in selective
 
     def forward(self, hidden_states: torch.Tensor, conditioning: Conditioning, *,
                 context: Optional[torch.Tensor] = None, context_params=None,
@@ -107,14 +108,34 @@ class DiTLayer(TransformerLayer):
             mlp_out = tensor_parallel.checkpoint(self._mlp_branch(conditioning), False, hidden_states,
                                                  shift_m, scale_m)
         else:
-            mlp_out = self._mlp_branch(conditioning)(hidden_states, shift_m, scale_m)
+            normed, recompute = self._modulated_norm(hidden_states, conditioning, shift_m, scale_m)
+            out, bias = self.mlp(normed)
+            mlp_out = recompute(out if bias is None else out + bias)
         return conditioning.gated_add(hidden_states, gate_m, mlp_out)
 
     def _attend(self, attention, hidden_states, conditioning: Conditioning, shift, scale, gate, **kwargs):
         """``x + gate * attention(modulate(norm(x)))`` (self- or cross-attention)."""
-        out, bias = attention(conditioning.modulate(self.norm(hidden_states), shift, scale), attention_mask=None,
-                              **kwargs)
-        return conditioning.gated_add(hidden_states, gate, out if bias is None else out + bias)
+        normed, recompute = self._modulated_norm(hidden_states, conditioning, shift, scale)
+        out, bias = attention(normed, attention_mask=None, **kwargs)
+        return conditioning.gated_add(hidden_states, gate, recompute(out if bias is None else out + bias))
+
+    def _modulated_norm(self, hidden_states, conditioning: Conditioning, shift, scale):
+        """``(modulate(norm(x)), after)``; ``after(y)`` returns ``y``, the output of the sublayer that
+        reads the normed input. Under selective recompute of ``"layernorm"`` (megatron's
+        ``CheckpointWithoutOutput``) ``after`` frees the normed tensor, which the sublayer's first
+        linear saved for its weight gradient, and has it recomputed when the backward reaches ``y``:
+        one ``[tokens, hidden]`` activation less per sublayer."""
+        if not (self.recompute_norm and self.training and torch.is_grad_enabled()):
+            return conditioning.modulate(self.norm(hidden_states), shift, scale), lambda y: y
+        # fp8=None: megatron turns its default (False) into True and would then need Transformer Engine.
+        checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+        normed = checkpoint.checkpoint(lambda x, sh, sc: conditioning.modulate(self.norm(x), sh, sc),
+                                       hidden_states, shift, scale)
+
+        def after(y):
+            checkpoint.discard_output_and_register_recompute(y)
+            return y
+        return normed, after
 
     def _mlp_branch(self, conditioning: Conditioning):
         def branch(hidden_states, shift, scale):
