@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims app
 @pytest.fixture(scope="module", autouse=True)
 def shims():
     single_process_world()  # applies the shims like every CPU run does
-    assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "adam_state", "streams",
+    assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "streams",
                                          "moe_split_sizes", "uneven_collectives", "fsdp_mesh"}
     assert cpu_shims.apply_cpu_shims() == []  # idempotent
 
@@ -41,19 +41,6 @@ def test_rng_tracker_forks_a_separate_cpu_stream():
         forked = torch.rand(3)
     assert torch.equal(torch.rand(3), expected_default)  # the default stream was not advanced
     assert not torch.equal(forked, expected_default)
-
-
-def test_init_adam_state_lets_a_fresh_distributed_optimizer_describe_its_state(tmp_path):
-    from test_training import tiny_run
-    from dit_mcore.training.trainer import Trainer
-    trainer = Trainer(tiny_run(tmp_path, distopt=True))
-    assert not trainer.optimizer.optimizer.state
-    cpu_shims.init_adam_state(trainer.optimizer)
-    state = trainer.optimizer.optimizer.state
-    assert state and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in state.values())
-    sharded = trainer.optimizer.sharded_state_dict(trainer.model.sharded_state_dict(), is_loading=True,
-                                                   metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-    assert sharded
 
 
 def test_cuda_streams_are_inert_for_the_moe_dispatcher():

@@ -189,22 +189,3 @@ def test_a_training_step_reads_to_the_host_only_where_megatron_does(tmp_path, pa
                "optimizer/optimizer.py:step_with_ready_grads") + (("dit/model.py:_embed",) if packed else ())
     assert reads.callers and all(c.endswith(allowed) for c in reads.callers), sorted(set(reads.callers))
     assert batches[0].to("meta").grids.device.type == "cpu"
-
-
-def test_grad_norm_kernel_reads_nothing_to_the_host(tmp_path):
-    """Without apex/TE megatron's stand-in l2 kernel syncs the host per parameter; the trainer's
-    foreach kernel, put in its place, returns the norm on the device and equals float64."""
-    from megatron.core.optimizer import clip_grads
-    from dit_mcore.training.optim import foreach_l2_norm
-    trainer = Trainer(tiny_run(tmp_path))
-    assert clip_grads.l2_norm_impl is foreach_l2_norm
-    grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (3, 64, 1000)]
-    with _HostReads() as reads:
-        norm, _ = foreach_l2_norm(2048, None, [grads], False)
-    assert reads.count == 0 and norm.shape == (1,)
-    expected = torch.cat([g.double() for g in grads]).norm()
-    torch.testing.assert_close(norm.double()[0], expected, rtol=1e-6, atol=0)
-    trainer.train_step()
-    with _HostReads() as reads:
-        trainer.optimizer.get_grad_norm()
-    assert reads.count == 1  # megatron's own final .item() of the norm

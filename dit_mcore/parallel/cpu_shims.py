@@ -15,13 +15,6 @@ is covered by ``tests/test_cpu_shims.py``.
   create tensors with ``device="cuda"``, call ``.cuda()`` and assert ``param.grad.type() ==
   'torch.cuda.FloatTensor'``. -> a ``TorchFunctionMode`` mapping those to CPU (and reporting the
   ``torch.cuda.*`` type names the optimizer branches on); ~1 µs per op, irrelevant at CPU sizes.
-- ``adam_state``: without apex/TE the distributed optimizer wraps torch Adam, whose state is empty
-  until the first step, but ``sharded_state_dict`` asserts one ``step`` value and the
-  ``fully_reshardable`` load copies a ``step`` key that checkpoints never hold (the step is
-  restored through ``param_groups``; copying the template's would reset Adam's bias correction),
-  and ``load_state_dict`` gives every param the same ``step`` tensor, which torch Adam then
-  increments once per param: each param gets its own copy back.
-  :func:`init_adam_state` fills a fresh optimizer's state before a load; the load skips absent keys.
 - ``streams``: the MoE all-to-all dispatcher builds ``torch.cuda.Stream``/``Event`` objects at
   construction and enters ``torch.cuda.stream(...)``. -> inert stand-ins (CPU work is in order).
 - ``moe_split_sizes``: the dispatcher turns its split-size tensors into numpy arrays only when they
@@ -100,38 +93,6 @@ def _shim_cuda_literals() -> None:
     global _MODE
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
-
-
-def _shim_adam_state_load() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
-            # "step" comes back through param_groups in load_state_dict; the value in ``tensors``
-            # is the fresh template's (0), copying it would reset Adam's bias correction.
-            if key in tensors and key != "step":
-                dst.copy_(tensors[key])
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-
-    original_load = DistributedOptimizer.load_state_dict
-
-    def load_state_dict(self, state_dict):
-        original_load(self, state_dict)
-        # Without apex/TE megatron hands one shared ``step`` tensor to every param's Adam state;
-        # torch Adam increments each param's step in place, so a shared one advances N times per
-        # optimizer step and the bias correction after a resume is wrong. Un-share it.
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-    DistributedOptimizer.load_state_dict = load_state_dict
 
 
 class _InertEvent:
@@ -225,7 +186,6 @@ _SHIMS = {
     "device": _shim_device,
     "rng": _shim_rng,
     "cuda_literals": _shim_cuda_literals,
-    "adam_state": _shim_adam_state_load,
     "streams": _shim_streams,
     "moe_split_sizes": _shim_moe_split_sizes,
     "uneven_collectives": _shim_uneven_collectives,
@@ -251,17 +211,3 @@ def apply_cpu_shims() -> list[str]:
 
 def applied_shims() -> frozenset[str]:
     return frozenset(_applied)
-
-
-def init_adam_state(optimizer) -> None:
-    """Give every param of a fresh torch-Adam-backed megatron optimizer an empty Adam state, so its
-    ``sharded_state_dict(is_loading=True)`` can describe the tensors to load (CPU/no-apex only)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)

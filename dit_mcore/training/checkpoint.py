@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
+from dit_mcore.training import torch_optimizer
 from energon_data.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -242,9 +243,8 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
     (a checkpoint from another world size: per-rank states do not map onto the new ranks).
     Refuses a checkpoint of another model before loading anything (``saved_arch`` and ``arch``
     name the differing fields)."""
-    from dit_mcore.parallel.cpu_shims import init_adam_state
-    if not torch.cuda.is_available():
-        init_adam_state(optimizer)
+    if torch_optimizer.uses_torch_optimizer():
+        torch_optimizer.init_adam_state(optimizer)
     rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
     with whole_checkpoint_view((model, ema_model), optimizer, loading=True):  # FSDP: loads into whole copies
         template = sharded_state(model, ema_model, optimizer, extra=extra, per_rank=rank_keys, is_loading=True)

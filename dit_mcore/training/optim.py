@@ -9,6 +9,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from dit_mcore.training import torch_optimizer
+
 
 def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool) -> list:
     """One data-parallel wrapper per pipeline chunk, with the schedule hooks megatron's own training
@@ -37,27 +39,8 @@ def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimi
     return wrapped
 
 
-def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """apex's ``multi_tensor_l2norm`` contract (``(norm of all tensors, per-tensor norms)``) in two
-    foreach kernels and no host read. megatron's pure-torch stand-in, used without apex and TE (as
-    on a plain CUDA torch install), reads every tensor's norm to the host to build one tensor: one
-    device sync per parameter, every step."""
-    norms = torch._foreach_norm(tensor_lists[0]) if tensor_lists[0] else [torch.zeros(())]
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1)
-    return total, None
-
-
-def _norm_without_host_reads() -> None:
-    """Put :func:`foreach_l2_norm` where megatron's grad-norm looks up its l2 kernel, if megatron
-    fell back to its own (apex's and TE's kernels are left alone)."""
-    from megatron.core.optimizer import clip_grads
-    from megatron.core.utils import local_multi_tensor_l2_norm
-    if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = foreach_l2_norm
-
-
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
-    _norm_without_host_reads()
+    torch_optimizer.apply_fixes()  # megatron's pure-torch fallbacks (no apex/TE), on any device
     config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                              adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                              clip_grad=optim.clip_grad, bf16=bf16,

@@ -1,0 +1,97 @@
+"""Fixes to megatron-core's pure-torch optimizer fallbacks, on any device.
+
+Without apex or Transformer Engine (a plain ``pip install`` on a GPU box, or the CPU) megatron-core
+0.16.1 steps with torch's Adam and replaces apex's multi-tensor kernels by its own stand-ins. Three
+of those break or slow a run, on a GPU as much as on the CPU:
+
+- **Grad norm.** Its stand-in for apex's ``multi_tensor_l2norm`` builds the norm from host floats:
+  one device sync per parameter tensor, every step. :func:`foreach_l2_norm` takes its place (two
+  foreach kernels, no host read).
+- **Adam state before a load.** torch's Adam state is empty until the first step, but the
+  distributed optimizer's ``sharded_state_dict(is_loading=True)`` asserts one ``step`` value:
+  :func:`init_adam_state` fills a fresh optimizer's state before a checkpoint is read.
+- **Adam state on load.** The ``fully_reshardable`` load copies a ``step`` key that checkpoints
+  never hold (the step comes back through ``param_groups``; copying the template's 0 would reset
+  Adam's bias correction), and ``load_state_dict`` hands every parameter the same ``step`` tensor,
+  which torch's Adam then increments once per parameter. The load skips absent keys and gives each
+  parameter its own ``step``.
+
+:func:`apply_fixes` installs them (idempotent) when megatron uses torch's optimizer, and leaves
+apex's and TE's kernels alone.
+"""
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def uses_torch_optimizer() -> bool:
+    """Whether megatron-core fell back to torch's Adam (no apex, no Transformer Engine)."""
+    from megatron.core import optimizer
+    return bool(optimizer.USING_PYTORCH_OPTIMIZER)
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """apex's ``multi_tensor_l2norm`` contract (``(norm of all tensors, per-tensor norms)``) in two
+    foreach kernels and no host read."""
+    norms = torch._foreach_norm(tensor_lists[0]) if tensor_lists[0] else [torch.zeros(())]
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1)
+    return total, None
+
+
+def init_adam_state(optimizer) -> None:
+    """Give every parameter of a fresh torch-Adam-backed megatron optimizer an empty Adam state, so
+    its ``sharded_state_dict(is_loading=True)`` can describe the tensors to load."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def apply_fixes() -> bool:
+    """Install the fixes when megatron uses torch's optimizer; True if they are in place."""
+    global _applied
+    if _applied or not uses_torch_optimizer():
+        return _applied
+    _norm_without_host_reads()
+    _load_adam_state_per_parameter()
+    _applied = True
+    return True
+
+
+def _norm_without_host_reads() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+    if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+
+
+def _load_adam_state_per_parameter() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original_set = DistributedOptimizer._set_main_param_and_optimizer_states
+    original_load = DistributedOptimizer.load_state_dict
+
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
+            if key in tensors and key != "step":  # the step comes back through param_groups
+                dst.copy_(tensors[key])
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():  # un-share the one step tensor megatron handed out
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    DistributedOptimizer.load_state_dict = load_state_dict
