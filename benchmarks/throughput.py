@@ -55,7 +55,8 @@ def run_config(point: dict, run_dir: str):
     else:
         data = DataConfig(name="mock", image_size=side, global_batch_size=batch, micro_batch_size=batch)
     return RunConfig(
-        model=ModelConfig(preset=point["preset"], input_size=32 if packed_len else side, compile=point["compile"],
+        model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
+                          input_size=32 if packed_len else side, compile=point["compile"],
                           fp8=point.get("fp8"), **RECOMPUTE[point["recompute"]]),
         data=data,
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"),
@@ -170,6 +171,7 @@ def _list(text: str, cast=str) -> list:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="dit", help="model family of the presets (dit, dit_xattn, llama, stdit)")
     p.add_argument("--presets", default="DiT-XL/2")
     p.add_argument("--image-sizes", default="32", help="dense latent sides (32 = 256px images)")
     p.add_argument("--packed-lens", default="", help="packed video-like sequence lengths (tokens)")
@@ -190,7 +192,7 @@ def main(argv=None) -> list[dict]:
 
     shapes = [{"image_size": s, "packed_len": None} for s in _list(args.image_sizes, int)] + \
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
-    points = [{"preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
+    points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8}
               for preset, shape, batch, rc, c, fp8 in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# What a lent GPU session runs, in phases that each fit one device call (10 min), so the measurements
+# that need a GPU take a few calls, not a session of set-up. Each phase writes its output under
+# $OUT (the device tool brings it back) and prints a summary; copy the JSON into benchmarks/results/.
+#
+# Here, first:   python3 ../shared/tools/gpu_wheels.py          (py3.12 wheels into .whl/)
+# Then, per call (carry .whl):   bash benchmarks/gpu_session.sh <phase>
+#   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
+#           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
+#   fp8     DiT-XL/2 256px, batch 128, compiled, bf16 vs FP8 rowwise / tensorwise (goal: >= 1.65x)
+#   grid    DiT-XL/2 throughput grid with --autotune and diffusers side by side (goals: 2x, 50% MFU)
+#   packed  a ~3B text-conditioned DiT on 8k-token packed video latents (goal: 55% MFU)
+#   stall   checkpoint stall per save, synchronous vs asynchronous, at DiT-XL/2 size
+set -euo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall}
+out=${OUT:-/tmp/gpu_session}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+case "$phase" in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_training.py tests/test_fp8.py \
+      tests/test_compile.py 2>&1 | tee "$out/tests.txt" | tail -n 30 ;;
+  fp8)
+    python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 --dtype bf16 \
+      --fp8 none,rowwise,tensorwise --warmup 8 --steps 20 --out "$out/throughput_fp8.jsonl" ;;
+  grid)
+    python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 64,128 --compile 0,1 \
+      --recompute none,selective --dtype bf16 --diffusers --autotune --warmup 5 --steps 15 \
+      --out "$out/throughput_grid.jsonl" ;;
+  packed)
+    python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --packed-lens 8192 --batches 1,2 --compile 1 \
+      --recompute none,selective --dtype bf16 --warmup 4 --steps 10 --out "$out/throughput_packed.jsonl" ;;
+  stall)
+    python3 benchmarks/checkpoint_stall.py --hidden 1152 --layers 28 2>&1 | tee "$out/checkpoint_stall.txt" ;;
+  *)
+    echo "unknown phase $phase" >&2; exit 2 ;;
+esac
