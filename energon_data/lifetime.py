@@ -4,10 +4,17 @@ A trainer killed with SIGKILL runs no cleanup, so anything it started that waits
 it (loader workers, the resource tracker they keep alive, megatron's checkpoint writers and their
 result-queue manager) would wait forever. Such processes call :func:`exit_with_parent` first
 thing; :func:`forked_children_exit_with_parent` does it for every process the caller forks.
+
+Under Slurm a preemption signal (SIGUSR1 at the time-limit warning, SIGTERM on ``scancel``) reaches
+every process of the job step, helpers included. The trainer handles it (finish the step, save); a
+helper that died of it would take the save down with it, so helpers ignore these signals
+(:func:`helper_init`, and :func:`preemption_signals_blocked` while one is being started).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 
@@ -43,3 +50,27 @@ def forked_children_exit_with_parent() -> None:
     if not _hooked:
         os.register_at_fork(after_in_child=exit_with_parent)
         _hooked = True
+
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def helper_init() -> None:
+    """First thing in a helper process: end with the parent, ignore preemption signals (the trainer
+    acts on them), then accept signals again (see :func:`preemption_signals_blocked`)."""
+    exit_with_parent()
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
+
+
+@contextlib.contextmanager
+def preemption_signals_blocked():
+    """Hold preemption signals back while a helper process starts: the mask is inherited, so a
+    signal that arrives before :func:`helper_init` ran waits instead of killing the helper; this
+    process gets it when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

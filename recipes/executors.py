@@ -5,7 +5,6 @@
 torchrun agent, which Slurm's preemption signal would kill). Without ``run.executor`` the recipes
 run in-process (see ``recipes/pretrain_xl.py``)."""
 
-import os
 from pathlib import Path
 
 import nemo_run as run
@@ -29,7 +28,7 @@ def local(ntasks_per_node: int = 1) -> run.LocalExecutor:
 @run.autoconvert
 def slurm(account: str = "my_account", partition: str = "batch", nodes: int = 1, gpus_per_node: int = 8,
           time: str = "04:00:00", container_image: str = "dit-mcore:latest",
-          job_dir: str = "nemo_slurm_jobs", preempt_signal_s: int = 120) -> run.SlurmExecutor:
+          preempt_signal_s: int = 120) -> run.SlurmExecutor:
     """An sbatch job: ``nodes`` x ``gpus_per_node`` tasks in ``container_image`` (pyxis), one per GPU,
     started by ``srun`` (``dit_mcore.parallel.initialize.adopt_slurm_launch`` turns Slurm's task ids
     into torch.distributed's ranks).
@@ -37,17 +36,21 @@ def slurm(account: str = "my_account", partition: str = "batch", nodes: int = 1,
     The code comes from the image (see the Dockerfile), so nothing is packaged. The job is submitted
     from this machine (``sbatch`` on PATH); to submit over SSH, override
     ``run.executor.tunnel=...`` or build an executor with ``run.SSHTunnel`` in your own factory.
-    ``job_dir`` (relative to the launch directory) holds the job's scripts and logs and is mounted
-    into the container.
+    The job's script and logs live under nemo-run's home (``$NEMORUN_HOME/experiments``): a local
+    tunnel submits the script where nemo-run wrote it (a ``job_dir`` of its own made ``sbatch`` look
+    for a file nemo-run copies there only over SSH).
 
-    Preemption: Slurm sends SIGUSR1 ``preempt_signal_s`` seconds before the time limit to every task;
-    the run then saves, requeues the job (``--requeue``) and exits, and the requeued job resumes with
-    the same command (see ``dit_mcore.training.preemption``). No torchrun agent sits in between: its
+    Preemption: Slurm sends SIGUSR1 ``preempt_signal_s`` seconds before the time limit to every
+    process of the step (on the command line: ``run.executor.signal=USR1@<seconds>``); the run then
+    saves, requeues the job (``--requeue``) and exits, and the requeued job resumes with the same
+    command (see ``dit_mcore.training.preemption``). Tested on a one-node Slurm 22.05
+    (``benchmarks/slurm/``). ``OMP_NUM_THREADS=1`` as torchrun would set it (srun sets nothing;
+    a CPU run was 12x slower without it). No torchrun agent sits in between: its
     default action on SIGUSR1 is to die, and the step with it, while the trainers are still saving.
     """
     return run.SlurmExecutor(account=account, partition=partition, nodes=nodes, ntasks_per_node=gpus_per_node,
                              gpus_per_node=gpus_per_node, time=time, container_image=container_image,
-                             exclusive=True, mem="0", launcher=None, env_vars=dict(_GPU_ENV),
-                             tunnel=run.LocalTunnel(job_dir=os.path.abspath(job_dir)), packager=run.Packager(),
+                             exclusive=True, mem="0", launcher=None, env_vars={**_GPU_ENV, "OMP_NUM_THREADS": "1"},
+                             tunnel=run.LocalTunnel(job_dir=""), packager=run.Packager(),
                              signal=f"USR1@{preempt_signal_s}",
                              additional_parameters={"requeue": True})

@@ -155,7 +155,7 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     _signal_after(trainer, 2, signal.SIGUSR1)
     with pytest.raises(Preempted) as stop:
         trainer.fit()
-    # The vote on a signal that arrived during step 2 travels with step 3's logged loss.
+    # The signal arrived after step 2's vote (between steps): step 3's vote carries it.
     assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 3
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
@@ -187,7 +187,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000003"
 
 
-def test_sigterm_to_the_cli_saves_and_exits_with_the_preempted_code(tmp_path):
+def test_sigterm_to_the_clis_process_group_saves_and_exits_with_the_preempted_code(tmp_path):
     import subprocess
     import sys
     import time
@@ -196,13 +196,16 @@ def test_sigterm_to_the_cli_saves_and_exits_with_the_preempted_code(tmp_path):
     env.update(NEMORUN_HOME=str(tmp_path / "nemo_run"), PYTHONWARNINGS="ignore")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--yes", "--factory", "pretrain_tiny", f"log.dir={run_dir}",
-                             "trainer.max_steps=1000", "log.log_interval=1"], cwd=tmp_path, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "trainer.max_steps=1000", "log.log_interval=1", "trainer.save_interval=2"], cwd=tmp_path,
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 180
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    # As Slurm does: the whole process group, so the checkpoint helpers started by the periodic save
+    # at step 2 get the signal too (they died of it mid-save before).
+    os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, out
     step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))

@@ -29,7 +29,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
 from dit_mcore.training import torch_optimizer
-from energon_data.lifetime import exit_with_parent
+from energon_data.lifetime import helper_init, preemption_signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +139,13 @@ def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, i
 def _writer_results_exit_with_trainer() -> None:
     """megatron's checkpoint writer reports through a queue served by a spawned ``Manager`` process
     (``filesystem_async._get_write_results_queue``), which outlives a ``kill -9`` of the trainer and
-    then waits forever. Start that manager here, the same way, but ending with its parent."""
+    then waits forever. Start that manager here, the same way, but ending with its parent and deaf
+    to the preemption signals Slurm sends the whole job step (it died of them mid-save)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     if getattr(filesystem_async, "_results_queue", "absent") is None:
         manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=exit_with_parent)
+        with preemption_signals_blocked():
+            manager.start(initializer=helper_init)
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 

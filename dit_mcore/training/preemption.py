@@ -2,10 +2,12 @@
 ``--signal=USR1@<s>``) makes the run finish its step, save, and exit with
 :data:`EXIT_PREEMPTED`; running the same command again resumes from that checkpoint.
 
-The signal only sets a flag. Each step starts an asynchronous all-reduce (max) of every rank's
-flag over the world and reads it with the step's own host sync (the logged loss), so the vote adds
-no synchronisation and every rank stops after the same step: the one after the signal arrived
-(a signal during step N is voted on in step N+1, which then saves). After SIGUSR1 under Slurm, rank 0 also
+The signal only sets a flag. After each step's forward and backward an asynchronous all-reduce
+(max) of every rank's flag over the world starts, and its result is read with the step's own host
+sync (the logged loss), so the vote adds no synchronisation and every rank stops after the same
+step (a signal that arrives after the vote started is acted on one step later). No rank-dependent
+world collective may run between :meth:`PreemptionSignals.start_vote` and
+:meth:`PreemptionSignals.ballot`. After SIGUSR1 under Slurm, rank 0 also
 requeues the job (``scontrol requeue``), as the time-limit warning means "continue later";
 SIGTERM (``scancel``, scheduler preemption) leaves requeueing to Slurm's own policy.
 """
@@ -40,7 +42,8 @@ class Preempted(SystemExit):
 
 class PreemptionSignals:
     """Context manager: while active, SIGTERM/SIGUSR1 request a stop instead of killing the process.
-    Child processes forked meanwhile (loader workers) keep the default behaviour."""
+    Child processes forked meanwhile (loader workers, checkpoint writers) ignore them: they end with
+    the trainer."""
 
     def __init__(self):
         self.received: Optional[int] = None
@@ -62,9 +65,10 @@ class PreemptionSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if os.getpid() != self._owner:  # a forked child: behave as if no handler were installed
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if os.getpid() != self._owner:
+            # A forked child (loader worker, checkpoint writer). Slurm signals every process of the
+            # step; the trainer saves and stops, and the child ends with it (energon_data.lifetime).
+            signal.signal(signum, signal.SIG_IGN)
             return
         if self.received is None:
             log.warning("received %s: finishing this step, then saving and exiting", signal.Signals(signum).name)
@@ -73,7 +77,8 @@ class PreemptionSignals:
     def start_vote(self, device) -> None:
         """Start combining every rank's flag (max over the world) without waiting for it; call
         once per step on every rank, before :meth:`ballot`."""
-        self._ballot = torch.tensor([float(self.received or 0)], device=device)
+        # A fill kernel, not a copy from pageable host memory (which would sync the stream).
+        self._ballot = torch.full((1,), float(self.received or 0), device=device)
         self._vote = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             self._vote = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, async_op=True)

@@ -286,7 +286,6 @@ class Trainer:
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(n))])}
 
     def train_step(self) -> dict:
-        self.signals.start_vote(self.device)
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -303,6 +302,7 @@ class Trainer:
                           model=self.ddp_chunks, num_microbatches=len(microbatches),
                           seq_length=self.model.token_shard.padded(seq), micro_batch_size=rows,
                           forward_only=False)
+        self.signals.start_vote(self.device)  # overlaps the metrics below; read with the loss
         moe = self._moe_metrics(len(microbatches))
         lr = self.optimizer.param_groups[0]["lr"]
         totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
