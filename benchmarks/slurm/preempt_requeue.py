@@ -1,6 +1,6 @@
 """Preemption on a real Slurm: the time-limit warning (or ``scancel --signal=USR1``) makes a 2-task
-CPU job save, requeue itself and exit 75; the requeued job resumes from that checkpoint and ends
-where an uninterrupted run of the same command ends -- bitwise.
+CPU job save and requeue itself; the requeued job resumes from that checkpoint and ends where an
+uninterrupted run of the same command ends -- bitwise.
 
 Both jobs are submitted through the project's own launch path (``recipes/pretrain_xl.py ...
 run.executor=slurm``, i.e. nemo-run's SlurmExecutor sbatch script with ``--requeue --signal=USR1@S``
@@ -11,10 +11,12 @@ Only what a CPU box lacks is overridden: no container image, 2 fake GPUs, a shor
     python benchmarks/slurm/preempt_requeue.py                     # Slurm's own warning, ~12 minutes
     python benchmarks/slurm/preempt_requeue.py --trigger scancel   # scancel --signal=USR1 mid-run
 
-Checks: the preempted job restarted (``Restarts>=1``), each cut incarnation's trainers logged the
-preemption and exited 75, each restart resumed from the step the previous one saved (never from 0),
-the job COMPLETED at ``max_steps``, and per-step losses and final tensors (weights, EMA, optimizer)
-equal the uninterrupted job's. Writes ``benchmarks/results/slurm_preemption_cpu.json``.
+Checks: the preempted job restarted (``Restarts>=1``); in each cut incarnation both ranks logged the
+preemption and the checkpoint was published before rank 0's ``scontrol requeue`` ended the step
+(Slurm then reports the tasks Terminated: the exit code 75 is not what it records); each restart
+resumed from the step the previous one saved (never from 0); the job COMPLETED at ``max_steps``; and
+per-step losses and final tensors (weights, EMA, optimizer) equal the uninterrupted job's. Writes
+``benchmarks/results/slurm_preemption_cpu.json``.
 """
 from __future__ import annotations
 
@@ -34,20 +36,23 @@ RESULT = REPO / "benchmarks" / "results" / "slurm_preemption_cpu.json"
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
-def submit(name: str, args, time_limit: str, workdir: Path) -> tuple[list[str], int]:
-    """Submit the tiny recipe as a Slurm job through the project's CLI; returns (command, job id)."""
+def command(name: str, args, time_limit: str, workdir: Path) -> list[str]:
+    """The project's CLI submitting the tiny recipe as a Slurm job (nemo-run's sbatch script)."""
     home = workdir / "nemorun_home"  # not ".../nemo_run": nemo-run rewrites "/nemo_run" in the sbatch script
-    cmd = [sys.executable, str(SCRIPT), "--yes", "--detach", "--factory", "pretrain_tiny",
-           f"log.dir={workdir / name}", f"trainer.max_steps={args.steps}", "log.log_interval=1",
-           "run.executor=slurm", f"run.executor.account={name}", f"run.executor.partition={args.partition}",
-           "run.executor.gpus_per_node=2",  # -> 2 tasks (srun starts one per GPU); the lab's GPUs are fake
-           f"run.executor.time={time_limit}", f"run.executor.signal=USR1@{args.signal_s}",
-           "run.executor.container_image=None",  # no pyxis here: run on the host
-           # nemo-run writes the sbatch script under $NEMORUN_HOME/experiments; a LocalTunnel must point
-           # there (the factory's job_dir=nemo_slurm_jobs is never filled: sbatch finds no script).
-           f"run.executor.tunnel.job_dir={home / 'experiments'}"]
-    # sbatch exports this environment to the tasks. OMP_NUM_THREADS=1 is what torchrun would set: without
-    # it each rank runs as many threads as there are cores and 2 ranks on 2 cores step ~10x slower.
+    return [sys.executable, str(SCRIPT), "--yes", "--detach", "--factory", "pretrain_tiny",
+            f"log.dir={workdir / name}", f"trainer.max_steps={args.steps}", "log.log_interval=1",
+            "run.executor=slurm", f"run.executor.account={name}", f"run.executor.partition={args.partition}",
+            "run.executor.gpus_per_node=2",  # -> 2 tasks (srun starts one per GPU); the lab's GPUs are fake
+            f"run.executor.time={time_limit}", f"run.executor.signal=USR1@{args.signal_s}",
+            "run.executor.container_image=None",  # no pyxis here: run on the host
+            # nemo-run writes the sbatch script under $NEMORUN_HOME/experiments; a LocalTunnel must point
+            # there (the factory's job_dir=nemo_slurm_jobs is never filled: sbatch finds no script).
+            f"run.executor.tunnel.job_dir={home / 'experiments'}"]
+
+
+def submit(name: str, args, time_limit: str, workdir: Path) -> tuple[list[str], int]:
+    """Submit through the project's CLI; returns (command, job id)."""
+    cmd, home = command(name, args, time_limit, workdir), workdir / "nemorun_home"
     env = {**os.environ, "NEMORUN_HOME": str(home), "PYTHONWARNINGS": "ignore", "COLUMNS": "200",
            "OMP_NUM_THREADS": "1"}
     (workdir / name).mkdir(parents=True, exist_ok=True)
@@ -116,7 +121,7 @@ def incarnations(info: dict, job: int) -> list[dict]:
     return runs
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trigger", choices=("timelimit", "scancel"), default="timelimit",
                    help="timelimit: Slurm's own warning, --signal=USR1@S before --time; scancel: by hand")
@@ -127,7 +132,11 @@ def main(argv=None) -> int:
     p.add_argument("--partition", default="debug")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/slurm_lab/preempt"))
     p.add_argument("--out", type=Path, default=RESULT)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     work = args.workdir / args.trigger
     if work.exists():
         subprocess.run(["rm", "-rf", str(work)], check=True)
@@ -138,11 +147,18 @@ def main(argv=None) -> int:
     print(f"preempted job ({args.trigger})")
     cmd, job = submit("preempted", args, args.time if args.trigger == "timelimit" else "00:30:00", work)
     info, states = wait(job, work / "preempted", trigger_at=args.steps // 3 if args.trigger == "scancel" else None)
+    return summarize(args, work, (ref_cmd, ref_job, ref_info), (cmd, job, info), states)
 
+
+def summarize(args, work: Path, reference: tuple, preempted: tuple, states: list) -> int:
+    """Check the finished jobs, print the table, write the JSON; returns the exit code."""
+    (ref_cmd, ref_job, ref_info), (cmd, job, info) = reference, preempted
     runs = incarnations(info, job)
     ref_losses, cut_losses = losses(work / "reference"), losses(work / "preempted")
-    a, b = final_tensors(work / "reference", args.steps), final_tensors(work / "preempted", args.steps)
-    tensors_equal = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    tensors_equal = False
+    if info["JobState"] == ref_info["JobState"] == "COMPLETED":
+        a, b = final_tensors(work / "reference", args.steps), final_tensors(work / "preempted", args.steps)
+        tensors_equal = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     saved = [r["preempted"][0][1] for r in runs if r["preempted"]]
     checks = {
         "requeued": int(info["Restarts"]) >= 1,
@@ -154,7 +170,7 @@ def main(argv=None) -> int:
         "last_run_exited_0": runs[-1]["batch_exit"] == 0 and runs[-1]["srun_task_status"] == ["ok"],
         "resumed_where_saved": [r["resumed_from"] for r in runs] == [0] + saved,
         "completed": info["JobState"] == "COMPLETED" and ref_info["JobState"] == "COMPLETED",
-        "losses_equal": ref_losses == cut_losses and max(cut_losses) == args.steps,
+        "losses_equal": ref_losses == cut_losses and max(cut_losses, default=0) == args.steps,
         "final_tensors_bitwise_equal": tensors_equal,
     }
     slurm = subprocess.run(["sinfo", "--version"], capture_output=True, text=True).stdout.strip()

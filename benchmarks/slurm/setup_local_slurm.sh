@@ -64,7 +64,7 @@ printf 'AutoDetect=off\nNodeName=%s Name=gpu File=%s/dev/gpu[0-%d]\n' "$NODE" "$
 for pidfile in "$LAB/slurmctld.pid" "$LAB/slurmd.pid"; do
   [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null && sleep 1 || true
 done
-/usr/sbin/slurmctld -i   # -i: ignore state left by an earlier incarnation of the lab
+/usr/sbin/slurmctld -i   # -i: start even if the saved state of an earlier lab is unreadable
 /usr/sbin/slurmd
 for _ in $(seq 30); do
   sinfo -h -o %T 2>/dev/null | grep -qx idle && break
