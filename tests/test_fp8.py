@@ -75,27 +75,32 @@ def test_float8_forward_and_backward_stay_within_float8_error_of_full_precision(
     assert _rel(grads[1]["final_layer.linear.weight"], grads[0]["final_layer.linear.weight"]) < 0.05
 
 
-def test_float8_training_tracks_full_precision(tmp_path):
-    def losses(name, fp8):
-        cfg = tiny_run(tmp_path / name, max_steps=12)
-        cfg.model.fp8 = fp8
-        trainer = Trainer(cfg)
-        assert len(float8_modules(trainer.model)) == (8 if fp8 else 0)
-        return torch.tensor([h["loss"] for h in trainer.fit()])
+def _fit(run_dir, max_steps, **model):
+    """Losses of a tiny run from random weights (adaLN-Zero's zero gates would hide the layers from
+    the loss for the first steps, float8 or not)."""
+    from test_parallel_layouts import _randomize
+    cfg = tiny_run(run_dir, max_steps=max_steps)
+    cfg.trainer.bf16 = torch.cuda.is_available()  # float8 on a GPU trains in bf16 (validated)
+    for field, value in model.items():
+        setattr(cfg.model, field, value)
+    trainer = Trainer(cfg)
+    _randomize(trainer)
+    assert len(float8_modules(trainer.model)) == (8 if model.get("fp8") else 0)
+    assert float8_modules(trainer.ema.module) == []  # the EMA (previews) multiplies in full precision
+    return torch.tensor([h["loss"] for h in trainer.fit()])
 
-    full, fp8 = losses("full", None), losses("fp8", "rowwise")
-    torch.testing.assert_close(fp8, full, rtol=2e-2, atol=0)
+
+def test_float8_training_tracks_full_precision(tmp_path):
+    full, fp8 = _fit(tmp_path / "full", 12), _fit(tmp_path / "fp8", 12, fp8="rowwise")
+    gap = ((fp8 - full).abs() / full).max()
+    assert 1e-4 < gap < 3e-2, gap  # float8's rounding shows (1.3% on the CPU), and stays small
     assert fp8[-1] < fp8[0]
 
 
-def test_compiled_float8_layers_train_exactly_as_eager(tmp_path):
+def test_compiled_float8_layers_train_as_eager(tmp_path):
     """Speed needs the casts fused (``model.compile``): the compiled FP8 layers give the eager losses."""
-    def losses(name, compile):
-        cfg = tiny_run(tmp_path / name, max_steps=3)
-        cfg.model.fp8, cfg.model.compile = "rowwise", compile
-        return [h["loss"] for h in Trainer(cfg).fit()]
-
-    assert losses("compiled", True) == losses("eager", False)
+    torch.testing.assert_close(_fit(tmp_path / "compiled", 3, fp8="rowwise", compile=True),
+                               _fit(tmp_path / "eager", 3, fp8="rowwise"), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("changes, expected", [

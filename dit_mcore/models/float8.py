@@ -14,6 +14,11 @@ Only the transformer linears are swapped (they come from the layer spec): the ad
 the embedders, the final layer and the norms are built outside the spec and keep the run's
 precision; MoE experts, built by megatron's own spec provider, do too.
 
+Known cost under sequence parallel: torchao saves the sequence-gathered input of a column-parallel
+linear for its weight gradient, where megatron saves the local piece and gathers it again in the
+backward, so FP8 with SP keeps TP times that activation (and the all-gather does not overlap the
+weight-gradient GEMM). At TP=1, the usual single-node H100 layout, nothing changes.
+
 Speed needs ``model.compile=True`` (the casts and amax reductions fuse only under Inductor) and a
 GPU with float8 tensor cores (H100 and newer). On the CPU torch's ``_scaled_mm`` computes the same
 float8 products, so the numerics are tested here; it does not enforce the GPU kernels' alignment,

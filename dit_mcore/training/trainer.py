@@ -8,6 +8,7 @@ resumed run replays exactly the steps an uninterrupted run would have taken.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -92,7 +93,9 @@ class Trainer:
             for chunk in self.model:
                 chunk.compile_layers()
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
-        shadow = self._build_model().float()
+        # The EMA shadow (fp32, previews) multiplies in full precision: float8 is a training speed-up,
+        # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
+        shadow = self._build_model(config=dataclasses.replace(self.model_config, float8_recipe=None)).float()
         torch.set_rng_state(rng)
         fsdp = cfg.parallel.fsdp == "torch"
         if not fsdp:
@@ -126,9 +129,11 @@ class Trainer:
     def meta_init(self) -> bool:
         return bool(self.cfg.model.init_model_with_meta_device)
 
-    def _build_model(self, device=None, seed: Optional[int] = None) -> ModelChunks:
+    def _build_model(self, device=None, seed: Optional[int] = None, config=None) -> ModelChunks:
+        config = config or self.model_config
+
         def chunk(**stage):
-            return self.family.build(self.model_config, backend=self.cfg.model.backend, **stage)
+            return self.family.build(config, backend=self.cfg.model.backend, **stage)
         device = device or ("meta" if self.meta_init else self.device)
         with torch.device(device):
             model = ModelChunks.build(chunk, self.model_config.virtual_pipeline_model_parallel_size, seed=seed)

@@ -16,6 +16,8 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import torch
+
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
@@ -190,6 +192,9 @@ def run_problems(cfg, world_size: int) -> list[str]:
         _check_text(cfg.data, model, get_family(cfg.model.family))
         check_layout(cfg.parallel, model, cfg.data, world_size,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        if cfg.model.fp8 and not cfg.trainer.bf16 and torch.cuda.is_available():
+            raise ConfigError(f"model.fp8={cfg.model.fp8!r} needs trainer.bf16=True on a GPU (float8 GEMMs with fp32 "
+                              "outputs are not supported on every GPU); set trainer.bf16=True")
         if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                               "(only sharded parameters are gathered)")
