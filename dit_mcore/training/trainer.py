@@ -8,7 +8,7 @@ resumed run replays exactly the steps an uninterrupted run would have taken.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import functools
 import logging
 import math
@@ -95,7 +95,7 @@ class Trainer:
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         # The EMA shadow (fp32, previews) multiplies in full precision: float8 is a training speed-up,
         # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
-        shadow = self._build_model(config=dataclasses.replace(self.model_config, float8_recipe=None)).float()
+        shadow = self._build_model(config=_without_float8(self.model_config)).float()
         torch.set_rng_state(rng)
         fsdp = cfg.parallel.fsdp == "torch"
         if not fsdp:
@@ -431,6 +431,16 @@ class Trainer:
         return draw_preview(PipelinedForward(self.ema.module), self.model_config, self.family, self.objective, self.cfg, self.step,
                             self.run_dir / "samples", write=dist.get_rank() == 0, device=self.device,
                             decoder=self.preview_decoder)
+
+
+def _without_float8(config):
+    """``config`` with full-precision linears; a copy, since re-running megatron's ``__post_init__``
+    (``dataclasses.replace``) is not idempotent."""
+    if config.float8_recipe is None:
+        return config
+    config = copy.copy(config)
+    config.float8_recipe = None
+    return config
 
 
 def pretrain(cfg: RunConfig) -> list[dict]:
