@@ -65,10 +65,11 @@ def error_handler(exc: Exception, sample, sources=None, *, max_consecutive_skips
                     "copy it again or re-run energon_data.prepare", shard, reason)
     else:
         log_exception(exc, sample, sources)
-    if max_consecutive_skips is not None and sum(in_a_row.values()) > max_consecutive_skips:
+    failures = sum(in_a_row.values())
+    if max_consecutive_skips is not None and failures > max_consecutive_skips:
         shards = ", ".join(f"{name} ({n})" for name, n in in_a_row.most_common())
         raise SkipStreakError(
-            f"a data loader worker could not read or decode the last {sum(in_a_row.values())} samples it tried "
+            f"a data loader worker could not read or decode the last {failures} samples it tried "
             f"(by shard: {shards}; last error: {reason or f'{type(exc).__name__}: {exc}'}): the shards are "
             "truncated, damaged or not written by energon_data.prepare; copy them again or re-run "
             f"energon_data.prepare. Stopped after more than data.max_consecutive_skips={max_consecutive_skips} "

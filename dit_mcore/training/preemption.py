@@ -22,10 +22,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from energon_data.lifetime import PREEMPTION_SIGNALS
+
 log = logging.getLogger("dit_mcore.train")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "temporary failure; retry" (sysexits.h)
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = PREEMPTION_SIGNALS  # energon_data.lifetime's helpers ignore the same ones
 
 
 class Preempted(SystemExit):

@@ -16,8 +16,8 @@ of those break or slow a run, on a GPU as much as on the CPU:
   which torch's Adam then increments once per parameter. The load skips absent keys and gives each
   parameter its own ``step``.
 
-:func:`apply_fixes` installs them (idempotent) when megatron uses torch's optimizer, and leaves
-apex's and TE's kernels alone.
+:func:`apply_fixes` installs them (idempotent) where megatron fell back to its own stand-ins, and
+leaves apex's and TE's kernels alone.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def uses_torch_optimizer() -> bool:
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """apex's ``multi_tensor_l2norm`` contract (``(norm of all tensors, per-tensor norms)``) in two
     foreach kernels and no host read."""
-    norms = torch._foreach_norm(tensor_lists[0]) if tensor_lists[0] else [torch.zeros(())]
+    norms = torch._foreach_norm(tensor_lists[0])  # megatron calls it only with gradients to norm
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1)
     return total, None
 
@@ -55,11 +55,12 @@ def init_adam_state(optimizer) -> None:
 
 
 def apply_fixes() -> bool:
-    """Install the fixes when megatron uses torch's optimizer; True if they are in place."""
+    """Install the fixes (idempotent): the l2 kernel wherever megatron fell back to its stand-in,
+    the Adam-state fixes when it uses torch's optimizer; True if the latter are in place."""
     global _applied
+    _norm_without_host_reads()  # gated by the kernel megatron picked, which the apex/TE checks decide apart
     if _applied or not uses_torch_optimizer():
         return _applied
-    _norm_without_host_reads()
     _load_adam_state_per_parameter()
     _applied = True
     return True
