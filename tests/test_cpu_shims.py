@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims app
 def shims():
     single_process_world()  # applies the shims like every CPU run does
     assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "streams",
-                                         "moe_split_sizes", "uneven_collectives", "fsdp_mesh"}
+                                         "moe_split_sizes", "uneven_collectives", "fsdp_mesh",
+                                         "megatron_fsdp"}
     assert cpu_shims.apply_cpu_shims() == []  # idempotent
 
 
@@ -63,3 +64,22 @@ def test_fsdp_mesh_is_built_on_cpu():
 
     mesh = torch_fsdp.DeviceMesh.from_group(dist.group.WORLD, "cuda")  # what megatron asks for
     assert mesh.device_type == "cpu" and mesh.size() == dist.get_world_size()
+
+
+def test_megatron_fsdp_runs_on_cpu():
+    """Megatron-FSDP's adapter: its mesh on the CPU, its tensor-parallel RNG sync without CUDA's
+    generator, its coalesced collectives run one by one (done when they return)."""
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as buffers
+    import torch.distributed as dist
+
+    mesh = adapter.DeviceMesh.from_group([dist.group.WORLD], "cuda", mesh=[0], mesh_dim_names=["dp_cp"])
+    assert mesh.device_type == "cpu"
+    assert torch.device(f"cuda:{torch.cuda.current_device()}").type == "cpu"  # its own device check
+    state = adapter._get_rng_state_dict()
+    adapter._load_rng_state_dict(state)
+    out, shard = torch.zeros(3), torch.arange(3.0)
+    with buffers._coalescing_manager(dist.group.WORLD, async_ops=True) as batch:
+        handle = dist.all_gather_into_tensor(out, shard, async_op=True)
+    assert torch.equal(out, shard) and handle.wait() and batch.wait()
+    assert dist.all_gather_into_tensor.__name__ == "all_gather_into_tensor"  # restored on exit

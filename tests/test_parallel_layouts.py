@@ -9,18 +9,20 @@ import zlib
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dist_utils import run_distributed
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.parallel.fsdp import copy_into, forward_view, publish_weights, to_shards, unsharded_shape, whole
+from dit_mcore.parallel.pipeline import PipelinedForward
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                        RunConfig, TrainerConfig)
 from dit_mcore.training.trainer import Trainer
 
 STEPS = 3
-RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense", "hsdp_2x2_dense")  # resumed on one process
+RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense", "hsdp_2x2_dense",
+             "tp2_sp_mfsdp2_dense")  # resumed on one process
 EXPERT_RESHARDED = "ep2_tp2_sp_dense"  # resumed under EP4
 EXPERT_TO_ONE = "ep2_dense"  # resumed on one process (EP = 1)
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
@@ -77,6 +79,7 @@ def _randomize(trainer: Trainer) -> None:
     Adam's first steps follow gradient signs, so a few steps from the standard init barely depend
     on the layer weights; from here, every weight shows in the loss."""
     from megatron.core import parallel_state as ps
+    to_shards(trainer.model)
     for name, param in trainer.model.named_parameters():
         chunk, name = name.split(".", 1)
         if name.startswith("layers."):
@@ -89,7 +92,7 @@ def _randomize(trainer: Trainer) -> None:
             per_rank = trainer.model_config.num_moe_experts // ps.get_expert_model_parallel_world_size()
             name = f"{head}.local_experts.{ps.get_expert_model_parallel_rank() * per_rank + int(index)}.{rest}"
             tp, tp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-        shape, dim = list(param.shape), getattr(param, "partition_dim", 0)
+        shape, dim = list(unsharded_shape(param)), getattr(param, "partition_dim", 0)
         sharded = getattr(param, "tensor_model_parallel", False)
         if sharded:
             shape[dim] *= tp
@@ -99,24 +102,36 @@ def _randomize(trainer: Trainer) -> None:
         if sharded:  # strided like megatron's init (SwiGLU's fc1: this rank's gate rows, then its up rows)
             stride = getattr(param, "partition_stride", 1)
             value = torch.cat(full.chunk(tp * stride, dim)[tp_rank::tp], dim)
-        if isinstance(param, DTensor):  # FSDP: this rank's dim-0 shard
-            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-        param.copy_(value)
+        copy_into(param, value)  # FSDP: into this rank's rows
+    publish_weights(trainer.model)
     trainer.ema.module.load_state_dict(trainer.model.state_dict())
+    publish_weights(trainer.ema.module)
 
 
 def _whole(param) -> torch.Tensor:
     """A parameter's value on this rank (gathered from its FSDP shards)."""
-    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+    return whole(param).detach().clone()
 
 
-def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
+def _ema_samples(trainer: Trainer) -> torch.Tensor:
+    """Two images sampled from the EMA shadow, called directly (as previews are) on every rank."""
+    from dit_mcore.diffusion import sample
+    noise = torch.randn(2, trainer.model_config.in_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    with forward_view(trainer.ema.module):
+        return sample(trainer.objective, trainer.family.image_model_fn(PipelinedForward(trainer.ema.module),
+                                                                       trainer.model_config),
+                      noise, steps=2, labels=torch.tensor([1, 2]), null_label=10, cfg_scale=1.5)
+
+
+def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool = False) -> dict:
+    """``steps`` steps from random weights; with ``samples``, EMA samples after ``STEPS`` steps."""
     trainer = Trainer(cfg)
     # Standard init is layout-independent: every chunk of every stage starts its conditioning
     # embedders like the one-process model.
     init = [_whole(next(chunk.t_embedder.parameters())) for chunk in trainer.model]
     _randomize(trainer)
-    history = [trainer.train_step() for _ in range(steps)]
+    history, samples = [trainer.train_step() for _ in range(STEPS)], _ema_samples(trainer) if samples else None
+    history += [trainer.train_step() for _ in range(steps - STEPS)]
     if save:
         trainer.save()
     # Every rank holds the conditioning embedders whole (every pipeline stage too): under SP and CP
@@ -125,13 +140,14 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False) -> dict:
     replicated = torch.cat([_whole(next(m.parameters())).flatten()
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "replicated": replicated, "init": init}
+            "replicated": replicated, "init": init, "ema_samples": samples}
 
 
 def _layouts_worker(rank, world, run_dir, cases):
     results = {name: _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"),
                                        family=family_of(name), **parallel),
-                            save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE))
+                            save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE),
+                            samples=parallel.get("fsdp", "none") != "none" and family_of(name) == "dit")
                for name, data, parallel in cases}
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
@@ -143,6 +159,9 @@ def _layouts_worker(rank, world, run_dir, cases):
         # A TP2+SP x CP2 checkpoint loaded into HSDP shards.
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="torch", fsdp_shard_size=2))
         results["resumed_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
+        # ... and into Megatron-FSDP's (uneven) shards, HSDP over two replicas.
+        resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="megatron", fsdp_shard_size=2))
+        results["resumed_megatron_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
     return results
 
 
@@ -155,7 +174,8 @@ def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit
     if (data, moe, family) not in _REFERENCES:
         kind = "moe" if moe else family
         run_dir = tmp_path_factory.mktemp(f"single_{data.split(':')[0]}_{kind}")
-        _REFERENCES[data, moe, family] = _train(layout_run(run_dir, data, moe=moe, family=family), steps=STEPS + 1)
+        _REFERENCES[data, moe, family] = _train(layout_run(run_dir, data, moe=moe, family=family), steps=STEPS + 1,
+                                                samples=family == "dit" and not moe)
     return _REFERENCES[data, moe, family]
 
 
@@ -186,8 +206,19 @@ def _cases(world: int):
             ("hsdp_2x2", {"fsdp": "torch", "fsdp_shard_size": 2}),
             ("tp2_sp_fsdp2", {"tensor_model_parallel_size": 2, "sequence_parallel": True, "fsdp": "torch"}),
             ("cp2_a2a_fsdp2", {"context_parallel_size": 2, "cp_comm_type": "a2a", "fsdp": "torch"})]
+    # Megatron-FSDP (megatron's own FSDP, uneven shards), each on the data that shows the most.
+    megatron = {2: [("mfsdp2", "dense", {"fsdp": "megatron"}), ("mfsdp2", "packed", {"fsdp": "megatron"}),
+                    ("mfsdp2_meta_init", "dense", {"fsdp": "megatron", "meta_init": True}),
+                    ("mfsdp2_overlap", "packed", {"fsdp": "megatron", "overlap_grad_reduce": True,
+                                                  "overlap_param_gather": True})],
+                4: [("mhsdp_2x2", "dense", {"fsdp": "megatron", "fsdp_shard_size": 2}),
+                    ("tp2_sp_mfsdp2", "dense", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                                "fsdp": "megatron"}),
+                    ("cp2_a2a_mfsdp2", "packed", {"context_parallel_size": 2, "cp_comm_type": "a2a",
+                                                  "fsdp": "megatron"})]}[world]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
-            for name, parallel in (two if world == 2 else four)]
+            for name, parallel in (two if world == 2 else four)] + \
+        [(f"{name}_{data}", data, dict(parallel)) for name, data, parallel in megatron]
 
 
 def _text_cases(world: int):
@@ -199,22 +230,23 @@ def _text_cases(world: int):
     two = {"tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
            "cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
            "cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
-           "pp2": {"pipeline_model_parallel_size": 2}, "fsdp2": {"fsdp": "torch"}}
+           "pp2": {"pipeline_model_parallel_size": 2}, "fsdp2": {"fsdp": "torch"}, "mfsdp2": {"fsdp": "megatron"}}
     four = {"tp2_sp_cp2_a2a": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                "context_parallel_size": 2, "cp_comm_type": "a2a"},
             "tp2_sp_pp2_distopt": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                    "pipeline_model_parallel_size": 2, "distopt": True}}
     data = {"tp2_sp": "packed", "cp2_p2p": "dense", "cp2_a2a": "packed", "pp2": "packed", "fsdp2": "dense",
+            "mfsdp2": "packed",
             "tp2_sp_cp2_a2a": "packed", "tp2_sp_pp2_distopt": "dense"}
     xattn = [(f"xattn_{name}_{data[name]}", data[name], dict(parallel))
              for name, parallel in (two if world == 2 else four).items()]
     llama = {2: [("tp2_sp", "packed"), ("cp2_p2p", "packed"), ("cp2_a2a", "dense"), ("cp2_all_gather", "packed"),
-                 ("pp2", "packed"), ("fsdp2", "dense")],
+                 ("pp2", "packed"), ("fsdp2", "dense"), ("mfsdp2", "dense")],
              4: [("tp2_sp_cp2_a2a", "packed"), ("cp4_a2a_p2p", "packed")]}[world]
     # ST-DiT: CP switches frames <-> positions (dense video); one rank's spatial/temporal patterns of
     # mixed grids under SP and PP (packed).
     stdit = {2: [("cp2_p2p", "video"), ("cp2_p2p", "packed"), ("cp2_mesh", "video"), ("tp2_sp", "packed"),
-                 ("pp2", "packed"), ("fsdp2", "packed")],
+                 ("pp2", "packed"), ("fsdp2", "packed"), ("mfsdp2", "video")],
              4: [("tp2_sp_cp2_a2a", "video"), ("tp2_sp_cp2_a2a", "packed"), ("cp4_mesh", "video")]}[world]
     # The two-level ST mesh: positions over the inner ranks (Ulysses), frames over the outer ones.
     mesh = {"cp2_mesh": {"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1],
@@ -281,6 +313,9 @@ def test_layout_equals_one_process(world_results, text_results, tmp_path_factory
         assert all(torch.equal(w, ref["init"][0]) for w in got["init"]), f"{name}: rank {rank} init differs"
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
+        if got["ema_samples"] is not None:  # FSDP: the sharded EMA shadow samples as the one-process one
+            torch.testing.assert_close(got["ema_samples"], ref["ema_samples"], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} rank {rank} EMA samples: {m}")
 
 
 def test_context_parallel_on_energon_packed_data_equals_one_process(world_results, tmp_path_factory,
@@ -323,11 +358,12 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_pa
 
 
 @pytest.mark.parametrize("key, data, moe", [("resumed_pp2_dp2", "dense", False), ("resumed_ep4", "dense", True),
-                                            ("resumed_hsdp", "packed", False)])
+                                            ("resumed_hsdp", "packed", False),
+                                            ("resumed_megatron_hsdp", "packed", False)])
 def test_checkpoint_resumes_under_another_model_parallel_layout(world_results, tmp_path_factory, key, data, moe):
     """TP2+SP x PP2 -> PP2 x DP2 (each stage loads its own layers by global index),
-    EP2 x TP2+SP -> EP4 (each rank loads its own experts) and TP2+SP x CP2 -> HSDP 2x2 (each
-    rank keeps its shard of the whole tensors)."""
+    EP2 x TP2+SP -> EP4 (each rank loads its own experts) and TP2+SP x CP2 -> HSDP 2x2, FSDP2's
+    and Megatron-FSDP's (each rank keeps its shard of the whole tensors)."""
     per_rank, _ = world_results(4)
     ref = reference(tmp_path_factory, data, moe=moe)
     for result in per_rank:
@@ -369,8 +405,9 @@ def _model():
     ({"fsdp_shard_size": 2}, 4, "dense", "fsdp_shard_size=2 needs parallel.fsdp='torch'"),
     ({"fsdp": "torch", "fsdp_shard_size": 3}, 4, "dense", "fsdp_shard_size=3 must divide the 4 data x context"),
     ({"fsdp": "torch", "pipeline_model_parallel_size": 2}, 2, "dense", "does not combine with pipeline_model_parallel"),
-    ({"fsdp": "torch", "overlap_grad_reduce": True}, 2, "dense", "FSDP overlaps its own"),
-    ({"fsdp": "megatron"}, 2, "dense", "Megatron-FSDP\\) is not wired in yet"),
+    ({"fsdp": "torch", "overlap_grad_reduce": True}, 2, "dense", "FSDP2 overlaps its own"),
+    ({"fsdp": "megatron", "pipeline_model_parallel_size": 2}, 2, "dense", "does not combine with pipeline_model"),
+    ({"fsdp": "megatron", "fsdp_shard_size": 3}, 4, "dense", "fsdp_shard_size=3 must divide the 4 data x context"),
 ])
 def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data, match):
     cfg = layout_run("/tmp/unused", data)
@@ -383,6 +420,7 @@ def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data,
     ({"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2}, 4,
      "world size 4 is not divisible by expert_model_parallel_size x expert_tensor_parallel_size"),
     ({"expert_model_parallel_size": 2, "fsdp": "torch"}, 2, "experts differ per expert-parallel rank"),
+    ({"expert_model_parallel_size": 2, "fsdp": "megatron"}, 2, "experts differ per expert-parallel rank"),
 ])
 def test_bad_expert_layouts_fail_before_compute(parallel, world, match):
     cfg = layout_run("/tmp/unused", "dense", moe=True)

@@ -24,6 +24,12 @@ is covered by ``tests/test_cpu_shims.py``.
   all-reduce + slice (the same results, more bytes; CPU only).
 - ``fsdp_mesh``: megatron's ``TorchFullyShardedDataParallel`` builds its FSDP2 mesh with
   ``DeviceMesh.from_group(group, "cuda")``, which fails without CUDA. -> the same mesh on ``"cpu"``.
+- ``megatron_fsdp``: Megatron-FSDP's adapter builds its meshes on ``"cuda"``, builds
+  ``torch.device(f"cuda:{current_device()}")`` (``cuda_literals`` maps it to the CPU) and, under
+  tensor parallelism, broadcasts the CUDA RNG state; its gathers and reductions are batched in
+  ``_coalescing_manager``, whose gloo path corrupted the heap about once in five runs (an abort in a
+  later ``malloc``). -> CPU meshes, the RNG sync without CUDA's generator, collectives one by one. (gloo has no ``PREMUL_SUM``: :mod:`dit_mcore.parallel.megatron_fsdp` turns the fused
+  gradient division off off-GPU.)
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ class CudaToCpuMode(TorchFunctionMode):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device and args and _is_cuda(args[0]):  # Megatron-FSDP's f"cuda:{current_device()}"
+            return torch.device("cpu")
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -170,16 +178,67 @@ def _shim_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
 
 
+class _CpuDeviceMesh:
+    """``DeviceMesh`` as megatron's FSDP wrappers use it, with the mesh on the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type="cpu", *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
 def _shim_fsdp_mesh() -> None:
     import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp
-    from torch.distributed.device_mesh import DeviceMesh
+    torch_fsdp.DeviceMesh = _CpuDeviceMesh
 
-    class CpuDeviceMesh:
-        @staticmethod
-        def from_group(group, device_type="cpu", *args, **kwargs):
-            return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
 
-    torch_fsdp.DeviceMesh = CpuDeviceMesh
+def _shim_megatron_fsdp() -> None:
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as buffers
+    adapter.DeviceMesh = _CpuDeviceMesh
+    buffers._coalescing_manager = _one_by_one
+    get_states, load_states = adapter._get_rng_state_dict, adapter._load_rng_state_dict
+    adapter._get_rng_state_dict = lambda: {**_without_cuda_rng(get_states), "cuda_rng_state": None}
+    adapter._load_rng_state_dict = lambda states: _without_cuda_rng(load_states, states)
+
+
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+
+_SYNCHRONOUS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+@contextlib.contextmanager
+def _one_by_one(group=None, device=None, async_ops=False):
+    """Megatron-FSDP's stand-in for ``_coalescing_manager``: each collective inside runs to the end
+    when called (the handle it returns, and the one this yields, are already done)."""
+    originals = {name: getattr(dist, name) for name in _SYNCHRONOUS}
+
+    def synchronous(fn):
+        def call(*args, async_op=False, **kwargs):
+            fn(*args, **kwargs)
+            return _Done()
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, synchronous(fn))
+    try:
+        yield _Done()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _without_cuda_rng(fn, *args):
+    """Call ``fn`` with torch.cuda's RNG state calls made no-ops (there is no CUDA generator)."""
+    get, set_ = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+    torch.cuda.get_rng_state, torch.cuda.set_rng_state = (lambda *a, **k: None), (lambda *a, **k: None)
+    try:
+        return fn(*args)
+    finally:
+        torch.cuda.get_rng_state, torch.cuda.set_rng_state = get, set_
 
 
 _SHIMS = {
@@ -190,6 +249,7 @@ _SHIMS = {
     "moe_split_sizes": _shim_moe_split_sizes,
     "uneven_collectives": _shim_uneven_collectives,
     "fsdp_mesh": _shim_fsdp_mesh,
+    "megatron_fsdp": _shim_megatron_fsdp,
 }
 
 

@@ -29,7 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 def fsdp_groups() -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
@@ -102,6 +102,47 @@ def shard_module(module: torch.nn.Module, config, ddp_config, groups) -> FSDPChu
     return FSDPChunk(config, ddp_config, module, shard_group=shard_group, replicate_group=replicate_group)
 
 
+def _megatron_fsdp(modules) -> list:
+    """The Megatron-FSDP engines (``MegatronFSDP``) sharding ``modules`` (a module or an iterable)."""
+    modules = [modules] if isinstance(modules, torch.nn.Module) else modules
+    return [m.__dict__["_megatron_fsdp"] for module in modules for m in module.modules()
+            if "_megatron_fsdp" in m.__dict__]
+
+
+def to_shards(modules) -> None:
+    """Before reading or writing parameters outside a forward (EMA, checkpoints), make them the
+    sharded ones. Megatron-FSDP swaps a module's parameters for views of its gathered weight buffer
+    for the forward and leaves them so after the optimizer step (the buffer released);
+    ``synchronize_param_gather`` swaps its sharded (main) parameters back. FSDP2: a no-op."""
+    for engine in _megatron_fsdp(modules):
+        engine.synchronize_param_gather()
+
+
+def publish_weights(modules) -> None:
+    """After writing into the sharded parameters outside the optimizer (loading, the EMA update),
+    make the forward see them: Megatron-FSDP computes with a buffer of model weights that its
+    optimizer step refreshes from the sharded (main) parameters. FSDP2 computes with the shards
+    themselves (a no-op)."""
+    for engine in _megatron_fsdp(modules):
+        engine.install_optimized_model_weights()
+
+
+@contextlib.contextmanager
+def forward_view(modules):
+    """Inside, ``modules`` can be called directly, not through their data-parallel wrapper (the EMA
+    shadow drawing previews): Megatron-FSDP's ``forward`` first swaps in the parameters its hooks
+    gather (a private step of megatron's, with no public equivalent short of its forward); they are
+    the sharded ones again on exit. No-op otherwise."""
+    engines = _megatron_fsdp(modules)
+    for engine in engines:
+        engine._replace_param_with_raw_if_needed()
+    try:
+        yield
+    finally:
+        for engine in engines:
+            engine.synchronize_param_gather()
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (the tensor itself when it is not sharded)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -118,25 +159,26 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     states is swapped for a whole copy (gathered; one object per tensor, so megatron still matches
     optimizer states to parameters). With ``loading``, whatever was loaded into the whole copies is
     cut back into this rank's shards on exit. Costs one unsharded model and optimizer state per rank
-    while open; a no-op without FSDP."""
+    while open; a no-op without FSDP. Yields the optimizer to checkpoint (see :func:`_checkpointable`)."""
+    to_shards(modules)
     if not any(isinstance(p, DTensor) for module in modules for p in module.parameters()):
-        yield
+        yield optimizer
         return
-    whole, pairs = {}, []  # id(shard) -> whole copy; (shard, whole) for the write-back
+    copies, pairs = {}, []  # id(shard) -> whole copy; (shard, whole) for the write-back
 
     def swap(x):
         if not isinstance(x, DTensor):
             return x
-        if id(x) not in whole:
-            full = x.full_tensor()
+        if id(x) not in copies:
+            full = whole(x)
             if isinstance(x, torch.nn.Parameter):
                 full = torch.nn.Parameter(full, requires_grad=x.requires_grad)
                 for attr, value in vars(x).items():  # megatron's tensor/pipeline-parallel tags
                     if not attr.startswith("_"):
                         setattr(full, attr, value)
-            whole[id(x)] = full
+            copies[id(x)] = full
             pairs.append((x, full))
-        return whole[id(x)]
+        return copies[id(x)]
 
     # Module parameters, swapped in place: FSDP2's state-dict hook only reshards an unsharded
     # group, and these groups stay sharded, so state_dict() sees the whole copies.
@@ -147,22 +189,28 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     saved = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
+        _state_for_empty_shards(inner)
         params = [group["params"] for group in inner.param_groups]
         groups = {name: getattr(opt, name) for name in _OPTIMIZER_GROUPS if hasattr(opt, name)}
         saved.append((opt, inner, params, groups))
         for group in inner.param_groups:
             group["params"] = [swap(p) for p in group["params"]]
-        inner.state = collections.defaultdict(dict, {swap(p): {k: swap(v) for k, v in state.items()}
-                                                     for p, state in inner.state.items()})
+        # Gathered in parameter order, not in the order states were created (which differs by rank
+        # when some ranks hold no rows of a parameter).
+        ordered = [p for group in params for p in group if p in inner.state]
+        seen = {id(p) for p in ordered}
+        ordered += [p for p in inner.state if id(p) not in seen]
+        inner.state = collections.defaultdict(dict, {swap(p): {k: swap(v) for k, v in sorted(inner.state[p].items())}
+                                                     for p in ordered})
         for name, value in groups.items():
             setattr(opt, name, [[swap(p) for p in group] for group in value])
     try:
-        yield
+        yield _checkpointable(optimizer)
     finally:
         for m, name, p in owners:
             m._parameters[name] = p
         for opt, inner, params, groups in saved:
-            back = {id(whole[id(p)]): p for group in params for p in group}
+            back = {id(copies[id(p)]): p for group in params for p in group}
             inner.state = collections.defaultdict(dict, {
                 back.get(id(p), p): {k: _shard_as(v, back[id(p)]) if loading and id(p) in back else v
                                      for k, v in state.items()}
@@ -175,6 +223,35 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
             with torch.no_grad():
                 for shard, full in pairs:
                     shard.to_local().copy_(_shard_as(full.detach(), shard).to_local())
+
+
+def _state_for_empty_shards(inner: torch.optim.Optimizer) -> None:
+    """Megatron-FSDP may give a rank no rows of a parameter; torch's Adam then never sees a gradient
+    for it there and keeps no state (or a stale step), so ranks would gather different optimizer
+    states. Give such parameters the (empty) Adam state they stand for, at the step of the others."""
+    if not any(isinstance(p, DTensor) for group in inner.param_groups for p in group["params"]):
+        return
+    steps = [float(state["step"]) for state in inner.state.values() if "step" in state]
+    step = torch.tensor([max(steps, default=0.0)])
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank may hold rows of no parameter at all
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor) and p.to_local().numel() == 0:
+                state = inner.state[p]
+                state["step"] = step[0].clone()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in state:
+                        state[key] = torch.zeros_like(p)
+
+
+def _checkpointable(optimizer):
+    """Megatron-FSDP's distributed optimizer checkpoints only in torch DCP's ``fsdp_dtensor`` format;
+    what it optimizes is torch's Adam over the sharded parameters, whole inside the view: exactly
+    what megatron's ``FP32Optimizer`` checkpoints in one process (same keys, any layout)."""
+    if not getattr(getattr(optimizer, "ddp_config", None), "use_megatron_fsdp", False):
+        return optimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    return FP32Optimizer(optimizer.optimizer, optimizer.config, optimizer.init_state_fn)
 
 
 def shard_like(state_dict: dict, module: torch.nn.Module) -> dict:
@@ -193,11 +270,77 @@ def copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
         target.copy_(whole)
 
 
+@torch.no_grad()
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The value of a tensor unsharded by FSDP, on every rank of its mesh (detached). A
+    tensor-parallel weight stays this rank's tensor-parallel slice."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach()
+    layout = _fsdp_rows(tensor)
+    if layout is None:
+        return tensor.full_tensor()
+    offsets, group, _, shape = layout
+    piece = tensor.to_local().detach()
+    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+    padded = piece.new_zeros((longest, *shape[1:]))
+    padded[: piece.shape[0]] = piece
+    gathered = piece.new_empty((longest * group.size(), *shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    return torch.cat([part[: b - a] for part, a, b in zip(gathered.chunk(group.size()), offsets, offsets[1:])])
+
+
+def unsharded_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of :func:`whole` (Megatron-FSDP's tensor-parallel ``DTensor``s report the shape of
+    all tensor-parallel ranks together)."""
+    if not isinstance(tensor, DTensor):
+        return tensor.shape
+    shape = list(tensor.shape)
+    for dim, placement in _tensor_parallel_dims(tensor):
+        shape[placement.dim] //= tensor.device_mesh.size(dim)
+    return torch.Size(shape)
+
+
+def _tensor_parallel_dims(tensor: DTensor) -> list:
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return [(dim, placement) for dim, placement in enumerate(tensor.placements)
+            if dim < len(names) and names[dim] == "tp" and placement.is_shard()]
+
+
+def _fsdp_rows(tensor: DTensor):
+    """For a tensor FSDP shards along dim 0 over one mesh dimension (replicated over the others,
+    but for Megatron-FSDP's ``tp`` dimension, which keeps its tensor-parallel split): where each
+    rank's rows start (and, last, the row count), the group it is sharded over, this rank's place
+    in it and the unsharded shape, from the shards' actual sizes. Megatron-FSDP cuts its flat
+    buffers at any row (a shard may be empty), FSDP2 as ``torch.chunk`` does; the sizes cover both.
+    None for other layouts, which DTensor's even sharding describes."""
+    tensor_parallel = {dim for dim, _ in _tensor_parallel_dims(tensor)}
+    sharded = [dim for dim, placement in enumerate(tensor.placements)
+               if dim not in tensor_parallel and placement == Shard(0)]
+    if len(sharded) != 1 or not all(placement.is_replicate() for dim, placement in enumerate(tensor.placements)
+                                    if dim not in tensor_parallel and dim != sharded[0]):
+        return None
+    group, shape = tensor.device_mesh.get_group(sharded[0]), unsharded_shape(tensor)
+    local = tensor.to_local()
+    rows = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
+    sizes = rows.new_empty(group.size())
+    dist.all_gather_into_tensor(sizes, rows, group=group)
+    sizes = sizes.tolist()
+    if sum(sizes) != shape[0]:
+        raise RuntimeError(f"shards of {sizes} rows do not add up to the {shape[0]} of a {tuple(shape)} tensor")
+    offsets = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+    return offsets, group, tensor.device_mesh.get_local_rank(sharded[0]), shape
+
+
 def _shard_as(value, reference):
     if not isinstance(reference, DTensor) or isinstance(value, DTensor) or not torch.is_tensor(value) \
-            or value.shape != reference.shape:
+            or value.shape != unsharded_shape(reference):
         return value
-    piece = distribute_tensor(value.to(reference.device), reference.device_mesh, reference.placements,
-                              src_data_rank=None)
-    return DTensor.from_local(piece.to_local().clone(), reference.device_mesh, reference.placements,
+    layout = _fsdp_rows(reference)
+    if layout is None:
+        piece = distribute_tensor(value.to(reference.device), reference.device_mesh, reference.placements,
+                                  src_data_rank=None).to_local()
+    else:
+        offsets, _, rank, _ = layout
+        piece = value[offsets[rank]: offsets[rank + 1]].to(reference.device)
+    return DTensor.from_local(piece.clone(), reference.device_mesh, reference.placements,
                               shape=reference.shape, stride=reference.stride())

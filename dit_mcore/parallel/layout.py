@@ -162,12 +162,9 @@ def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: b
         raise ConfigError(f"parallel.fsdp={p.fsdp!r} is unknown; use one of {FSDP_KINDS}")
     if p.fsdp == "none":
         if p.fsdp_shard_size is not None:
-            raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} needs parallel.fsdp='torch' "
-                              "(it sets the HSDP shard group); remove it or turn FSDP on")
+            raise ConfigError(f"parallel.fsdp_shard_size={p.fsdp_shard_size} needs parallel.fsdp='torch' or "
+                              "'megatron' (it sets the HSDP shard group); remove it or turn FSDP on")
         return
-    if p.fsdp == "megatron":
-        raise ConfigError("parallel.fsdp='megatron' (Megatron-FSDP) is not wired in yet; use parallel.fsdp='torch' "
-                          "(FSDP2 through megatron's TorchFullyShardedDataParallel)")
     refusals = [
         (p.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size > 1",
          "FSDP shards whole models over data-parallel ranks; use pipeline_model_parallel_size=1 or "
@@ -177,8 +174,9 @@ def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: b
          "parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
         (use_distributed_optimizer, "optim.use_distributed_optimizer=True",
          "FSDP already shards the optimizer state; set optim.use_distributed_optimizer=False"),
-        (p.overlap_grad_reduce or p.overlap_param_gather, "overlap_grad_reduce / overlap_param_gather",
-         "FSDP overlaps its own gathers and reductions; set both to False"),
+        (p.fsdp == "torch" and (p.overlap_grad_reduce or p.overlap_param_gather),
+         "overlap_grad_reduce / overlap_param_gather",
+         "FSDP2 overlaps its own gathers and reductions; set both to False (Megatron-FSDP takes them)"),
     ]
     for refused, what, fix in refusals:
         if refused:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dit_mcore.parallel.fsdp import local
+from dit_mcore.parallel.fsdp import local, publish_weights, to_shards
 
 
 class EMA:
@@ -18,7 +18,9 @@ class EMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"trainer.ema_decay must be in [0, 1), got {decay}")
         self.decay = decay
+        to_shards((model, shadow))
         shadow.load_state_dict(model.state_dict())
+        publish_weights(shadow)
         self.module = shadow.eval()
         for p in self.module.parameters():
             p.requires_grad_(False)
@@ -35,9 +37,11 @@ class EMA:
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Fold in the weights after optimizer step ``step`` (0-based): one foreach lerp over all
         parameters (a few fused kernels on GPU instead of one launch per parameter), in fp32."""
+        to_shards((model, self.module))
         shadow = [local(p) for p in self.module.parameters()]  # FSDP: this rank's shards
         params = [local(p.detach()).float() for p in model.parameters()]
         if len(params) != len(shadow):
             raise ValueError(f"EMA.update: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")
         torch._foreach_lerp_(shadow, params, 1.0 - self.decay_at(step))
+        publish_weights(self.module)

@@ -14,16 +14,15 @@ from dit_mcore.training import torch_optimizer
 
 def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool) -> list:
     """One data-parallel wrapper per pipeline chunk, with the schedule hooks megatron's own training
-    loop installs: megatron DDP (only the first chunk bucketed, as megatron does), or FSDP2 under
-    ``parallel.fsdp="torch"`` (which shards the optimizer state itself)."""
+    loop installs: megatron DDP (only the first chunk bucketed, as megatron does), FSDP2 under
+    ``parallel.fsdp="torch"`` or Megatron-FSDP under ``"megatron"`` (both shard the optimizer state
+    themselves)."""
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=parallel.overlap_grad_reduce,
                                                overlap_param_gather=parallel.overlap_param_gather,
                                                use_distributed_optimizer=use_distributed_optimizer)
-    if parallel.fsdp == "torch":
-        from dit_mcore.parallel.fsdp import fsdp_groups, shard_module
-        groups = fsdp_groups()
-        wrapped = [shard_module(chunk, model_config, ddp_config, groups) for chunk in chunks]
+    if parallel.fsdp != "none":
+        wrapped = shard_fully(chunks, model_config, ddp_config, parallel.fsdp)
     else:
         wrapped = [DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
                                            disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
@@ -39,13 +38,27 @@ def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimi
     return wrapped
 
 
+def shard_fully(chunks, model_config, ddp_config, kind: str) -> list:
+    """Shard each chunk in place with FSDP2 (``kind="torch"``) or Megatron-FSDP (``"megatron"``),
+    over the data x context parallel ranks (of one HSDP group when the run was initialised with
+    replica groups). Used for the model and, the same way, for its EMA shadow."""
+    if kind == "megatron":
+        from dit_mcore.parallel.megatron_fsdp import shard_module
+        return [shard_module(chunk, model_config, ddp_config) for chunk in chunks]
+    from dit_mcore.parallel.fsdp import fsdp_groups, shard_module
+    groups = fsdp_groups()
+    return [shard_module(chunk, model_config, ddp_config, groups) for chunk in chunks]
+
+
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
     torch_optimizer.apply_fixes()  # megatron's pure-torch fallbacks (no apex/TE), on any device
     config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                              adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                              clip_grad=optim.clip_grad, bf16=bf16,
                              params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                             use_distributed_optimizer=optim.use_distributed_optimizer,
+                             # Megatron-FSDP's optimizer is megatron's distributed one over its shards
+                             use_distributed_optimizer=optim.use_distributed_optimizer
+                             or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
     scheduler = OptimizerParamScheduler(

@@ -30,6 +30,7 @@ from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.models.text import TextContext
+from dit_mcore.parallel.fsdp import forward_view, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
@@ -41,7 +42,7 @@ from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.text_preview import draw_text_preview, moving_digits_prompts, preview_text_encoder
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
-from dit_mcore.training.optim import build_optimizer, step_if_finite, wrap_data_parallel
+from dit_mcore.training.optim import build_optimizer, shard_fully, step_if_finite, wrap_data_parallel
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
@@ -97,15 +98,14 @@ class Trainer:
         # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
         shadow = self._build_model(config=_without_float8(self.model_config)).float()
         torch.set_rng_state(rng)
-        fsdp = cfg.parallel.fsdp == "torch"
+        fsdp = cfg.parallel.fsdp != "none"
         if not fsdp:
             self._materialize(parts, shadow)
         self.ddp_chunks = wrap_data_parallel(self.model, self.model_config, cfg.parallel,
                                              use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if fsdp:  # the EMA shadow is sharded like the model
-            from dit_mcore.parallel.fsdp import fsdp_groups, shard_module
-            for chunk in shadow:
-                shard_module(chunk, self.model_config, self.ddp_chunks[0].ddp_config, fsdp_groups())
+            self.shadow_chunks = shard_fully(shadow, self.model_config, self.ddp_chunks[0].ddp_config,
+                                             cfg.parallel.fsdp)
             self._materialize(parts, shadow)
         self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay)
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
@@ -145,10 +145,12 @@ class Trainer:
         the values a direct build gives; the shadow is only allocated (the EMA copies the model)."""
         if not self.meta_init:
             return
-        self.model.to_empty(device=self.device)
-        shadow.to_empty(device=self.device)
+        if self.cfg.parallel.fsdp != "megatron":  # (Megatron-FSDP allocated its shards when it wrapped)
+            self.model.to_empty(device=self.device)
+            shadow.to_empty(device=self.device)
         with torch.random.fork_rng(devices=[]):
             materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts)
+        publish_weights((self.model, shadow))
 
     def _build_data(self):
         cfg = self.cfg
@@ -417,6 +419,10 @@ class Trainer:
         return encode, prompts
 
     def preview(self) -> Optional[Path]:
+        with forward_view(self.ema.module):  # Megatron-FSDP: the shadow is called without its wrapper
+            return self._draw_preview()
+
+    def _draw_preview(self) -> Optional[Path]:
         if self.model_config.text_dim:
             encode, prompts = self.preview_text
             if encode is None or not prompts:
