@@ -5,7 +5,9 @@ Layouts that share a world size run one after another inside one spawn (a gloo w
 to start on 2 cores); the one-process references run in the pytest process.
 """
 import math
+import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,13 +126,18 @@ def _ema_samples(trainer: Trainer) -> torch.Tensor:
 
 
 def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool = False) -> dict:
-    """``steps`` steps from random weights; with ``samples``, EMA samples after ``STEPS`` steps."""
+    """``steps`` steps from random weights; with ``samples``, EMA samples after ``STEPS`` steps.
+    FSDP runs also save after their first step, and must train on exactly as if they had not."""
     trainer = Trainer(cfg)
     # Standard init is layout-independent: every chunk of every stage starts its conditioning
     # embedders like the one-process model.
     init = [_whole(next(chunk.t_embedder.parameters())) for chunk in trainer.model]
     _randomize(trainer)
-    history, samples = [trainer.train_step() for _ in range(STEPS)], _ema_samples(trainer) if samples else None
+    history = [trainer.train_step()]
+    if cfg.parallel.fsdp != "none":
+        trainer.save()
+    history += [trainer.train_step() for _ in range(STEPS - 1)]
+    samples = _ema_samples(trainer) if samples else None
     history += [trainer.train_step() for _ in range(steps - STEPS)]
     if save:
         trainer.save()
@@ -208,9 +215,7 @@ def _cases(world: int):
             ("cp2_a2a_fsdp2", {"context_parallel_size": 2, "cp_comm_type": "a2a", "fsdp": "torch"})]
     # Megatron-FSDP (megatron's own FSDP, uneven shards), each on the data that shows the most.
     megatron = {2: [("mfsdp2", "dense", {"fsdp": "megatron"}), ("mfsdp2", "packed", {"fsdp": "megatron"}),
-                    ("mfsdp2_meta_init", "dense", {"fsdp": "megatron", "meta_init": True}),
-                    ("mfsdp2_overlap", "packed", {"fsdp": "megatron", "overlap_grad_reduce": True,
-                                                  "overlap_param_gather": True})],
+                    ("mfsdp2_meta_init", "dense", {"fsdp": "megatron", "meta_init": True})],
                 4: [("mhsdp_2x2", "dense", {"fsdp": "megatron", "fsdp_shard_size": 2}),
                     ("tp2_sp_mfsdp2", "dense", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                                 "fsdp": "megatron"}),
@@ -405,7 +410,8 @@ def _model():
     ({"fsdp_shard_size": 2}, 4, "dense", "fsdp_shard_size=2 needs parallel.fsdp='torch'"),
     ({"fsdp": "torch", "fsdp_shard_size": 3}, 4, "dense", "fsdp_shard_size=3 must divide the 4 data x context"),
     ({"fsdp": "torch", "pipeline_model_parallel_size": 2}, 2, "dense", "does not combine with pipeline_model_parallel"),
-    ({"fsdp": "torch", "overlap_grad_reduce": True}, 2, "dense", "FSDP2 overlaps its own"),
+    ({"fsdp": "torch", "overlap_grad_reduce": True}, 2, "dense", "FSDP overlaps its own"),
+    ({"fsdp": "megatron", "overlap_param_gather": True}, 2, "dense", "Megatron-FSDP always"),
     ({"fsdp": "megatron", "pipeline_model_parallel_size": 2}, 2, "dense", "does not combine with pipeline_model"),
     ({"fsdp": "megatron", "fsdp_shard_size": 3}, 4, "dense", "fsdp_shard_size=3 must divide the 4 data x context"),
 ])
@@ -450,3 +456,46 @@ def test_fsdp_models_built_one_after_another_in_a_process(tmp_path):
         meshes = {p.device_mesh.get_group() for p in trainer.model[0].parameters()}
         assert meshes == {trainer.ddp_chunks[0].device_mesh.get_group()}, family
         assert math.isfinite(trainer.train_step()["grad_norm"])
+
+
+def _bf16(run_dir, **parallel) -> RunConfig:
+    cfg = layout_run(run_dir, "dense", **parallel)
+    cfg.trainer.bf16 = True
+    return cfg
+
+
+def _megatron_fsdp_bf16_worker(rank, world, run_dir):
+    trainer = Trainer(_bf16(f"{run_dir}/megatron", fsdp="megatron"))
+    trainer.save()  # before any update: no rank has optimizer state yet
+    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    newest = trainer.save()
+    losses.append(trainer.train_step()["loss"])
+    if rank == 0:  # the same checkpoints, the newest unreadable (garbage of the same size)
+        shutil.copytree(f"{run_dir}/megatron/checkpoints", f"{run_dir}/broken/checkpoints")
+        for f in (Path(run_dir) / "broken" / "checkpoints" / newest.name).glob("*.distcp"):
+            f.write_bytes(b"\0" * f.stat().st_size)
+    torch.distributed.barrier()
+    fallback = Trainer(_bf16(f"{run_dir}/broken", fsdp="megatron"))  # fails inside the load, then step 0
+    resumed = Trainer(_bf16(f"{run_dir}/one", fsdp="megatron"))  # a one-process checkpoint, into shards
+    return {"losses": losses, "resumed": (resumed.step, resumed.train_step()["loss"]),
+            "fallback": (fallback.step, fallback.train_step()["loss"])}
+
+
+def test_megatron_fsdp_bf16_checkpoints_resume_across_layouts(tmp_path):
+    """bf16 under Megatron-FSDP: its modules hold fp32 main weights and compute in bf16; its
+    checkpoints hold bf16 weights and fp32 main weights as a DDP run's do, so a step after resuming
+    one on one process (and a one-process checkpoint under Megatron-FSDP) is the step the
+    uninterrupted run takes. A checkpoint that fails to load under it falls back to the previous
+    one, which then trains on as the run did."""
+    one = Trainer(_bf16(tmp_path / "one"))
+    losses = [one.train_step()["loss"] for _ in range(STEPS)]
+    one.save()
+    losses.append(one.train_step()["loss"])
+    got = run_distributed(_megatron_fsdp_bf16_worker, 2, str(tmp_path))
+    resumed = Trainer(_bf16(tmp_path / "megatron"))
+    step, after = resumed.step, resumed.train_step()["loss"]
+    for result in got:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-3, atol=0)
+        assert result["resumed"] == (STEPS, losses[STEPS])
+        assert result["fallback"] == (0, result["losses"][0])
+    assert step == STEPS and after == got[0]["losses"][STEPS]

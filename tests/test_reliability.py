@@ -269,3 +269,16 @@ def test_a_checkpoint_corrupt_in_place_falls_back_to_the_previous_one(tmp_path, 
         resumed = Trainer(tiny_run(tmp_path, max_steps=6))
     assert resumed.step == 2
     assert f"checkpoint {newest} could not be loaded" in caplog.text
+
+
+@pytest.mark.parametrize("distopt", [False, True])
+def test_a_checkpoint_taken_before_the_first_step_resumes_exactly(tmp_path, distopt):
+    """Preempted before its first step, a run saves an optimizer that holds no Adam state yet (and
+    megatron writes no shared step for step 0); the rerun must load it, not fail over every
+    checkpoint, and take the same two steps."""
+    trainer = Trainer(tiny_run(tmp_path, max_steps=4, distopt=distopt))
+    trainer.save()
+    steps = [trainer.train_step() for _ in range(2)]
+    resumed = Trainer(tiny_run(tmp_path, max_steps=4, distopt=distopt))
+    assert resumed.step == 0 and resumed.last_saved == "step_00000000"
+    assert [resumed.train_step()["loss"] for _ in range(2)] == [s["loss"] for s in steps]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from typing import Optional
 
 import torch
@@ -119,7 +120,7 @@ def to_shards(modules) -> None:
 
 
 def publish_weights(modules) -> None:
-    """After writing into the sharded parameters outside the optimizer (loading, the EMA update),
+    """After writing into the sharded parameters outside the optimizer (loading, initialisation),
     make the forward see them: Megatron-FSDP computes with a buffer of model weights that its
     optimizer step refreshes from the sharded (main) parameters. FSDP2 computes with the shards
     themselves (a no-op)."""
@@ -130,17 +131,38 @@ def publish_weights(modules) -> None:
 @contextlib.contextmanager
 def forward_view(modules):
     """Inside, ``modules`` can be called directly, not through their data-parallel wrapper (the EMA
-    shadow drawing previews): Megatron-FSDP's ``forward`` first swaps in the parameters its hooks
-    gather (a private step of megatron's, with no public equivalent short of its forward); they are
-    the sharded ones again on exit. No-op otherwise."""
+    shadow drawing previews): Megatron-FSDP's weight buffers are refreshed from the sharded (main)
+    parameters (the EMA writes only those) and its ``forward``'s first step, swapping in the
+    parameters its hooks gather, is taken (a private step of megatron's, with no public equivalent
+    short of its forward); they are the sharded ones again on exit. No-op otherwise."""
     engines = _megatron_fsdp(modules)
+    publish_weights(modules)
     for engine in engines:
         engine._replace_param_with_raw_if_needed()
     try:
         yield
     finally:
-        for engine in engines:
-            engine.synchronize_param_gather()
+        errors = []
+        for engine in engines:  # each engine restored, even if another one fails
+            try:
+                engine.synchronize_param_gather()
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+        if errors and sys.exc_info()[1] is None:  # never mask the error that ended the block
+            raise errors[0]
+
+
+def sharded_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters in order, as this rank's local shards: under Megatron-FSDP its sharded
+    (main) weights, whatever the module shows now (gathered views from the forward until
+    :func:`to_shards`); under FSDP2 the ``DTensor``s' local parts; otherwise the tensors themselves."""
+    mains = {}
+    for prefix, m in module.named_modules():
+        engine = m.__dict__.get("_megatron_fsdp")
+        if engine is not None:
+            for name, p in engine.param_and_grad_buffer.optimizer_named_parameters:
+                mains[f"{prefix}.{name}" if prefix else name] = p
+    return [local(mains.get(name, p)) for name, p in module.named_parameters()]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -159,12 +181,30 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     states is swapped for a whole copy (gathered; one object per tensor, so megatron still matches
     optimizer states to parameters). With ``loading``, whatever was loaded into the whole copies is
     cut back into this rank's shards on exit. Costs one unsharded model and optimizer state per rank
-    while open; a no-op without FSDP. Yields the optimizer to checkpoint (see :func:`_checkpointable`)."""
+    while open; a no-op without FSDP. Yields a :class:`CheckpointView`.
+
+    Megatron-FSDP's module parameters are its fp32 main weights; when it computes in bf16 the
+    modules show bf16 copies instead and the optimizer is checkpointed as megatron's mixed-precision
+    optimizer (main weights as ``fp32_param``), as a DDP run writes it."""
     to_shards(modules)
     if not any(isinstance(p, DTensor) for module in modules for p in module.parameters()):
-        yield optimizer
+        yield CheckpointView(optimizer)
         return
     copies, pairs = {}, []  # id(shard) -> whole copy; (shard, whole) for the write-back
+    model_dtypes = _model_weight_dtypes(modules)  # Megatron-FSDP: main weight id -> compute dtype
+    casts = {}  # id(shard) -> whole copy in the compute dtype, shown by the module
+
+    def module_copy(x):
+        full = swap(x)
+        dtype = model_dtypes.get(id(x), full.dtype)
+        if dtype == full.dtype:
+            return full
+        if id(x) not in casts:
+            cast = torch.nn.Parameter(full.detach().to(dtype), requires_grad=full.requires_grad)
+            for attr, value in vars(full).items():
+                setattr(cast, attr, value)
+            casts[id(x)] = cast
+        return casts[id(x)]
 
     def swap(x):
         if not isinstance(x, DTensor):
@@ -185,14 +225,14 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     owners = [(m, name, p) for module in modules for m in module.modules()
               for name, p in m._parameters.items() if isinstance(p, DTensor)]
     for m, name, p in owners:
-        m._parameters[name] = swap(p)
+        m._parameters[name] = module_copy(p)
     saved = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
-        _state_for_empty_shards(inner)
+        _same_state_everywhere(opt)
         params = [group["params"] for group in inner.param_groups]
         groups = {name: getattr(opt, name) for name in _OPTIMIZER_GROUPS if hasattr(opt, name)}
-        saved.append((opt, inner, params, groups))
+        saved.append((opt, inner, params, groups, inner.state))
         for group in inner.param_groups:
             group["params"] = [swap(p) for p in group["params"]]
         # Gathered in parameter order, not in the order states were created (which differs by rank
@@ -204,54 +244,115 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
                                                      for p in ordered})
         for name, value in groups.items():
             setattr(opt, name, [[swap(p) for p in group] for group in value])
+    failed = False
     try:
-        yield _checkpointable(optimizer)
+        yield CheckpointView(_checkpointable(optimizer, {id(copies[key]): cast for key, cast in casts.items()}),
+                             restored_by_optimizer=set(casts))
+    except BaseException:
+        failed = True
+        raise
     finally:
+        # A load that failed on any rank leaves every rank's shards as they were (cutting would
+        # gather on some ranks only); the ranks agree on it first.
+        cut = loading and not _failed_anywhere(failed, owners[0][2].to_local().device)
         for m, name, p in owners:
             m._parameters[name] = p
-        for opt, inner, params, groups in saved:
-            back = {id(copies[id(p)]): p for group in params for p in group}
-            inner.state = collections.defaultdict(dict, {
-                back.get(id(p), p): {k: _shard_as(v, back[id(p)]) if loading and id(p) in back else v
-                                     for k, v in state.items()}
-                for p, state in inner.state.items()})
+        for opt, inner, params, groups, sharded_state in saved:
+            if cut:  # the loaded whole states, cut to this rank's shards
+                back = {id(copies[id(p)]): p for group in params for p in group}
+                inner.state = collections.defaultdict(dict, {
+                    back.get(id(p), p): {k: _shard_as(v, back[id(p)]) if id(p) in back else v
+                                         for k, v in state.items()}
+                    for p, state in inner.state.items()})
+            else:  # the sharded states as they were (training goes on with them)
+                inner.state = sharded_state
             for group, original in zip(inner.param_groups, params):
                 group["params"] = original
             for name, value in groups.items():
                 setattr(opt, name, value)
-        if loading:
+        if cut:
             with torch.no_grad():
                 for shard, full in pairs:
                     shard.to_local().copy_(_shard_as(full.detach(), shard).to_local())
+        elif loading and not failed:
+            raise RuntimeError("the checkpoint failed to load on another rank (see its error); nothing was loaded")
 
 
-def _state_for_empty_shards(inner: torch.optim.Optimizer) -> None:
+def _failed_anywhere(failed: bool, device: torch.device) -> bool:
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _same_state_everywhere(opt) -> None:
     """Megatron-FSDP may give a rank no rows of a parameter; torch's Adam then never sees a gradient
-    for it there and keeps no state (or a stale step), so ranks would gather different optimizer
-    states. Give such parameters the (empty) Adam state they stand for, at the step of the others."""
-    if not any(isinstance(p, DTensor) for group in inner.param_groups for p in group["params"]):
+    for it there and keeps no state, so ranks would gather different optimizer states. Give every
+    parameter the state megatron's ``init_state_fn`` gives a fresh one, and torch's Adam ``step``
+    (where a parameter's shard is empty or has none) the latest step any rank took; nothing before
+    the first step (no rank has state then)."""
+    inner = opt.optimizer
+    shards = [p for group in inner.param_groups for p in group["params"] if isinstance(p, DTensor)]
+    if not shards:
         return
-    steps = [float(state["step"]) for state in inner.state.values() if "step" in state]
-    step = torch.tensor([max(steps, default=0.0)])
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank may hold rows of no parameter at all
+    steps = [state["step"] for state in inner.state.values() if torch.is_tensor(state.get("step"))]
+    latest = torch.tensor([max((float(s) for s in steps), default=-1.0)], device=shards[0].to_local().device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MAX)  # on the shards' device: NCCL reduces no host tensors
+    latest = latest.item()
+    if latest < 0:
+        return
+    if getattr(opt, "init_state_fn", None) is not None:
+        opt.init_state_fn(inner, opt.config)
+    like = steps[0] if steps else torch.tensor(0.0)  # torch's Adam keeps its step on the host (or fused: device)
     for group in inner.param_groups:
         for p in group["params"]:
-            if isinstance(p, DTensor) and p.to_local().numel() == 0:
-                state = inner.state[p]
-                state["step"] = step[0].clone()
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in state:
-                        state[key] = torch.zeros_like(p)
+            state = inner.state[p]
+            if isinstance(p, DTensor) and (p.to_local().numel() == 0 or "step" not in state):
+                state["step"] = torch.full_like(like, latest)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state.setdefault(key, torch.zeros_like(p))
 
 
-def _checkpointable(optimizer):
+class CheckpointView:
+    """What :func:`whole_checkpoint_view` yields: the optimizer to checkpoint, and how to load a
+    module's state after the view (cut to the shards, leaving out parameters whose fp32 main
+    weights the optimizer already restored)."""
+
+    def __init__(self, optimizer, restored_by_optimizer: frozenset = frozenset()):
+        self.optimizer = optimizer
+        self._restored = restored_by_optimizer
+
+    def load_module(self, module: torch.nn.Module, state_dict: dict) -> None:
+        own = dict(module.named_parameters())
+        kept = {name: own[name] if name in own and id(own[name]) in self._restored else value
+                for name, value in state_dict.items()}
+        module.load_state_dict(shard_like(kept, module))
+
+
+def _model_weight_dtypes(modules) -> dict:
+    """id(sharded main weight) -> dtype the forward computes in, for Megatron-FSDP modules."""
+    return {id(main): engine.raw_param[name].dtype for engine in _megatron_fsdp(modules)
+            for name, main in engine.param_and_grad_buffer.optimizer_named_parameters if name in engine.raw_param}
+
+
+def _checkpointable(optimizer, model_copies: dict):
     """Megatron-FSDP's distributed optimizer checkpoints only in torch DCP's ``fsdp_dtensor`` format;
-    what it optimizes is torch's Adam over the sharded parameters, whole inside the view: exactly
-    what megatron's ``FP32Optimizer`` checkpoints in one process (same keys, any layout)."""
+    what it optimizes is torch's Adam over the sharded (fp32 main) parameters, whole inside the view:
+    exactly what megatron's ``FP32Optimizer`` checkpoints in one process, or, with ``model_copies``
+    (id(whole main weight) -> the module's bf16 copy), its mixed-precision optimizer (same keys as
+    a DDP run, any layout)."""
     if not getattr(getattr(optimizer, "ddp_config", None), "use_megatron_fsdp", False):
         return optimizer
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-    return FP32Optimizer(optimizer.optimizer, optimizer.config, optimizer.init_state_fn)
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
+    if not model_copies:
+        return FP32Optimizer(optimizer.optimizer, optimizer.config, optimizer.init_state_fn)
+    # The mixed-precision optimizer's state-dict methods over these groups; its constructor would
+    # make new main weights, so only the base class is initialised.
+    view = Float16OptimizerWithFloat16Params.__new__(Float16OptimizerWithFloat16Params)
+    MegatronOptimizer.__init__(view, optimizer.optimizer, optimizer.config, optimizer.init_state_fn)
+    view.grad_scaler = None
+    view.fp32_from_float16_groups = [list(group["params"]) for group in optimizer.optimizer.param_groups]
+    view.float16_groups = [[model_copies[id(p)] for p in group] for group in view.fp32_from_float16_groups]
+    return view
 
 
 def shard_like(state_dict: dict, module: torch.nn.Module) -> dict:

@@ -174,9 +174,8 @@ def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: b
          "parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
         (use_distributed_optimizer, "optim.use_distributed_optimizer=True",
          "FSDP already shards the optimizer state; set optim.use_distributed_optimizer=False"),
-        (p.fsdp == "torch" and (p.overlap_grad_reduce or p.overlap_param_gather),
-         "overlap_grad_reduce / overlap_param_gather",
-         "FSDP2 overlaps its own gathers and reductions; set both to False (Megatron-FSDP takes them)"),
+        (p.overlap_grad_reduce or p.overlap_param_gather, "overlap_grad_reduce / overlap_param_gather",
+         "FSDP overlaps its own gathers and reductions (Megatron-FSDP always); set both to False"),
     ]
     for refused, what, fix in refusals:
         if refused:

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from dit_mcore.config import ConfigError
-from dit_mcore.parallel.fsdp import publish_weights, shard_like, whole_checkpoint_view
+from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
 from dit_mcore.training import torch_optimizer
 from energon_data.lifetime import helper_init, preemption_signals_blocked
 
@@ -166,8 +166,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as whole_optimizer:  # FSDP: global keys
-        state = sharded_state(model, ema_model, whole_optimizer, extra=extra, per_rank={**per_rank, "rng": rng_state()})
+    if torch_optimizer.uses_torch_optimizer():  # before the first step: the (zero) state a load expects
+        torch_optimizer.init_adam_state(optimizer)
+    with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
+        state = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank={**per_rank, "rng": rng_state()})
         request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
 
     def publish():
@@ -248,13 +250,13 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
     if torch_optimizer.uses_torch_optimizer():
         torch_optimizer.init_adam_state(optimizer)
     rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
-    with whole_checkpoint_view((model, ema_model), optimizer, loading=True) as whole_optimizer:  # FSDP: into whole copies
-        template = sharded_state(model, ema_model, whole_optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
+    with whole_checkpoint_view((model, ema_model), optimizer, loading=True) as view:  # FSDP: into whole copies
+        template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
         refuse_other_model(path, template["ema"], saved_arch, arch or {})
         loaded = dist_checkpointing.load(template, str(path))
-        whole_optimizer.load_state_dict(loaded.pop("optimizer"))
-    model.load_state_dict(shard_like(loaded.pop("model"), model))
-    ema_model.load_state_dict(shard_like({k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()}, ema_model))
+        view.optimizer.load_state_dict(loaded.pop("optimizer"))
+    view.load_module(model, loaded.pop("model"))
+    view.load_module(ema_model, {k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()})
     publish_weights((model, ema_model))  # Megatron-FSDP: the forward's weight buffers
     if restore_rng:
         set_rng_state(loaded.pop("rank_rng"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dit_mcore.parallel.fsdp import local, publish_weights, to_shards
+from dit_mcore.parallel.fsdp import publish_weights, sharded_parameters, to_shards
 
 
 class EMA:
@@ -36,12 +36,12 @@ class EMA:
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
         """Fold in the weights after optimizer step ``step`` (0-based): one foreach lerp over all
-        parameters (a few fused kernels on GPU instead of one launch per parameter), in fp32."""
-        to_shards((model, self.module))
-        shadow = [local(p) for p in self.module.parameters()]  # FSDP: this rank's shards
-        params = [local(p.detach()).float() for p in model.parameters()]
+        parameters (a few fused kernels on GPU instead of one launch per parameter), in fp32. Under
+        FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only when the
+        shadow is called (``fsdp.forward_view``), not every step."""
+        shadow = sharded_parameters(self.module)
+        params = [p.detach().float() for p in sharded_parameters(model)]
         if len(params) != len(shadow):
             raise ValueError(f"EMA.update: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")
         torch._foreach_lerp_(shadow, params, 1.0 - self.decay_at(step))
-        publish_weights(self.module)

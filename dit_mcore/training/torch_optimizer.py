@@ -1,7 +1,7 @@
 """Fixes to megatron-core's pure-torch optimizer fallbacks, on any device.
 
 Without apex or Transformer Engine (a plain ``pip install`` on a GPU box, or the CPU) megatron-core
-0.16.1 steps with torch's Adam and replaces apex's multi-tensor kernels by its own stand-ins. Three
+0.16.1 steps with torch's Adam and replaces apex's multi-tensor kernels by its own stand-ins. Four
 of those break or slow a run, on a GPU as much as on the CPU:
 
 - **Grad norm.** Its stand-in for apex's ``multi_tensor_l2norm`` builds the norm from host floats:
@@ -9,12 +9,17 @@ of those break or slow a run, on a GPU as much as on the CPU:
   foreach kernels, no host read).
 - **Adam state before a load.** torch's Adam state is empty until the first step, but the
   distributed optimizer's ``sharded_state_dict(is_loading=True)`` asserts one ``step`` value:
-  :func:`init_adam_state` fills a fresh optimizer's state before a checkpoint is read.
+  :func:`init_adam_state` fills a fresh optimizer's state before a checkpoint is read, and before
+  one is written (a checkpoint taken before the first step, e.g. on preemption, would otherwise
+  hold no Adam state and fail to load).
 - **Adam state on load.** The ``fully_reshardable`` load copies a ``step`` key that checkpoints
   never hold (the step comes back through ``param_groups``; copying the template's 0 would reset
   Adam's bias correction), and ``load_state_dict`` hands every parameter the same ``step`` tensor,
   which torch's Adam then increments once per parameter. The load skips absent keys and gives each
   parameter its own ``step``.
+- **Adam step 0.** megatron writes the shared ``step`` of its non-distributed optimizers only when
+  it is nonzero (``if step:``), so the states of a checkpoint taken before the first step come
+  back without one, and torch's Adam refuses them. The load gives them step 0.
 
 :func:`apply_fixes` installs them (idempotent) where megatron fell back to its own stand-ins, and
 leaves apex's and TE's kernels alone.
@@ -62,6 +67,7 @@ def apply_fixes() -> bool:
     if _applied or not uses_torch_optimizer():
         return _applied
     _load_adam_state_per_parameter()
+    _load_step_zero()
     _applied = True
     return True
 
@@ -96,3 +102,21 @@ def _load_adam_state_per_parameter() -> None:
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _load_step_zero() -> None:
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+
+    def patched(original, optimizer_keys):
+        def load_state_dict(self, state_dict):
+            inner = next((state_dict[key] for key in optimizer_keys if key in state_dict), state_dict)
+            if "common_step" not in inner["state"]:  # written at step 0 (megatron's ``if step:``)
+                for state in inner["state"].values():
+                    if isinstance(state, dict) and state and "step" not in state:
+                        state["step"] = torch.tensor(0.0)
+            return original(self, state_dict)
+        return load_state_dict
+
+    FP32Optimizer.load_state_dict = patched(FP32Optimizer.load_state_dict, ())
+    Float16OptimizerWithFloat16Params.load_state_dict = patched(
+        Float16OptimizerWithFloat16Params.load_state_dict, ("optimizer", "optimizer_state_dict"))

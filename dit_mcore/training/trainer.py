@@ -30,7 +30,7 @@ from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.models.text import TextContext
-from dit_mcore.parallel.fsdp import forward_view, publish_weights
+from dit_mcore.parallel.fsdp import forward_view, local, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt
@@ -151,6 +151,11 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts)
         publish_weights((self.model, shadow))
+        left = [name for module in (self.model, shadow) for name, t in (*module.named_parameters(),
+                                                                         *module.named_buffers()) if local(t).is_meta]
+        if left:
+            raise RuntimeError(f"the meta-device build left {len(left)} tensors unallocated (first: {left[0]}); "
+                               "a module the sharding wrapper does not allocate needs a reset_parameters method")
 
     def _build_data(self):
         cfg = self.cfg
@@ -181,6 +186,7 @@ class Trainer:
         """Resume from the newest checkpoint that loads: one that passes the size check but fails
         to load (corrupt in place) is reported and the previous one is tried, on every rank alike."""
         from energon_data.loader import DataResumeError
+        from torch.distributed.checkpoint.api import CheckpointException
         tried = []
         for path in ckpt.intact_checkpoints(self.ckpt_dir):
             try:
@@ -188,8 +194,8 @@ class Trainer:
                 error = None
             except (ConfigError, DataResumeError):  # another model, another data layout: the user's call
                 raise
-            except Exception as e:  # noqa: BLE001 -- any load failure falls back to the previous one
-                error = e
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any load failure falls back
+                error = e  # (torch's CheckpointException, an unreadable shard, is a BaseException)
             failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not failed.item():

@@ -195,8 +195,7 @@ def run_problems(cfg, world_size: int) -> list[str]:
         if cfg.model.fp8 and not cfg.trainer.bf16 and torch.cuda.is_available():
             raise ConfigError(f"model.fp8={cfg.model.fp8!r} needs trainer.bf16=True on a GPU (float8 GEMMs with fp32 "
                               "outputs are not supported on every GPU); set trainer.bf16=True")
-        if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer \
-                and cfg.parallel.fsdp != "megatron":  # Megatron-FSDP gathers its own shards
+        if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                               "(only sharded parameters are gathered)")
         cfg.data.num_microbatches(cfg.parallel.data_parallel_size(world_size))
