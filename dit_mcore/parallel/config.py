@@ -37,6 +37,11 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """megatron DDP with the distributed optimizer: gather updated parameters during the next
     forward (the EMA update forces the gather first, so the EMA sees the new weights)."""
+    tp_comm_overlap: bool = False
+    """Transformer Engine: overlap the sequence-parallel all-gathers and reduce-scatters with the
+    linears' GEMMs (userbuffers). Needs TE on a GPU (``model.backend`` te or auto), TP > 1 with
+    ``sequence_parallel``, bf16, dense fixed-length micro-batches and a model without text
+    cross-attention (TE has no userbuffer for its projections)."""
     expert_model_parallel_size: int = 1
     """MoE: ranks the experts of each layer are spread over (tokens travel by all-to-all)."""
     expert_tensor_parallel_size: Optional[int] = None

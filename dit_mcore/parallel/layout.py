@@ -33,6 +33,7 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
     _check_pipeline(p, model.num_layers, data, world_size)
     _check_experts(p, model.num_moe_experts, world_size)
     _check_token_split(p, model, data)
+    _check_tp_comm_overlap(p, model, data)
     _check_fsdp(p, world_size, use_distributed_optimizer)
 
 
@@ -155,6 +156,22 @@ def _check_token_split(p: ParallelConfig, model, data) -> None:
         if (side * side) % shards:
             raise ConfigError(f"dense images of {field}={size} (patch {model.patch_size}) have {side * side} "
                               f"tokens, not a multiple of {shards}: {why}; change the image size or the layout")
+
+
+def _check_tp_comm_overlap(p: ParallelConfig, model, data) -> None:
+    """The layout side of ``tp_comm_overlap`` (TE and the GPU are checked with the rest of the run)."""
+    if not p.tp_comm_overlap:
+        return
+    if p.tensor_model_parallel_size == 1 or not p.sequence_parallel:
+        raise ConfigError("parallel.tp_comm_overlap=True overlaps sequence parallelism's all-gathers and "
+                          "reduce-scatters: it needs parallel.tensor_model_parallel_size > 1 and "
+                          "parallel.sequence_parallel=True; set them, or tp_comm_overlap=False")
+    if data.packs or data.uses_energon:
+        raise ConfigError("parallel.tp_comm_overlap=True sizes TE's userbuffers once for a fixed micro-batch, "
+                          "and packed streams vary in length: train on dense images, or set it to False")
+    if getattr(model, "text_dim", None):
+        raise ConfigError("parallel.tp_comm_overlap=True covers the class-conditional DiT (model.family=dit): "
+                          "TE has no userbuffer for the text cross-attention's projections; set it to False")
 
 
 def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: bool) -> None:

@@ -123,6 +123,7 @@ class ModelConfig:
                       cp_comm_type=parallel.cp_comm_type,
                       hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
                       sequence_parallel=parallel.sequence_parallel,
+                      tp_comm_overlap=parallel.tp_comm_overlap,
                       expert_model_parallel_size=parallel.expert_model_parallel_size,
                       expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
                       bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,

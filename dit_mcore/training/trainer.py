@@ -30,6 +30,7 @@ from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.models.text import TextContext
+from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.fsdp import forward_view, local, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
@@ -83,6 +84,10 @@ class Trainer:
         self.objective = build_objective(cfg.diffusion.objective)
         if self.model_config.num_moe_experts:
             reset_moe_state()
+        if cfg.parallel.tp_comm_overlap:  # TE's userbuffers, before the first forward
+            tp_comm_overlap.initialize_userbuffers(
+                tp_comm_overlap.userbuffer_shape(cfg.data, self.model_config, self.dp_size),
+                cfg.parallel.tensor_model_parallel_size, self.compute_dtype)
 
         # This rank's pipeline chunks (one without VPP) and the EMA shadow; with
         # model.init_model_with_meta_device both start on the meta device and are filled part by
@@ -96,7 +101,7 @@ class Trainer:
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         # The EMA shadow (fp32, previews) multiplies in full precision: float8 is a training speed-up,
         # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
-        shadow = self._build_model(config=_without_float8(self.model_config)).float()
+        shadow = self._build_model(config=_shadow_config(self.model_config)).float()
         torch.set_rng_state(rng)
         fsdp = cfg.parallel.fsdp != "none"
         if not fsdp:
@@ -445,13 +450,15 @@ class Trainer:
                             decoder=self.preview_decoder)
 
 
-def _without_float8(config):
-    """``config`` with full-precision linears; a copy, since re-running megatron's ``__post_init__``
-    (``dataclasses.replace``) is not idempotent."""
-    if config.float8_recipe is None:
+def _shadow_config(config):
+    """``config`` for the EMA shadow: full-precision linears and no TP userbuffers (previews run
+    other batch shapes than the buffers were sized for); a copy, since re-running megatron's
+    ``__post_init__`` (``dataclasses.replace``) is not idempotent."""
+    if config.float8_recipe is None and not config.tp_comm_overlap:
         return config
     config = copy.copy(config)
     config.float8_recipe = None
+    config.tp_comm_overlap = False
     return config
 
 

@@ -24,6 +24,7 @@ from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.data import moving_digits_text_encoder
+from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
 
 BACKENDS = ("auto", "local", "te")
@@ -195,6 +196,8 @@ def run_problems(cfg, world_size: int) -> list[str]:
         if cfg.model.fp8 and not cfg.trainer.bf16 and torch.cuda.is_available():
             raise ConfigError(f"model.fp8={cfg.model.fp8!r} needs trainer.bf16=True on a GPU (float8 GEMMs with fp32 "
                               "outputs are not supported on every GPU); set trainer.bf16=True")
+        if cfg.parallel.tp_comm_overlap:
+            tp_comm_overlap.check_run(cfg.model, cfg.trainer.bf16)
         if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                               "(only sharded parameters are gathered)")
