@@ -12,8 +12,9 @@ backward. Three things megatron's wrapper leaves to its caller are done here:
   inter-instance group replicates);
 - checkpoints stay megatron ``dist_checkpointing`` checkpoints with global keys, so an FSDP run
   resumes under any other layout and the other way round: while a checkpoint is written or read
-  the model and optimizer are viewed whole (:func:`whole_checkpoint_view`), and loaded whole
-  tensors are cut back to this rank's shards. (megatron's own FSDP2 checkpoint path writes the
+  the model and optimizer are viewed whole (:func:`whole_checkpoint_view`); a save writes each
+  rank's rows of those whole tensors (never gathered), a load reads whole tensors and cuts them back
+  to this rank's shards. (megatron's own FSDP2 checkpoint path writes the
   shards directly but assumes every dim 0 divides evenly and matches optimizer states to
   parameters by the identity of ``to_local()`` views, which are new objects each call.)
 """
@@ -178,10 +179,12 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     """Inside, FSDP-sharded ``modules`` and ``optimizer`` look like their unsharded selves, so
     megatron builds (and loads into) the same sharded state dict as under any other layout: every
     ``DTensor`` among the modules' parameters and the optimizer's parameters, main weights and
-    states is swapped for a whole copy (gathered; one object per tensor, so megatron still matches
-    optimizer states to parameters). With ``loading``, whatever was loaded into the whole copies is
-    cut back into this rank's shards on exit. Costs one unsharded model and optimizer state per rank
-    while open; a no-op without FSDP. Yields a :class:`CheckpointView`.
+    states is swapped for a whole-shape stand-in (one object per tensor, so megatron still matches
+    optimizer states to parameters). Saving, the stand-ins are placeholders on the meta device, and
+    :meth:`CheckpointView.localize` turns the state dict built over them into this rank's rows (no
+    memory beyond the shards). With ``loading`` they are gathered whole copies, and whatever was
+    loaded into them is cut back into this rank's shards on exit (one unsharded model and optimizer
+    state per rank while open). A no-op without FSDP. Yields a :class:`CheckpointView`.
 
     Megatron-FSDP's module parameters are its fp32 main weights; when it computes in bf16 the
     modules show bf16 copies instead and the optimizer is checkpointed as megatron's mixed-precision
@@ -191,6 +194,7 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
         yield CheckpointView(optimizer)
         return
     copies, pairs = {}, []  # id(shard) -> whole copy; (shard, whole) for the write-back
+    sources = {}  # saving: id(placeholder) -> (shard, dtype to write it in, or None)
     model_dtypes = _model_weight_dtypes(modules)  # Megatron-FSDP: main weight id -> compute dtype
     casts = {}  # id(shard) -> whole copy in the compute dtype, shown by the module
 
@@ -204,20 +208,27 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
             for attr, value in vars(full).items():
                 setattr(cast, attr, value)
             casts[id(x)] = cast
+            if not loading:
+                sources[id(cast)] = (x, dtype)
         return casts[id(x)]
 
     def swap(x):
         if not isinstance(x, DTensor):
             return x
         if id(x) not in copies:
-            full = whole(x)
+            # Loading gathers the whole tensor to load into; saving needs only its shape (a
+            # placeholder on the meta device, written as this rank's rows by CheckpointView.localize).
+            full = whole(x) if loading else torch.empty(unsharded_shape(x), dtype=x.dtype, device="meta")
             if isinstance(x, torch.nn.Parameter):
                 full = torch.nn.Parameter(full, requires_grad=x.requires_grad)
                 for attr, value in vars(x).items():  # megatron's tensor/pipeline-parallel tags
                     if not attr.startswith("_"):
                         setattr(full, attr, value)
             copies[id(x)] = full
-            pairs.append((x, full))
+            if loading:
+                pairs.append((x, full))
+            else:
+                sources[id(full)] = (x, None)
         return copies[id(x)]
 
     # Module parameters, swapped in place: FSDP2's state-dict hook only reshards an unsharded
@@ -247,7 +258,7 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     failed = False
     try:
         yield CheckpointView(_checkpointable(optimizer, {id(copies[key]): cast for key, cast in casts.items()}),
-                             restored_by_optimizer=set(casts))
+                             restored_by_optimizer=set(casts), sources=sources)
     except BaseException:
         failed = True
         raise
@@ -317,15 +328,81 @@ class CheckpointView:
     module's state after the view (cut to the shards, leaving out parameters whose fp32 main
     weights the optimizer already restored)."""
 
-    def __init__(self, optimizer, restored_by_optimizer: frozenset = frozenset()):
+    def __init__(self, optimizer, restored_by_optimizer: frozenset = frozenset(), sources: Optional[dict] = None):
         self.optimizer = optimizer
         self._restored = restored_by_optimizer
+        self._sources = sources or {}
+
+    def localize(self, state: dict) -> dict:
+        """Saving: every ``ShardedTensor`` of ``state`` built over a whole-shape placeholder becomes the
+        rows this rank holds (no rank gathers a whole tensor): fragments of a common row count,
+        placed at their global offsets, written once per HSDP replica group. The exception is a
+        ``ShardedTensorFactory`` (megatron's split of a SwiGLU ``fc1``), which is given the gathered
+        tensor to cut. Returns ``state``."""
+        if not self._sources:
+            return state
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        _, replicate = fsdp_groups()
+        replica = replicate.rank() if replicate is not None else 0
+
+        def localized(value):
+            if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or value.data is None \
+                    or not value.data.is_meta:
+                return value
+            if id(value.data) not in self._sources:
+                raise RuntimeError(f"checkpoint key {value.key}: a placeholder with no FSDP shard behind it")
+            shard, dtype = self._sources[id(value.data)]
+            if isinstance(value, ShardedTensorFactory):  # megatron cuts the whole tensor itself (SwiGLU's
+                data = whole(shard)  # fc1 into its two halves): that tensor alone is gathered
+                value.data = data if dtype is None else data.to(dtype)
+                return value
+            return _row_fragments(value, shard, dtype, replica)
+        return dict_list_map_inplace(localized, state)
 
     def load_module(self, module: torch.nn.Module, state_dict: dict) -> None:
         own = dict(module.named_parameters())
         kept = {name: own[name] if name in own and id(own[name]) in self._restored else value
                 for name, value in state_dict.items()}
         module.load_state_dict(shard_like(kept, module))
+
+
+def _row_fragments(tensor, shard: DTensor, dtype, replica: int):
+    """``tensor`` (a ``ShardedTensor`` of the whole, FSDP-unsharded shape) as the rows ``shard``
+    holds here. FSDP cuts dim 0 anywhere (Megatron-FSDP) or as ``torch.chunk`` does, and megatron's
+    checkpoints describe a tensor as a grid of equal chunks, so the rows go out in chunks of the
+    greatest common divisor of all ranks' boundaries (one chunk per rank when the rows divide evenly)."""
+    import dataclasses
+    import math
+    layout = _fsdp_rows(shard)
+    if layout is None:  # not row shards: gathered, as a whole copy
+        data = whole(shard)
+        return dataclasses.replace(tensor, data=data if dtype is None else data.to(dtype))
+    offsets, _, rank, shape = layout
+    rows, axis = shape[0], tensor.prepend_axis_num
+    if tensor.local_shape[0] != rows:
+        raise RuntimeError(f"checkpoint key {tensor.key}: {tensor.local_shape[0]} rows, the shards hold {rows}")
+    step = math.gcd(*offsets)
+    local = shard.to_local().detach()
+    local = local if dtype is None else local.to(dtype)
+    replica_id = (*tensor.replica_id[:-1], replica) if isinstance(tensor.replica_id, tuple) else replica
+    fragments = []
+    for row in range(offsets[rank], offsets[rank + 1], step):
+        offset, grid = list(tensor.global_offset), list(tensor.axis_fragmentations)
+        offset[axis] += row
+        grid[axis] *= rows // step
+        fragments.append(dataclasses.replace(
+            tensor, data=local[row - offsets[rank]: row - offsets[rank] + step], local_shape=(step, *tensor.local_shape[1:]),
+            global_offset=tuple(offset), axis_fragmentations=tuple(grid), replica_id=replica_id))
+    if not fragments:  # no rows here (Megatron-FSDP): a copy of the first chunk that is never written,
+        # since an empty entry would be saved as this key's (common) value
+        grid = list(tensor.axis_fragmentations)
+        grid[axis] *= rows // step
+        fragments.append(dataclasses.replace(
+            tensor, data=local.new_zeros((step, *tensor.local_shape[1:])), local_shape=(step, *tensor.local_shape[1:]),
+            axis_fragmentations=tuple(grid), replica_id=(*tensor.replica_id[:-1], replica + 1)
+            if isinstance(tensor.replica_id, tuple) else replica + 1))
+    return fragments[0] if len(fragments) == 1 else fragments
 
 
 def _model_weight_dtypes(modules) -> dict:

@@ -169,7 +169,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
     if torch_optimizer.uses_torch_optimizer():  # before the first step: the (zero) state a load expects
         torch_optimizer.init_adam_state(optimizer)
     with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
-        state = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank={**per_rank, "rng": rng_state()})
+        state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra,
+                                            per_rank={**per_rank, "rng": rng_state()}))
         request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
 
     def publish():
