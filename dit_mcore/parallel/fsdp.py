@@ -385,23 +385,20 @@ def _row_fragments(tensor, shard: DTensor, dtype, replica: int):
     step = math.gcd(*offsets)
     local = shard.to_local().detach()
     local = local if dtype is None else local.to(dtype)
-    replica_id = (*tensor.replica_id[:-1], replica) if isinstance(tensor.replica_id, tuple) else replica
-    fragments = []
-    for row in range(offsets[rank], offsets[rank + 1], step):
-        offset, grid = list(tensor.global_offset), list(tensor.axis_fragmentations)
+    grid = list(tensor.axis_fragmentations)
+    grid[axis] *= rows // step
+
+    def chunk(data, row: int, replica_rank: int):  # ``step`` rows at ``row`` of this TP slice
+        offset = list(tensor.global_offset)
         offset[axis] += row
-        grid[axis] *= rows // step
-        fragments.append(dataclasses.replace(
-            tensor, data=local[row - offsets[rank]: row - offsets[rank] + step], local_shape=(step, *tensor.local_shape[1:]),
-            global_offset=tuple(offset), axis_fragmentations=tuple(grid), replica_id=replica_id))
+        replica_id = (*tensor.replica_id[:-1], replica_rank) if isinstance(tensor.replica_id, tuple) else replica_rank
+        return dataclasses.replace(tensor, data=data, local_shape=(step, *tensor.local_shape[1:]), global_offset=tuple(offset),
+                                   axis_fragmentations=tuple(grid), replica_id=replica_id)
+    start, end = offsets[rank], offsets[rank + 1]
+    fragments = [chunk(local[row - start: row - start + step], row, replica) for row in range(start, end, step)]
     if not fragments:  # no rows here (Megatron-FSDP): a copy of the first chunk that is never written,
         # since an empty entry would be saved as this key's (common) value
-        grid = list(tensor.axis_fragmentations)
-        grid[axis] *= rows // step
-        fragments.append(dataclasses.replace(
-            tensor, data=local.new_zeros((step, *tensor.local_shape[1:])), local_shape=(step, *tensor.local_shape[1:]),
-            axis_fragmentations=tuple(grid), replica_id=(*tensor.replica_id[:-1], replica + 1)
-            if isinstance(tensor.replica_id, tuple) else replica + 1))
+        fragments.append(chunk(local.new_zeros((step, *tensor.local_shape[1:])), 0, replica + 1))
     return fragments[0] if len(fragments) == 1 else fragments
 
 
