@@ -11,9 +11,13 @@
 #   grid    DiT-XL/2 throughput grid with --autotune and diffusers side by side (goals: 2x, 50% MFU)
 #   packed  a ~3B text-conditioned DiT on 8k-token packed video latents (goal: 55% MFU)
 #   stall   checkpoint stall per save, synchronous vs asynchronous, at DiT-XL/2 size
+#   short   what one 15-minute lease measures in one call (~9 min, each part capped by `timeout`, results
+#           copied under $OUT as each part ends): FP8/compile/resume GPU tests, the 3B packed point (batch 2,
+#           bf16 vs FP8 tensorwise), DiT-XL/2 bf16 vs FP8 tensorwise/rowwise (SKIP_XL=1 leaves it out);
+#           plots come back as one tarball
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -33,10 +37,26 @@ case "$phase" in
       --recompute none,selective --dtype bf16 --diffusers --autotune --warmup 5 --steps 15 \
       --out "$out/throughput_grid.jsonl" ;;
   packed)
-    python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --packed-lens 8192 --batches 1,2 --compile 1 \
-      --recompute none,selective --dtype bf16 --warmup 4 --steps 10 --out "$out/throughput_packed.jsonl" ;;
+    python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" --packed-lens 8192 \
+      --batches 1,2 --compile 1 --recompute none,selective --dtype bf16 --warmup 4 --steps 10 --out "$out/throughput_packed.jsonl" ;;
   stall)
     python3 benchmarks/checkpoint_stall.py --hidden 1152 --layers 28 2>&1 | tee "$out/checkpoint_stall.txt" ;;
+  short)
+    work=/tmp/gpu_short; mkdir -p "$work"
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_compile.py \
+      tests/test_gpu_training.py::test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu \
+      2>&1 | tee "$out/tests.txt" | tail -n 15 || true
+    timeout 220 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --fp8 none,tensorwise --warmup 6 --steps 8 \
+      --out "$work/throughput_packed.jsonl" 2>&1 | grep -v -i warn | tail -n 25 || true
+    cp "$work"/throughput_packed.jsonl "$out"/ 2>/dev/null || true
+    if [ -z "${SKIP_XL:-}" ]; then
+      timeout 230 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+        --dtype bf16 --fp8 none,tensorwise,rowwise --warmup 6 --steps 15 --out "$work/throughput_fp8.jsonl" 2>&1 \
+        | grep -v -i warn | tail -n 25 || true
+      cp "$work"/throughput_fp8.jsonl "$out"/ 2>/dev/null || true
+    fi
+    tar czf "$out/plots.tgz" -C "$work" . ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;
 esac

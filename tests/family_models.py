@@ -12,7 +12,7 @@ def randomize(model, std: float = 0.1):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * std)  # the same noise on any device
     return model
 
 

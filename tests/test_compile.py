@@ -45,3 +45,43 @@ def test_compiled_text_families_train_as_eager(tmp_path, family, preset):
         return losses(Trainer(cfg).fit())
     torch.testing.assert_close(torch.tensor(run("compiled", True)), torch.tensor(run("eager", False)), rtol=1e-5,
                                atol=0)
+
+
+def test_a_compiled_layer_takes_a_new_packing_without_recompiling():
+    """Packed micro-batches differ in their sample boundaries (host ints): attention runs them outside
+    the layer's graphs, so a new packing reuses the compiled layer (traced, each new packing would
+    recompile it until dynamo's limit, then run eager; seen on an H200 at a third of the speed)."""
+    import torch._dynamo
+
+    from megatron_env import single_process_world
+    from dit_mcore.config import preset
+    from dit_mcore.models import build_model
+    from dit_mcore.models.core_attention import KernelsPackedSeqParams
+    from dit_mcore.models.modulation import Conditioning
+    from kernels.local_attention import Segments
+
+    single_process_world()
+    torch._dynamo.reset()
+    cfg = preset("tiny")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = build_model(cfg).layers[0].to(device)  # outside a trainer some parts are built on the host
+    layer.compile()
+    tokens = 24
+
+    def step(lens):
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        ends = [a + n for a, n in zip(starts, lens)]
+        cu = torch.tensor([0, *ends], dtype=torch.int32, device=device)
+        params = KernelsPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                                        max_seqlen_kv=max(lens), segments=Segments(tuple(starts), tuple(ends),
+                                                                                   tuple(starts), tuple(ends)))
+        to_sample = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+        hidden = torch.randn(tokens, 1, cfg.hidden_size, device=device, requires_grad=True)
+        cond = Conditioning(torch.randn(len(lens), cfg.hidden_size, device=device), to_sample)
+        layer(hidden, cond, packed_seq_params=params).sum().backward()
+
+    step([8, 8, 8])
+    step([4, 8, 12])  # a second layout may generalise sizes once (dynamo's automatic dynamic shapes)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for lens in ([12, 6, 6], [2, 20, 2], [6, 6, 12]):
+            step(lens)

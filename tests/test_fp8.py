@@ -54,12 +54,16 @@ def test_float8_forward_and_backward_stay_within_float8_error_of_full_precision(
     """Random weights (so every layer shows): the FP8 model's output and gradients differ from the
     same weights in fp32 by float8's rounding -- more than fp32 noise (it really quantises), far less
     than a wrong matmul or a lost gradient would."""
-    plain = randomize(build_model(_config()))
-    fp8 = build_model(_config(recipe))
+    # fp32 against fp32, on the CPU on any machine: a GPU runs float8 only in bf16 (validated; torchao's
+    # rowwise cannot clone its fp32 operands there, seen on an H200), which the training tests cover.
+    device = torch.device("cpu")
+    plain = randomize(build_model(_config()).to(device))  # on a GPU machine some parts are built there
+    fp8 = build_model(_config(recipe)).to(device)
     fp8.load_state_dict(plain.state_dict())
     x = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     tokens, grid = patchify(x, 2)
-    t, y = torch.tensor([10.0, 200.0, 500.0, 900.0]), torch.tensor([0, 3, 5, 9])
+    tokens, t, y = tokens.to(device), torch.tensor([10.0, 200.0, 500.0, 900.0], device=device), \
+        torch.tensor([0, 3, 5, 9], device=device)
     outs, grads = [], []
     for model in (plain, fp8):
         out = model(tokens.transpose(0, 1).contiguous(), t, y, grid=grid)
@@ -99,8 +103,11 @@ def test_float8_training_tracks_full_precision(tmp_path):
 
 def test_compiled_float8_layers_train_as_eager(tmp_path):
     """Speed needs the casts fused (``model.compile``): the compiled FP8 layers give the eager losses."""
+    # A GPU trains in bf16, where fusing the casts rounds differently (seen on an H200: 8e-4 relative);
+    # a broken float8 path moves the loss by far more.
+    rtol = 4e-3 if torch.cuda.is_available() else 1e-5
     torch.testing.assert_close(_fit(tmp_path / "compiled", 3, fp8="rowwise", compile=True),
-                               _fit(tmp_path / "eager", 3, fp8="rowwise"), rtol=1e-5, atol=0)
+                               _fit(tmp_path / "eager", 3, fp8="rowwise"), rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("changes, expected", [

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
@@ -81,6 +82,14 @@ class KernelsCoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
                              "packed_seq_params.cu_seqlens_q/kv")
+        if packed_seq_params is None and not self.cross:
+            return self._attend(query, key, value, None)
+        # A packed pattern is host ints that change with every micro-batch: traced, each new packing
+        # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
+        # limit and ran at a third of its speed). The kernels take the plan as it is, outside the graph.
+        return _attend_outside_graphs(self, query, key, value, packed_seq_params)
+
+    def _attend(self, query, key, value, packed_seq_params):
         if self.cross:
             return self._cross(query, key, value, packed_seq_params)
         if self.st_kind is not None:
@@ -124,6 +133,12 @@ class KernelsCoreAttention(MegatronModule):
         out = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
                                 backend=self.backend, return_lse=False)
         return out.view(b, s, -1).transpose(0, 1)
+
+
+@torch.compiler.disable
+def _attend_outside_graphs(attention: KernelsCoreAttention, query, key, value, packed_seq_params):
+    # contiguous: the kernels' output layout follows the packing, and a traced consumer guards on strides
+    return attention._attend(query, key, value, packed_seq_params).contiguous()
 
 
 class SpatialCoreAttention(KernelsCoreAttention):
