@@ -226,3 +226,19 @@ def test_layernorm_recompute_frees_the_normed_input_of_every_sublayer(world):
     lean.load_state_dict(plain.state_dict())
     activation = tokens * samples * plain.config.hidden_size * 4
     assert kept_bytes(plain, x, t, y) - kept_bytes(lean, x, t, y) >= 2 * layers * activation
+
+
+def test_reinitialising_destroys_the_previous_process_groups():
+    """megatron's ``destroy_model_parallel`` only forgets its groups: a process that builds trainer after
+    trainer must not keep the old ones alive (each holds threads and connections)."""
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d as c10d
+
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.parallel.initialize import initialize_distributed
+
+    initialize_distributed(ParallelConfig(), seed=0)
+    live, old = len(c10d._world.pg_map), parallel_state.get_tensor_model_parallel_group()
+    initialize_distributed(ParallelConfig(), seed=0)
+    assert len(c10d._world.pg_map) == live
+    assert old not in c10d._world.pg_map

@@ -50,24 +50,12 @@ def fsdp_groups() -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     return shard, replicate
 
 
-def _forget_stale_meshes() -> None:
-    """DTensor caches the sharding of every op it has seen, keyed by ``DeviceMesh``es that compare
-    equal when they span the same ranks, whatever process group they wrap. When a second FSDP model
-    is built in a process (a new trainer after ``initialize_model_parallel`` rebuilt the groups),
-    FSDP2's sharded-parameter ops on shapes the first model also had would get output specs on the
-    first model's mesh, and megatron's grad-norm check fails (``current_group ==
-    data_parallel_group``). Start each FSDP model with empty caches."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    _clear_sharding_prop_cache()  # the python LRU and the C++ fast path's cache
-
-
 class FSDPChunk(TorchFullyShardedDataParallel):
     """One model chunk under FSDP2 (HSDP when ``replicate_group`` is given); the same hooks as
     megatron's DDP for the schedule and ``finalize_model_grads``."""
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, *, shard_group: dist.ProcessGroup,
                  replicate_group: Optional[dist.ProcessGroup] = None):
-        _forget_stale_meshes()
         # Each transformer layer is its own FSDP unit; embedders and the final layer go with the root.
         super().__init__(config, ddp_config, module, sub_modules_to_wrap={TransformerLayer},
                          process_group=shard_group)
