@@ -492,9 +492,9 @@ def _megatron_fsdp_bf16_worker(rank, world, run_dir):
             f.write_bytes(b"\0" * f.stat().st_size)
     torch.distributed.barrier()
     fallback = Trainer(_bf16(f"{run_dir}/broken", fsdp="megatron"))  # fails inside the load, then step 0
+    fallback = (fallback.step, fallback.train_step()["loss"])  # before the next trainer replaces its groups
     resumed = Trainer(_bf16(f"{run_dir}/one", fsdp="megatron"))  # a one-process checkpoint, into shards
-    return {"losses": losses, "resumed": (resumed.step, resumed.train_step()["loss"]),
-            "fallback": (fallback.step, fallback.train_step()["loss"])}
+    return {"losses": losses, "resumed": (resumed.step, resumed.train_step()["loss"]), "fallback": fallback}
 
 
 def test_megatron_fsdp_bf16_checkpoints_resume_across_layouts(tmp_path):

@@ -45,7 +45,7 @@ def test_userbuffers_hold_one_micro_batch_per_context_rank_and_are_made_once(tmp
     shape = tp_comm_overlap.userbuffer_shape(cfg.data, config, dp_size=1)
     assert shape == [2 * (8 // 2) ** 2 // 2, 32]  # micro-batch 2 x 16 tokens, over CP 2; hidden 32
     tp_comm_overlap.initialize_userbuffers(shape, 2, torch.bfloat16)
-    tp_comm_overlap.initialize_userbuffers(shape, 2, torch.bfloat16)  # a second trainer of the same run
+    tp_comm_overlap.initialize_userbuffers(shape, 2, torch.bfloat16)  # asked again: kept
     assert te_userbuffers == [("init", {"shape": [16, 32], "tp_size": 2, "use_fp8": False, "dtype": torch.bfloat16,
                                         "bootstrap_backend": "nccl"})]
     tp_comm_overlap.initialize_userbuffers([32, 32], 2, torch.bfloat16)  # another shape replaces them

@@ -97,12 +97,19 @@ def release_model_parallel_groups() -> None:
 
     DTensor's sharding caches go too: they key on ``DeviceMesh``es, which compare equal when they span
     the same ranks whatever groups they wrap, so the next FSDP model (either kind) would get output
-    specs on the old model's meshes, whose groups are gone."""
+    specs on the old model's meshes, whose groups are gone. So do the state that keeps groups for the
+    process's life: TE's userbuffers (bootstrapped over the TP group; the next trainer makes new ones)
+    and megatron's MoE logging tracker (each entry holds its reduce group)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
         from torch.distributed import distributed_c10d as c10d
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        from dit_mcore.parallel.tp_comm_overlap import release_userbuffers
+        release_userbuffers()
+        get_moe_layer_wise_logging_tracker().clear()
         _clear_sharding_prop_cache()  # the python LRU and the C++ fast path's cache
         for group in list(c10d._world.pg_map):
             if group is not c10d.GroupMember.WORLD:

@@ -27,7 +27,8 @@ def userbuffer_shape(data, model_config, dp_size: int) -> list[int]:
 
 
 def initialize_userbuffers(shape: list[int], tp_size: int, dtype: torch.dtype) -> None:
-    """Make TE's userbuffers for ``shape`` (once per process; a run of another shape replaces them)."""
+    """Make TE's userbuffers for ``shape`` (kept until another shape replaces them or the model-parallel
+    groups they were bootstrapped over are released: ``initialize.release_model_parallel_groups``)."""
     global _initialized
     key = (tuple(shape), tp_size, dtype)
     if _initialized == key:
