@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from results_io import device_name, result_path  # noqa: E402  (benchmarks/ is the script folder)
+from kernel_profile import profile_steps, report  # noqa: E402  (benchmarks/ is the script folder)
+from results_io import device_name, result_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,20 +58,23 @@ def run_config(point: dict, run_dir: str):
     return RunConfig(
         model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
                           input_size=32 if packed_len else side, compile=point["compile"],
-                          fp8=point.get("fp8"), **RECOMPUTE[point["recompute"]]),
+                          fp8=point.get("fp8"), attention_backend=point.get("attention"), **RECOMPUTE[point["recompute"]]),
         data=data,
-        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"),
+        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "fused")),
         diffusion=DiffusionConfig(objective="flow"),
         trainer=TrainerConfig(max_steps=10 ** 6, bf16=point["dtype"] == "bf16", save_interval=10 ** 6),
         log=LogConfig(dir=run_dir, log_interval=10 ** 6, sample_interval=0, tensorboard=False, progress_bar=False),
         parallel=ParallelConfig())
 
 
-def measure(point: dict, warmup: int, steps: int, peak_override: float | None = None) -> dict:
-    """Build the trainer for ``point`` and time ``steps`` steps after ``warmup``."""
+def measure(point: dict, warmup: int, steps: int, peak_override: float | None = None, profile: bool = False) -> dict:
+    """Build the trainer for ``point`` and time ``steps`` steps after ``warmup`` (then, with
+    ``profile``, profile three more: ``kernel_profile.profile_steps``)."""
     from dit_mcore.training.flops import peak_tflops
     from dit_mcore.training.trainer import Trainer
 
+    if point["compile"]:  # each point compiles afresh: another batch size in the same process would
+        torch.compiler.reset()  # otherwise get dynamo's dynamic-shape graphs (automatic_dynamic_shapes)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(run_config(point, run_dir))
         cuda = trainer.device.type == "cuda"
@@ -90,6 +94,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "images_per_s": samples / elapsed, "tokens_per_s_per_gpu": tokens / elapsed / world,
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+        if profile:
+            result["profile"] = profile_steps(trainer.train_step, trainer.device)
         del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -144,14 +150,15 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     for metric, label in (("images_per_s", "images/s"), ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
-                         r.get("fp8") or "none")
+                         r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto")
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
                 continue
             shape = f"packed {k[1]}" if group[0]["packed_len"] else f"{k[1]}x{k[1]}"
             ax.plot([r["batch"] for r in group], [r[metric] for r in group], marker="o",
-                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else ""))
+                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else "")
+                    + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -181,22 +188,26 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
                    "none,tensorwise,rowwise (MFU stays against the --dtype peak)")
+    p.add_argument("--adam", default="fused", help="optim.adam_impl: any of fused,foreach")
+    p.add_argument("--attention", default="auto", help="model.attention_backend: e.g. auto,sdpa_flash")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak for MFU (default: the GPU table; CPU: none unless given)")
     p.add_argument("--autotune", action="store_true", help="the largest micro-batch that fits, per point")
     p.add_argument("--diffusers", action="store_true", help="diffusers' DiT side by side on dense points")
+    p.add_argument("--profile", action="store_true",
+                   help="per point, the device time per kind of kernel and the top kernels of three more steps")
     p.add_argument("--out", default=None, help="JSON lines (default benchmarks/results/throughput_<device>.jsonl)")
     args = p.parse_args(argv)
 
     shapes = [{"image_size": s, "packed_len": None} for s in _list(args.image_sizes, int)] + \
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
-               "fp8": None if fp8 == "none" else fp8}
-              for preset, shape, batch, rc, c, fp8 in itertools.product(
+               "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn}
+              for preset, shape, batch, rc, c, fp8, adam, attn in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
-                  _list(args.fp8))
+                  _list(args.fp8), _list(args.adam), _list(args.attention))
               if not (rc == "norm" and int(c))]  # norm recompute does not trace under compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -205,7 +216,7 @@ def main(argv=None) -> list[dict]:
         for point in points:
             if args.autotune:
                 point = {**point, "batch": autotune(point)}
-            row = {**measure(point, args.warmup, args.steps, args.peak_tflops), "command": command,
+            row = {**measure(point, args.warmup, args.steps, args.peak_tflops, args.profile), "command": command,
                    "autotuned": args.autotune}
             if args.diffusers and not point["packed_len"] and not point["fp8"]:  # diffusers has no FP8 pair
                 row.update(diffusers_side_by_side(point, args.steps))
@@ -219,7 +230,10 @@ def main(argv=None) -> list[dict]:
                   f"compile={int(point['compile'])} {point['dtype']}{' fp8=' + point['fp8'] if point['fp8'] else ''}: "
                   f"{row['images_per_s']:.1f} img/s | "
                   f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
-                  f"MFU {mfu}{ratio}", flush=True)
+                  f"MFU {mfu}{ratio}{'' if point['adam'] == 'fused' else ' adam=' + point['adam']}"
+                  f"{' attention=' + point['attention'] if point['attention'] else ''}", flush=True)
+            if "profile" in row:
+                print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):
         print("plot:", path)
     return rows

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from results_io import device_name, write_result  # noqa: E402  (benchmarks/ is the script folder)
+from kernel_profile import profile_steps, report  # noqa: E402  (benchmarks/ is the script folder)
+from results_io import device_name, write_result  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -88,23 +89,6 @@ def compile_layers(ours, theirs) -> None:
         block.compile()
 
 
-def top_kernels(step, device, n_steps: int = 3, top: int = 12) -> list[dict]:
-    """The kernels that take the most device time over ``n_steps`` steps, with their share."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    _sync(device)
-    with profile(activities=activities) as prof:
-        for _ in range(n_steps):
-            step()
-        _sync(device)
-    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
-    total = sum(getattr(e, attr) for e in events) or 1.0
-    events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    return [{"kernel": e.key[:120], "ms_per_step": getattr(e, attr) / 1e3 / n_steps,
-             "share": getattr(e, attr) / total, "calls_per_step": e.count / n_steps} for e in events[:top]]
-
-
 def timed(step, n: int, device) -> float:
     _sync(device)
     start = time.perf_counter()
@@ -157,11 +141,9 @@ def main(argv=None) -> dict:
         "ratio_ours_over_diffusers": ips["ours"] / ips["diffusers"],
     }
     if args.profile:
-        result["top_kernels"] = {"ours": top_kernels(ours_step, device), "diffusers": top_kernels(theirs_step, device)}
-        for who, rows in result["top_kernels"].items():
-            print(f"top kernels, {who}:")
-            for r in rows:
-                print(f"  {r['ms_per_step']:8.2f} ms {100 * r['share']:5.1f}% x{r['calls_per_step']:<5.0f} {r['kernel']}")
+        result["profile"] = {"ours": profile_steps(ours_step, device), "diffusers": profile_steps(theirs_step, device)}
+        for who, prof in result["profile"].items():
+            print(report(f"profile, {who}", prof))
     print(f"{args.preset} batch {args.batch} {args.size}x{args.size} {args.dtype}"
           f"{' compiled' if args.compile else ''} on {name}: "
           f"ours {ips['ours']:.1f} img/s, diffusers {ips['diffusers']:.1f} img/s, "

@@ -35,6 +35,8 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("model", "moe_router_topk", 2, "model.moe_router_topk=2: must be in [1, model.num_moe_experts=None]"),
     ("model", "num_attention_heads", 3, "set model.num_attention_heads=2 or model.hidden_size=36"),
     ("model", "fp8", "fp16", "model.fp8='fp16': use one of ('tensorwise', 'rowwise')"),
+    ("model", "attention_backend", "cudnn", "model.attention_backend='cudnn': use one of"),
+    ("optim", "adam_impl", "fusd", "optim.adam_impl='fusd': use one of ('fused', 'foreach'); did you mean 'fused'?"),
     ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
     ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
     ("data", "micro_batch_size", 0, "data.micro_batch_size=0: must be >= 1"),

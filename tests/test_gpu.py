@@ -6,7 +6,7 @@ import torch
 from attention_reference import reference_attention
 
 from kernels import Segments, attention_backward, attention_forward, segment_attention
-from kernels.attention_kernels import HAVE_FLASH_ATTN, resolve_backend
+from kernels.attention_kernels import HAVE_FLASH_ATTN, cudnn_is_fastest, resolve_backend
 from kernels.ring import merge_attention
 
 pytestmark = [pytest.mark.gpu,
@@ -120,6 +120,9 @@ def test_gpu_ring_style_backward_against_merged_out_and_lse(backend, layout):
 
 def test_gpu_auto_picks_a_fused_kernel_per_dtype():
     half = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    assert resolve_backend("auto", half) == ("flash_attn" if HAVE_FLASH_ATTN else "sdpa_flash")
-    assert resolve_backend("sdpa", half) == "sdpa_flash"
+    packed = Segments.from_cu_seqlens([0, 3, 8])
+    flash = "flash_attn" if HAVE_FLASH_ATTN else "sdpa_flash"
+    assert resolve_backend("auto", half) == ("sdpa_cudnn" if cudnn_is_fastest() else flash)
+    assert resolve_backend("auto", half, packed) == flash
+    assert resolve_backend("sdpa", half, packed) == "sdpa_flash"
     assert resolve_backend("auto", half.float()) == "sdpa_efficient"

@@ -50,8 +50,9 @@ def test_pretrain_xl_on_mock_latents_50_steps(tmp_path):
 
 
 def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
-    """Without apex/TE megatron steps with torch's Adam, whose checkpoint load needs the fixes of
-    ``dit_mcore.training.torch_optimizer`` on a GPU as on the CPU; the resumed run continues the
+    """Without apex/TE megatron steps with torch's Adam (fused, the default), whose checkpoint load
+    needs the fixes of ``dit_mcore.training.torch_optimizer`` on a GPU as on the CPU (and the fused
+    kernel its ``step`` tensors on the GPU); the resumed run continues the
     uninterrupted one (CUDA kernels need not be bitwise reproducible: close, not equal)."""
     from dit_mcore.training import torch_optimizer
     from dit_mcore.training.trainer import Trainer
@@ -64,4 +65,7 @@ def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
     cut.save()
     resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=6, distopt=True))
     assert resumed.step == 3
+    for inner in torch_optimizer.torch_adams(resumed.optimizer):  # fused AdamW: steps on the device after a load
+        assert all(g["fused"] for g in inner.param_groups)
+        assert all(s["step"].device.type == "cuda" for s in inner.state.values())
     torch.testing.assert_close(torch.tensor(losses(resumed.fit())), torch.tensor(full[3:]), rtol=1e-4, atol=1e-5)

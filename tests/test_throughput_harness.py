@@ -35,3 +35,24 @@ def test_autotune_finds_the_largest_batch_that_fits(monkeypatch):
     assert throughput.autotune({"batch": 37}) == 37
     with pytest.raises(RuntimeError, match="does not fit"):
         throughput.autotune({"batch": 64})
+
+
+def test_kernel_profile_sorts_kernels_into_kinds_and_accounts_for_all_device_time():
+    import torch
+
+    import kernel_profile
+    names = {"nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN": "gemm",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+             "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+             "triton_red_fused__unsafe_view_add_gelu_gelu_backward_sum_2": "triton",
+             "void at::native::_fused_adamw_kernel": "optimizer",
+             "void at::native::reduce_kernel<128, 4, at::native::ReduceOp": "reduction",
+             "void at::native::index_elementwise_kernel<128, 4>": "copy",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add": "elementwise",
+             "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "collective", "aten::addmm": "gemm"}
+    assert {n: kernel_profile.kind_of(n) for n in names} == names
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    prof = kernel_profile.profile_steps(lambda: (a @ b).relu().sum(), torch.device("cpu"), n_steps=2)
+    assert sum(k["share"] for k in prof["kinds"].values()) == pytest.approx(1.0)
+    assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] and prof["busy"] is None
+    assert "gemm" in prof["kinds"] and "ms/step" in kernel_profile.report("cpu", prof)

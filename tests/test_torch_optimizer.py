@@ -37,3 +37,55 @@ def test_init_adam_state_lets_a_fresh_distributed_optimizer_describe_its_state(t
                                                    metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     assert sharded
 
+
+
+def test_foreach_scale_matches_the_per_tensor_contract_and_replaces_megatrons_stand_in(tmp_path):
+    """``dst = src * scale`` over lists (main fp32 -> model bf16 copies, in-place clipping by a
+    tensor coefficient), as megatron's per-tensor stand-in computes it."""
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.utils import local_multi_tensor_scale
+    Trainer(tiny_run(tmp_path))  # installs the fixes
+    assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is torch_optimizer.foreach_scale
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(n, generator=g) for n in (5, 300)]
+    for scale in (1.0, 0.25, torch.tensor(0.3)):
+        got, want = [torch.empty(t.shape, dtype=torch.bfloat16) for t in src], [torch.empty(t.shape, dtype=torch.bfloat16)
+                                                                                for t in src]
+        torch_optimizer.foreach_scale(2048, None, [src, got], scale)
+        local_multi_tensor_scale(2048, None, [src, want], scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    inplace, want = [t.clone() for t in src], [t.clone() for t in src]
+    torch_optimizer.foreach_scale(2048, None, [inplace, inplace], torch.tensor(0.5))
+    local_multi_tensor_scale(2048, None, [want, want], torch.tensor(0.5))
+    assert all(torch.equal(a, b) for a, b in zip(inplace, want))
+
+
+def _adam_groups(trainer):
+    return [g for inner in torch_optimizer.torch_adams(trainer.optimizer) for g in inner.param_groups]
+
+
+def test_fused_adam_trains_as_foreach_and_stays_fused_across_a_foreach_checkpoint(tmp_path):
+    """optim.adam_impl=fused (the default) steps torch's fused AdamW kernel: the same weights as the
+    foreach kernel to float rounding, and a checkpoint written by a foreach run (whose groups say
+    foreach) loads into a fused run that stays fused (torch's load takes the saved groups' flags)."""
+    runs = {}
+    for impl in ("foreach", "fused"):
+        cfg = tiny_run(tmp_path / impl, distopt=True)
+        cfg.optim.adam_impl = impl
+        trainer = Trainer(cfg)
+        assert all(g["fused"] == (impl == "fused") and g["foreach"] == (impl == "foreach") for g in _adam_groups(trainer))
+        for _ in range(3):
+            trainer.train_step()
+        runs[impl] = trainer
+        if impl == "foreach":
+            trainer.save()
+            params = [p.detach().clone() for p in trainer.model.parameters()]
+    fused = [p.detach() for p in runs["fused"].model.parameters()]
+    for a, b in zip(params, fused):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    cfg = tiny_run(tmp_path / "foreach", distopt=True)  # resume the foreach run's checkpoint, fused
+    resumed = Trainer(cfg)
+    assert resumed.step == 3 and all(g["fused"] and not g["foreach"] for g in _adam_groups(resumed))
+    state = torch_optimizer.torch_adams(resumed.optimizer)[0].state
+    assert state and all(float(s["step"]) == 3.0 for s in state.values())
+    resumed.train_step()

@@ -86,6 +86,10 @@ class ModelConfig:
     "tensorwise" (one scale per tensor) or "rowwise" (one per row, more accurate); the adaLN
     modulation, embedders, norms, final layer and MoE experts keep the run's precision. Pays off
     with ``compile=True`` on GPUs with float8 tensor cores (H100 and newer); None: off."""
+    attention_backend: Optional[str] = None
+    """The local attention kernel (``kernels.attention_kernels.BACKENDS``); None: "auto", the fastest
+    for the device, dtype and call (on Hopper cuDNN for dense batches, flash varlen for packed
+    ones). E.g. "sdpa_flash" to pin torch's flash kernel, "math64" for the float64 reference."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
@@ -95,7 +99,7 @@ class ModelConfig:
     part (initialised on the host, the same values as a direct build): for models bigger than one
     device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
-    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "fp8")
+    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "fp8", "attention_backend")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
@@ -109,6 +113,8 @@ class ModelConfig:
             overrides["use_cpu_initialization"] = True
         if self.fp8 is not None:
             overrides["float8_recipe"] = self.fp8
+        if self.attention_backend is not None:
+            overrides["attention_backend_name"] = self.attention_backend
         return family.make_config(self.preset, **overrides,
                       tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                       pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -155,6 +161,10 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks."""
+    adam_impl: str = "fused"
+    """torch's AdamW kernel where megatron steps with torch's optimizer (no apex/TE): "fused" (one
+    kernel per device and dtype, torchtitan's default) or "foreach" (torch's multi-tensor default,
+    a dozen passes over the state). apex's and TE's FusedAdam are fused already and ignore it."""
 
 
 @dataclass

@@ -4,10 +4,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
 from dit_mcore.training import torch_optimizer
 
@@ -31,11 +34,31 @@ def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimi
         hooks = [getattr(c, name) for c in wrapped]
         return hooks[0] if len(hooks) == 1 else hooks
 
-    model_config.finalize_model_grads_func = finalize_model_grads
+    model_config.finalize_model_grads_func = finalize_grads
     model_config.no_sync_func = per_chunk("no_sync")
     model_config.grad_sync_func = per_chunk("start_grad_sync") if parallel.overlap_grad_reduce else None
     model_config.param_sync_func = per_chunk("start_param_sync") if parallel.overlap_param_gather else None
     return wrapped
+
+
+def finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
+    """megatron's ``finalize_model_grads`` (the gradient all-reduces of every parallel layout), with
+    its per-token scaling done on the device: megatron scales by 1/tokens ``if num_tokens > 0``, a
+    host read that syncs the device at the end of every backward; here the scale is
+    1/max(tokens, 1) (a batch without tokens has zero gradients, scaled or not)."""
+    finalize_model_grads(model, None, pg_collection, force_all_reduce)
+    if num_tokens is None:
+        return
+    if pg_collection is not None:
+        pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
+    else:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)  # counted on the last stage
+    dist.all_reduce(num_tokens, group=dp_cp_group)
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
 
 
 def shard_fully(chunks, model_config, ddp_config, kind: str) -> list:
@@ -61,6 +84,7 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
+    torch_optimizer.set_adam_impl(optimizer, optim.adam_impl)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,
@@ -71,20 +95,26 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
 
 
 @torch.no_grad()
-def step_if_finite(optimizer, loss_is_finite: bool) -> tuple[bool, float]:
-    """megatron's optimizer step (``ChainedOptimizer.step``: its own overflow check, the global
-    gradient norm, clipping, the update), skipped when the loss or the gradient norm is not finite,
-    so a diverging step never reaches the weights or the Adam moments. The norm is the one clipping
-    needs anyway (reduced over the model-parallel groups, identical on every rank), so the check
-    adds no communication. Returns ``(updated, grad_norm)``."""
-    if not loss_is_finite or optimizer.prepare_grads():
-        return False, math.nan
-    grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
-        return False, grad_norm
+def grads_and_norm(optimizer) -> float:
+    """The first half of megatron's optimizer step (``ChainedOptimizer.step``): the gradients into
+    the optimizer (``prepare_grads``, with its own overflow check) and their global norm, the one
+    clipping needs anyway (reduced over the model-parallel groups, identical on every rank); NaN on
+    an overflow. Reading the norm is the step's one host sync: call it once the step's other device
+    work (the loss reduction) is queued, so that the host waits once, for all of it."""
+    if optimizer.prepare_grads():
+        return math.nan
+    return float(optimizer.get_grad_norm())
+
+
+@torch.no_grad()
+def step_if_finite(optimizer, loss_is_finite: bool, grad_norm: float) -> bool:
+    """The second half: clip by ``grad_norm`` and update, skipped when the loss or the norm is not
+    finite, so a diverging step never reaches the weights or the Adam moments. True if updated."""
+    if not loss_is_finite or not math.isfinite(grad_norm):
+        return False
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         params = part.get_parameters()
         if params and part.config.clip_grad > 0.0 and not getattr(part, "is_stub_optimizer", False):
             clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
                                          use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    return optimizer.step_with_ready_grads(), grad_norm
+    return optimizer.step_with_ready_grads()

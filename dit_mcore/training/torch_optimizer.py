@@ -1,12 +1,16 @@
 """Fixes to megatron-core's pure-torch optimizer fallbacks, on any device.
 
 Without apex or Transformer Engine (a plain ``pip install`` on a GPU box, or the CPU) megatron-core
-0.16.1 steps with torch's Adam and replaces apex's multi-tensor kernels by its own stand-ins. Four
+0.16.1 steps with torch's Adam and replaces apex's multi-tensor kernels by its own stand-ins. Six
 of those break or slow a run, on a GPU as much as on the CPU:
 
 - **Grad norm.** Its stand-in for apex's ``multi_tensor_l2norm`` builds the norm from host floats:
   one device sync per parameter tensor, every step. :func:`foreach_l2_norm` takes its place (two
   foreach kernels, no host read).
+- **Scale and copy.** Its stand-in for ``multi_tensor_scale`` (the main-to-model weight copy after
+  every step, the gradient clipping) launches a multiply and a copy per tensor, a thousand small
+  launches per step at DiT-XL/2 size while the GPU waits: :func:`foreach_scale` does it with
+  foreach kernels.
 - **Adam state before a load.** torch's Adam state is empty until the first step, but the
   distributed optimizer's ``sharded_state_dict(is_loading=True)`` asserts one ``step`` value:
   :func:`init_adam_state` fills a fresh optimizer's state before a checkpoint is read, and before
@@ -17,6 +21,10 @@ of those break or slow a run, on a GPU as much as on the CPU:
   Adam's bias correction), and ``load_state_dict`` hands every parameter the same ``step`` tensor,
   which torch's Adam then increments once per parameter. The load skips absent keys and gives each
   parameter its own ``step``.
+- **Adam kernel.** megatron builds torch's AdamW with torch's default, the foreach kernels (a dozen
+  passes over parameters and moments per step); :func:`set_adam_impl` switches it to the fused
+  kernel (one pass), and keeps it so across checkpoint loads (torch's ``load_state_dict`` takes the
+  saved groups' flags and leaves a foreach checkpoint's ``step`` tensors on the host).
 - **Adam step 0.** megatron writes the shared ``step`` of its non-distributed optimizers only when
   it is nonzero (``if step:``), so the states of a checkpoint taken before the first step come
   back without one, and torch's Adam refuses them. The load gives them step 0.
@@ -45,11 +53,30 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     return total, None
 
 
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """apex's ``multi_tensor_scale`` contract (``dst = src * scale``, any dtypes) with foreach
+    kernels: in place when the two lists are the same tensors, a plain copy for scale 1."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif isinstance(scale, (int, float)) and scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def torch_adams(optimizer) -> list:
+    """The torch Adam/AdamW instances inside a megatron (possibly chained) optimizer."""
+    inners = (getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return [inner for inner in inners if isinstance(inner, torch.optim.Adam)]
+
+
 def init_adam_state(optimizer) -> None:
     """Give every parameter of a fresh torch-Adam-backed megatron optimizer an empty Adam state, so
     its ``sharded_state_dict(is_loading=True)`` can describe the tensors to load."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
+    for inner in torch_adams(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
@@ -57,6 +84,36 @@ def init_adam_state(optimizer) -> None:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
+        _place_steps(inner)
+
+
+def set_adam_impl(optimizer, impl: str) -> None:
+    """Step megatron's torch AdamW with ``impl``: "fused" (torch's fused kernel) or "foreach", now
+    and after every ``load_state_dict`` (which takes the flags of the checkpoint's groups). No-op
+    where megatron uses apex's or TE's FusedAdam."""
+    if impl not in ("fused", "foreach"):
+        raise ValueError(f"optim.adam_impl={impl!r}: use 'fused' or 'foreach'")
+
+    def apply(inner, *_):
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = impl == "fused", impl == "foreach"
+        _place_steps(inner)
+
+    for inner in torch_adams(optimizer):
+        apply(inner)
+        inner.register_load_state_dict_post_hook(apply)
+
+
+def _place_steps(inner) -> None:
+    """The fused kernel wants each ``step`` on its parameter's device, in float32 (torch creates it
+    so, but a load or :func:`init_adam_state` gives a host tensor)."""
+    for group in inner.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            state = inner.state.get(p)
+            if state and torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def apply_fixes() -> bool:
@@ -64,6 +121,7 @@ def apply_fixes() -> bool:
     the Adam-state fixes when it uses torch's optimizer; True if the latter are in place."""
     global _applied
     _norm_without_host_reads()  # gated by the kernel megatron picked, which the apex/TE checks decide apart
+    _scale_with_foreach()
     if _applied or not uses_torch_optimizer():
         return _applied
     _load_adam_state_per_parameter()
@@ -77,6 +135,14 @@ def _norm_without_host_reads() -> None:
     from megatron.core.utils import local_multi_tensor_l2_norm
     if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = foreach_l2_norm
+
+
+def _scale_with_foreach() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.utils import local_multi_tensor_scale
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
 
 
 def _load_adam_state_per_parameter() -> None:

@@ -43,7 +43,7 @@ from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.text_preview import draw_text_preview, moving_digits_prompts, preview_text_encoder
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
-from dit_mcore.training.optim import build_optimizer, shard_fully, step_if_finite, wrap_data_parallel
+from dit_mcore.training.optim import build_optimizer, grads_and_norm, shard_fully, step_if_finite, wrap_data_parallel
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
@@ -330,10 +330,11 @@ class Trainer:
         totals = torch.cat([totals, counts, self.signals.ballot()])
         dp_group = parallel_state.get_data_parallel_group()
         dist.all_reduce(totals, group=dp_group)
-        totals = totals.tolist()  # the one host sync of the step (the logged loss)
+        grad_norm = grads_and_norm(self.optimizer)  # the step's one host sync: waits for the backward
+        totals = totals.tolist()  # queued before the norm: done by now
         self.signals.settle(totals[5], dist.get_world_size(dp_group))
         loss = totals[0] / max(totals[1], 1.0)
-        ok, grad_norm = step_if_finite(self.optimizer, math.isfinite(loss))
+        ok = step_if_finite(self.optimizer, math.isfinite(loss), grad_norm)
         if ok:
             self.scheduler.step(increment=1)
             self._sync_params()

@@ -21,6 +21,7 @@ import torch
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
+from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.data import moving_digits_text_encoder
@@ -29,6 +30,7 @@ from dit_mcore.parallel.layout import check_layout
 
 BACKENDS = ("auto", "local", "te")
 DECAY_STYLES = ("cosine", "linear", "constant")
+ADAM_IMPLS = ("fused", "foreach")
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -111,6 +113,9 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(not (norm_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
            "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
            "drop 'layernorm' or set model.compile=False")
+    r.need(m.attention_backend is None or m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
+           m.attention_backend, f"use one of {ATTENTION_BACKENDS}{did_you_mean(str(m.attention_backend), ATTENTION_BACKENDS)}"
+           " or None (auto)")
     r.need(m.fp8 is None or m.fp8 in FLOAT8_RECIPES, "model.fp8", m.fp8,
            f"use one of {FLOAT8_RECIPES}{did_you_mean(str(m.fp8), FLOAT8_RECIPES)} or None (off)")
     r.need(m.fp8 is None or m.backend != "te", "model.fp8", m.fp8,
@@ -134,6 +139,8 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
            f"must be < trainer.max_steps={max_steps}; shorten the warmup or train longer")
     r.need(o.decay_style in DECAY_STYLES, "optim.decay_style", o.decay_style,
            f"use one of {DECAY_STYLES}{did_you_mean(o.decay_style, DECAY_STYLES)}")
+    r.need(o.adam_impl in ADAM_IMPLS, "optim.adam_impl", o.adam_impl,
+           f"use one of {ADAM_IMPLS}{did_you_mean(o.adam_impl, ADAM_IMPLS)}")
     r.need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(o, name)

@@ -304,6 +304,26 @@ def test_cuda_kernel_calls_match_the_aten_schemas(name, dtype):
 # selection and errors
 
 
+def test_auto_picks_cudnn_for_dense_half_attention_on_hopper_and_flash_for_packed():
+    """The CUDA choice as a pure function (no GPU here): cuDNN where it is the fastest dense
+    kernel (head dim <= 128), flash varlen for packed calls, flash-attn/torch flash elsewhere."""
+    from kernels.attention_kernels import choose
+    hopper = dict(cuda=True, dtype=torch.bfloat16, cudnn_fastest=True)
+    assert choose("auto", head_dim=72, dense=True, **hopper) == "sdpa_cudnn"
+    assert choose("sdpa", head_dim=128, dense=True, **hopper) == "sdpa_cudnn"
+    assert choose("auto", head_dim=72, dense=False, **hopper) == "sdpa_flash"
+    assert choose("auto", head_dim=72, dense=False, have_flash_attn=True, **hopper) == "flash_attn"
+    assert choose("sdpa", head_dim=72, dense=False, have_flash_attn=True, **hopper) == "sdpa_flash"
+    assert choose("auto", head_dim=256, dense=True, **hopper) == "sdpa_flash"  # beyond cuDNN's 128
+    ampere = dict(cuda=True, dtype=torch.bfloat16, cudnn_fastest=False, dense=True)
+    assert choose("auto", head_dim=72, **ampere) == "sdpa_flash"
+    assert choose("auto", head_dim=72, have_flash_attn=True, **ampere) == "flash_attn"
+    fp32 = dict(cuda=True, dtype=torch.float32, cudnn_fastest=True, dense=True)
+    assert choose("auto", head_dim=64, **fp32) == choose("sdpa", head_dim=64, **fp32) == "sdpa_efficient"
+    assert choose("auto", head_dim=64, cuda=False, dtype=torch.bfloat16, dense=True) == "flash_cpu"
+    assert choose("sdpa_flash", head_dim=64, dense=True, **hopper) == "sdpa_flash"  # a named kernel is itself
+
+
 def test_auto_and_sdpa_pick_the_cpu_flash_kernel_and_log_once(caplog):
     q = torch.randn(1, 4, 2, 8)
     assert resolve_backend("auto", q) == resolve_backend("sdpa", q) == "flash_cpu"

@@ -1,0 +1,83 @@
+"""Where a training step's device time goes: the top kernels and the time per kind of kernel
+(GEMM, attention, compiler-fused Triton, eager elementwise/reduction, optimizer, copies,
+collectives), plus how busy the device was over the profiled steps' wall time (a low share means
+the host, not the GPU, sets the pace). Used by ``train_step.py --profile`` and
+``throughput.py --profile``.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+# First match wins; the order puts the specific names before the generic ones. "optimizer" holds every
+# multi-tensor (foreach) kernel: the Adam update, and the gradient norm and zeroing too.
+KINDS = (
+    ("optimizer", r"adam|multi_tensor_apply|foreach|_fused_sgd"),
+    ("attention", r"flash|fmha|sdpa|attention|attn"),
+    ("collective", r"nccl|all_?reduce|all_?gather|reduce_?scatter|alltoall"),
+    ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|wgmma|matmul|sm90_|sm80_|s16816|ampere_|float8|scaled_mm|aten::(add)?mm$|aten::bmm"),
+    ("triton", r"^triton_"),
+    ("copy", r"memcpy|memset|copy|cat_|catarray|transpose|permute|index"),
+    ("reduction", r"reduce|norm|softmax|sum_|welford"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|functor"),
+)
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower() if not kernel.startswith("triton_") else kernel
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_steps(step, device, n_steps: int = 3, top: int = 15) -> dict:
+    """Profile ``n_steps`` calls of ``step``: ``top`` kernels by device time (ms per step, share,
+    calls per step), ``kinds`` (ms per step and share per kind), ``busy`` (kernel time over wall
+    time), ``host_syncs_per_step`` (stream/event synchronisations: ``.item()``, ``tolist()`` …;
+    after each the device idles until the host queues more) and ``wall_ms_per_step``. On the CPU
+    the same over CPU operators (``busy`` and the syncs are None)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(n_steps):
+            step()
+        _sync(device)
+        wall = time.perf_counter() - start
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    syncs = sum(e.count for e in prof.key_averages() if e.key in ("cudaStreamSynchronize", "cudaEventSynchronize"))
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + getattr(e, attr)
+    return {
+        "top": [{"kernel": e.key[:120], "kind": kind_of(e.key), "ms_per_step": getattr(e, attr) / 1e3 / n_steps,
+                 "share": getattr(e, attr) / total, "calls_per_step": e.count / n_steps} for e in events[:top]],
+        "kinds": {k: {"ms_per_step": v / 1e3 / n_steps, "share": v / total}
+                  for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "busy": total / 1e6 / wall if cuda else None,
+        "host_syncs_per_step": syncs / n_steps if cuda else None,
+        "wall_ms_per_step": wall * 1e3 / n_steps,
+    }
+
+
+def report(title: str, profile: dict) -> str:
+    """The profile as text: time per kind, then the top kernels."""
+    busy = (f", device busy {100 * profile['busy']:.0f}% of wall, {profile['host_syncs_per_step']:.1f} host syncs"
+            if profile["busy"] is not None else "")
+    lines = [f"{title}: {profile['wall_ms_per_step']:.1f} ms/step{busy}"]
+    lines += [f"  {k:<12} {v['ms_per_step']:8.2f} ms {100 * v['share']:5.1f}%" for k, v in profile["kinds"].items()]
+    lines += [f"    {r['ms_per_step']:8.2f} ms {100 * r['share']:5.1f}% x{r['calls_per_step']:<5.0f} [{r['kind']}] "
+              f"{r['kernel']}" for r in profile["top"]]
+    return "\n".join(lines)
