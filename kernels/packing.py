@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_copy import to_device
+
 
 @dataclass(frozen=True)
 class CPPackedLayout:
@@ -52,11 +54,11 @@ class CPPackedLayout:
         """Scatter the real tokens ``x`` (``cu_seqlens[-1]`` along ``dim``) into a zero-padded stream."""
         shape = list(x.shape)
         shape[dim] = self.total_len
-        return x.new_zeros(shape).index_copy(dim, self.real_index.to(x.device), x)
+        return x.new_zeros(shape).index_copy(dim, to_device(self.real_index, x.device), x)
 
     def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Gather the real tokens back out of a padded stream (inverse of :meth:`pad`)."""
-        return x.index_select(dim, self.real_index.to(x.device))
+        return x.index_select(dim, to_device(self.real_index, x.device))
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """Rank ``rank``'s contiguous slice of a padded stream."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_copy import to_device
+
 
 @dataclass(frozen=True)
 class Run:
@@ -221,14 +223,15 @@ def _build_varlen(segs, device) -> Varlen:
         lo, hi = ranges[0][0], ranges[-1][1]
         if all(e0 == a1 for (_, e0), (a1, _) in zip(ranges[:-1], ranges[1:])):
             return (lo, hi), None
-        return (0, 0), torch.cat([torch.arange(a, e) for a, e in ranges]).to(device)
+        return (0, 0), to_device(torch.cat([torch.arange(a, e) for a, e in ranges]), device)
 
     q_range, q_index = tokens([(a, e) for a, e, _, _ in segs])
     k_range, k_index = tokens([(c, f) for _, _, c, f in segs])
     q_segment = torch.repeat_interleave(torch.arange(len(segs)), torch.tensor(q_lens))
     q_position = torch.cat([torch.arange(n) for n in q_lens])
-    return Varlen(cumulative(q_lens).to(device), cumulative(k_lens).to(device), max(q_lens), max(k_lens),
-                  q_range, k_range, q_index, k_index, q_segment.to(device), q_position.to(device))
+    return Varlen(to_device(cumulative(q_lens), device), to_device(cumulative(k_lens), device), max(q_lens),
+                  max(k_lens), q_range, k_range, q_index, k_index, to_device(q_segment, device),
+                  to_device(q_position, device))
 
 
 def _starts_ends(cu, cu_padded, name):

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from dit_mcore.diffusion.objective import ModelFn
+from kernels.host_copy import to_device
 
 
 def drop_labels(labels: torch.Tensor, p: float, null_label: int,
@@ -20,7 +21,7 @@ def drop_labels(labels: torch.Tensor, p: float, null_label: int,
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"label drop probability p must be in [0, 1], got {p}")
     draw_device = generator.device if generator is not None else labels.device
-    drop = torch.rand(labels.shape[0], generator=generator, device=draw_device).to(labels.device) < p
+    drop = to_device(torch.rand(labels.shape[0], generator=generator, device=draw_device), labels.device) < p
     return torch.where(drop, torch.full_like(labels, null_label), labels)
 
 

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from kernels.host_copy import to_device
+
 # Flow-time sampling distributions accepted by ``FlowConfig.sampling``.
 FLOW_TIME_DISTRIBUTIONS = ("logit_normal", "uniform")
 
@@ -19,7 +21,7 @@ def _draw(kind: str, n: int, generator: Optional[torch.Generator], device) -> to
     draw_device = generator.device if generator is not None else (device or "cpu")
     fn = torch.randn if kind == "normal" else torch.rand
     out = fn(n, generator=generator, device=draw_device, dtype=torch.float32)
-    return out.to(device) if device is not None else out
+    return to_device(out, device) if device is not None else out
 
 
 def logit_normal(n: int, mean: float = 0.0, std: float = 1.0, *, generator: Optional[torch.Generator] = None,

@@ -7,6 +7,8 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from kernels.host_copy import to_device
+
 
 def timestep_features(t: torch.Tensor, dim: int, freq_shift: float = 0.0,
                       max_period: float = 10000.0) -> torch.Tensor:
@@ -85,7 +87,7 @@ def _axis_tables(dim: int, size: int, device: str) -> tuple[torch.Tensor, torch.
     the temporal one is relative to frame 0 (see :func:`sincos_pos_embed`)."""
     coords = torch.arange(size)
     temporal = sincos_1d(dim, coords)
-    return sincos_1d(dim // 2, coords).to(device), (temporal - temporal[:1]).to(device)
+    return to_device(sincos_1d(dim // 2, coords), device), to_device(temporal - temporal[:1], device)
 
 
 def sincos_from_positions(positions: torch.Tensor, dim: int, max_coord: int) -> torch.Tensor:

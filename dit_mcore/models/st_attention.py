@@ -39,6 +39,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from kernels.all_gather import all_gather_attention
 from kernels.collectives import gather_along
+from kernels.host_copy import to_device
 from kernels.local_attention import Segments, segment_attention
 from kernels.spatial_temporal import KINDS, STLayout, st_qkv_attention
 from kernels.spatial_temporal import st_attention as st_hidden_attention
@@ -87,7 +88,7 @@ def _temporal_plan(pattern: STPattern, device: str) -> tuple[torch.Tensor, torch
         order[a:a + t * s] = a + torch.arange(t * s).view(t, s).t().reshape(-1)
         bounds += [(a + p * t, a + (p + 1) * t) for p in range(s)]
     starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
-    return order.to(device), torch.argsort(order).to(device), Segments(starts, ends, starts, ends)
+    return to_device(order, device), to_device(torch.argsort(order), device), Segments(starts, ends, starts, ends)
 
 
 def temporal_plan(pattern: STPattern, device) -> tuple[torch.Tensor, torch.Tensor, Segments]:
@@ -111,7 +112,7 @@ def _gathered_temporal_plan(pattern: STPattern, device: str):
         q_starts.append(bisect.bisect_left(placed, a))
         q_ends.append(bisect.bisect_left(placed, e))
     segments = Segments(tuple(q_starts), tuple(q_ends), groups.kv_starts, groups.kv_ends)
-    return order.to(device), sort.to(device), torch.argsort(sort).to(device), segments
+    return to_device(order, device), to_device(sort, device), to_device(torch.argsort(sort), device), segments
 
 
 def _gathered(q, k, v, kind: str, pattern: STPattern, softmax_scale=None, backend="auto") -> torch.Tensor:

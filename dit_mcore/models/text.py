@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from kernels.host_copy import to_device
 from kernels.segments import Segments
 
 
@@ -67,13 +68,13 @@ class TextContext:
         for n in self.lens:
             offsets.append(offsets[-1] + n)
         rows = [r for i in samples for r in range(offsets[i], offsets[i + 1])]
-        index = torch.tensor(rows, device=self.emb.device)
-        keep = None if self.keep is None else self.keep[torch.tensor(list(samples), device=self.keep.device)]
+        index = to_device(rows, self.emb.device, torch.int64)
+        keep = None if self.keep is None else self.keep[to_device(list(samples), self.keep.device, torch.int64)]
         return TextContext(self.emb[index], tuple(self.lens[i] for i in samples), keep)
 
     def to(self, device) -> "TextContext":
-        return dataclasses.replace(self, emb=self.emb.to(device),
-                                   keep=None if self.keep is None else self.keep.to(device))
+        return dataclasses.replace(self, emb=to_device(self.emb, device),
+                                   keep=None if self.keep is None else to_device(self.keep, device))
 
 
 class TextEmbedder(nn.Module):
@@ -100,7 +101,7 @@ class TextEmbedder(nn.Module):
                              "encoder width")
         if text.keep is not None:
             owner = torch.repeat_interleave(torch.arange(text.num_samples), torch.tensor(text.lens))
-            keep = text.keep[owner.to(text.keep.device)].unsqueeze(-1)
+            keep = text.keep[to_device(owner, text.keep.device)].unsqueeze(-1)
             emb = torch.where(keep, emb, self.null.to(dtype))
         return self.proj(emb).unsqueeze(1)
 

@@ -47,6 +47,7 @@ from dit_mcore.training.optim import build_optimizer, grads_and_norm, shard_full
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
+from kernels.host_copy import to_device
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -300,7 +301,7 @@ class Trainer:
         # Every context-parallel rank computes this same loss on the gathered output (each one's
         # gradients cover its own tokens); megatron sums the counts over DP x CP, so count it once.
         counted = n if parallel_state.get_context_parallel_rank() == 0 else 0
-        count = torch.tensor(counted, dtype=torch.int, device=loss_sum.device)
+        count = loss_sum.new_full((), counted, dtype=torch.int)  # a fill kernel: no host-to-device copy
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(n))])}
 
     def train_step(self) -> dict:
@@ -310,9 +311,8 @@ class Trainer:
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
         flops = sum(self.family.flops(self.model_config, b.seqlens, b.text_seqlens, b.grids[:, 0].tolist()).model
                     for b in microbatches)  # host ints (grids stay on the host)
-        counts = torch.tensor([float(sum(b.num_skipped for b in microbatches)),
-                               float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9],
-                              device=self.device)
+        counts = to_device([float(sum(b.num_skipped for b in microbatches)),
+                            float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9], self.device)
         fwd_bwd = get_forward_backward_func()
         rows, seq = microbatches[0].tokens.shape[:2]
         reduced = fwd_bwd(forward_step_func=self._forward_step,

@@ -32,6 +32,7 @@ from dit_mcore.models.st_attention import STPattern, mesh_order
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from energon_data.tokens import grid_positions
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
+from kernels.host_copy import to_device
 
 
 def _xavier_linear(in_features: int, out_features: int) -> nn.Linear:
@@ -141,7 +142,7 @@ class DiT(MegatronModule):
 
     def _dense_positions(self, grid: tuple, s: int, device) -> torch.Tensor:
         self._check_grid(grid, s)
-        return sincos_pos_embed(self.config.hidden_size, grid).to(device)
+        return to_device(sincos_pos_embed(self.config.hidden_size, grid), device)
 
     def _grid_positions(self, grid: tuple, s: int) -> torch.Tensor:
         self._check_grid(grid, s)
@@ -200,7 +201,7 @@ class DiT(MegatronModule):
         """3D RoPE angles ``[s, 1, 1, head_dim]`` of the tokens this rank's attention sees (every
         stage computes them: cheaper than sending them down the pipeline)."""
         config = self.config  # megatron's __post_init__ sets kv_channels (the head dim)
-        return rope3d_freqs(self.token_shard.attention_piece(positions.to(device)), config.kv_channels,
+        return rope3d_freqs(self.token_shard.attention_piece(to_device(positions, device)), config.kv_channels,
                             config.rope_theta, config.rotary_interleaved)
 
     def forward(self, tokens: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -237,7 +238,7 @@ class DiT(MegatronModule):
             return hidden
         # Every stage is called with the whole stream's tokens, so its length is known on the last.
         out = shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
-        return out if order is None else out[torch.argsort(order).to(out.device)]
+        return out if order is None else out[to_device(torch.argsort(order), out.device)]
 
     def _grid(self, batch, grid) -> tuple:
         """The token grid ``(t, h, w)`` every row of a dense batch shares."""
@@ -273,7 +274,7 @@ class DiT(MegatronModule):
             raise ValueError(f"a dense batch of {tokens.shape[0]} tokens per sample cannot be split evenly "
                              f"over {shard.size} context/sequence-parallel ranks; use an image size whose "
                              f"token count is a multiple of {shard.size}, or packed data")
-        hidden = self.x_embedder(shard.scatter(tokens if order is None else tokens[order.to(tokens.device)]))
+        hidden = self.x_embedder(shard.scatter(tokens if order is None else tokens[to_device(order, tokens.device)]))
         if self.config.position_embedding != "sincos":
             return hidden
         if packed is not None:
@@ -281,7 +282,7 @@ class DiT(MegatronModule):
                                         int(packed.grids.max()))
         else:
             pos = self._dense_positions(grid, tokens.shape[0], tokens.device)
-            pos = shard.scatter(pos if order is None else pos[order.to(pos.device)])
+            pos = shard.scatter(pos if order is None else pos[to_device(order, pos.device)])
         return hidden + pos.unsqueeze(1).to(tokens.dtype)
 
     def _text(self, context: Optional[TextContext], batch, total: int, rows: int, samples: int):
