@@ -17,7 +17,8 @@ KINDS = (
     ("optimizer", r"adam|multi_tensor_apply|foreach|_fused_sgd"),
     ("attention", r"flash|fmha|sdpa|attention|attn"),
     ("collective", r"nccl|all_?reduce|all_?gather|reduce_?scatter|alltoall"),
-    ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|wgmma|matmul|sm90_|sm80_|s16816|ampere_|float8|scaled_mm|aten::(add)?mm$|aten::bmm"),
+    ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|wgmma|matmul|sm90_|sm80_|s16816|ampere_|float8|scaled_mm"
+             r"|aten::(add)?mm$|aten::bmm"),
     ("triton", r"^triton_"),
     ("copy", r"memcpy|memset|copy|cat_|catarray|transpose|permute|index"),
     ("reduction", r"reduce|norm|softmax|sum_|welford"),
@@ -41,7 +42,8 @@ def _sync(device) -> None:
 def profile_steps(step, device, n_steps: int = 3, top: int = 15) -> dict:
     """Profile ``n_steps`` calls of ``step``: ``top`` kernels by device time (ms per step, share,
     calls per step), ``kinds`` (ms per step and share per kind), ``busy`` (kernel time over wall
-    time), ``host_syncs_per_step`` (stream/event synchronisations: ``.item()``, ``tolist()`` …;
+    time; kernels of several streams overlapping, e.g. NCCL beside compute, can take it past 1),
+    ``host_syncs_per_step`` (stream/event synchronisations: ``.item()``, ``tolist()`` …;
     after each the device idles until the host queues more) and ``wall_ms_per_step``. On the CPU
     the same over CPU operators (``busy`` and the syncs are None)."""
     from torch.profiler import ProfilerActivity, profile

@@ -58,7 +58,8 @@ def run_config(point: dict, run_dir: str):
     return RunConfig(
         model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
                           input_size=32 if packed_len else side, compile=point["compile"],
-                          fp8=point.get("fp8"), attention_backend=point.get("attention"), **RECOMPUTE[point["recompute"]]),
+                          fp8=point.get("fp8"), attention_backend=point.get("attention"),
+                          **RECOMPUTE[point["recompute"]]),
         data=data,
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "fused")),
         diffusion=DiffusionConfig(objective="flow"),
@@ -84,7 +85,9 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        history = [trainer.train_step() for _ in range(steps)]  # each step ends on the host (its loss)
+        history = [trainer.train_step() for _ in range(steps)]
+        if cuda:  # the host's last wait in a step is before the optimizer: count the last update too
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         world = torch.distributed.get_world_size()
         samples, tokens = sum(h["samples"] for h in history), sum(h["tokens"] for h in history)

@@ -29,7 +29,7 @@ logger = logging.getLogger("kernels.local_attention")
 
 BACKENDS = ("auto", "sdpa", "flash_cpu", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn", "math64")
 """``sdpa`` is torch's best fused SDPA kernel for the device, dtype and call (``flash_cpu`` on CPU;
-on CUDA in half precision ``sdpa_cudnn`` for dense calls on Hopper and newer, else ``sdpa_flash``;
+on CUDA in half precision ``sdpa_cudnn`` for dense calls without GQA on Hopper and Blackwell, else ``sdpa_flash``;
 ``sdpa_efficient`` otherwise); ``auto`` also takes flash-attn where installed (see :func:`choose`)."""
 
 _CUDA_ONLY = {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn"}
@@ -308,43 +308,51 @@ HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None  # once: fi
 
 @torch.compiler.assume_constant_result
 def cudnn_is_fastest() -> bool:
-    """Whether cuDNN's fused attention is the fastest dense kernel here: Hopper or newer with cuDNN
-    9 (its wgmma kernels; torch's own SDPA dispatch prefers it there too). On an H200, DiT-XL/2's
-    attention (head dim 72) took 18 ms per step with cuDNN against 36 ms with torch's flash kernel."""
+    """Whether cuDNN's fused attention is the fastest dense kernel here: Hopper (sm90) or Blackwell
+    (sm100) with cuDNN 9, where torch's own SDPA dispatch prefers it too, unless it was switched off
+    (``torch.backends.cuda.enable_cudnn_sdp(False)``). On an H200, DiT-XL/2's attention (head dim
+    72) took 19 ms per step with cuDNN against 36 ms with torch's flash kernel."""
+    return torch.backends.cuda.cudnn_sdp_enabled() and _cudnn_generation()
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_generation() -> bool:
     if not torch.cuda.is_available() or not torch.backends.cudnn.is_available():
         return False
-    return (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability()[0] >= 9
+    return (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability()[0] in (9, 10)
 
 
-def choose(backend: str, *, cuda: bool, dtype: torch.dtype, head_dim: int, dense: bool,
+def choose(backend: str, *, cuda: bool, dtype: torch.dtype, head_dim: int, dense: bool, gqa: bool = False,
            cudnn_fastest: bool = False, have_flash_attn: bool = False) -> str:
     """The kernel ``backend`` means for these inputs (``auto`` and ``sdpa`` are resolved; any
     other name is itself). ``dense``: one attention per batch row, no packed segments (cuDNN has
-    no varlen form here, so packed data keeps the flash varlen kernels)."""
+    no varlen form here, so packed data keeps the flash varlen kernels); ``gqa``: fewer kv heads
+    than query heads (cuDNN would take them repeated, the flash kernels take them as they are)."""
     if backend not in ("auto", "sdpa"):
         return backend
     if not cuda:
         return "flash_cpu"
     flash_fits = dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
-    if dense and cudnn_fastest and flash_fits and head_dim <= 128:
+    if dense and not gqa and cudnn_fastest and flash_fits and head_dim <= 128:
         return "sdpa_cudnn"
     if backend == "auto" and flash_fits and have_flash_attn:
         return "flash_attn"
     return "sdpa_flash" if flash_fits else "sdpa_efficient"
 
 
-def resolve_backend(backend: str, q: torch.Tensor, segments=None) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, segments=None, k: Optional[torch.Tensor] = None) -> str:
     """The backend that runs for ``backend`` on ``q``'s device and dtype (validated, logged once).
 
     ``auto`` takes the fastest: the flash op on CPU; on CUDA, for dense calls (``segments`` None or
-    one run) cuDNN's kernel on Hopper and newer, else flash-attn when installed and the input is
+    one run, no GQA) cuDNN's kernel on Hopper and Blackwell, else flash-attn when installed and the input is
     half precision, else torch's flash kernel (half) or memory-efficient kernel (fp32). ``sdpa``
     is the same without flash-attn.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
     dense = segments is None or len(segments.runs) == 1
-    chosen = choose(backend, cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], dense=dense,
+    gqa = k is not None and k.shape[-2] != q.shape[-2]
+    chosen = choose(backend, cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], dense=dense, gqa=gqa,
                     cudnn_fastest=q.is_cuda and cudnn_is_fastest(), have_flash_attn=HAVE_FLASH_ATTN)
     if chosen in _CUDA_ONLY and not q.is_cuda:
         raise ValueError(f"backend={chosen!r} needs CUDA tensors; use backend='auto' or 'flash_cpu' on CPU")

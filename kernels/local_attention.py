@@ -101,7 +101,7 @@ def attention_forward(q, k, v, *, segments: Segments | None = None, softmax_scal
     No autograd graph is recorded: this is the primitive the autograd ops are built from.
     """
     _check_shapes(q, k, v, segments)
-    kernel = KERNELS[resolve_backend(backend, q, segments)]
+    kernel = KERNELS[resolve_backend(backend, q, segments, k)]
     scale = softmax_scale_or_default(softmax_scale, q)
     with torch.no_grad():
         if segments is None:
@@ -147,7 +147,7 @@ def attention_backward(dout, q, k, v, out, lse, *, segments: Segments | None = N
     a gradient flowing into lse itself; no fused kernel takes one, so only then the float math
     backward runs instead.
     """
-    name = resolve_backend(backend, q, segments)
+    name = resolve_backend(backend, q, segments, k)
     kernel = KERNELS[name] if dlse is None else lse_grad_kernel(name)
     scale = softmax_scale_or_default(softmax_scale, q)
     with torch.no_grad():
@@ -222,7 +222,7 @@ def segment_attention(q, k, v, *, segments: Segments | None = None, softmax_scal
     """
     scale = softmax_scale_or_default(softmax_scale, q)
     _check_shapes(q, k, v, segments)
-    return _LocalAttention.apply(q, k, v, segments, scale, resolve_backend(backend, q, segments), return_lse)
+    return _LocalAttention.apply(q, k, v, segments, scale, resolve_backend(backend, q, segments, k), return_lse)
 
 
 def local_attention(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, softmax_scale=None,

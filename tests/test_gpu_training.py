@@ -69,3 +69,9 @@ def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
         assert all(g["fused"] for g in inner.param_groups)
         assert all(s["step"].device.type == "cuda" for s in inner.state.values())
     torch.testing.assert_close(torch.tensor(losses(resumed.fit())), torch.tensor(full[3:]), rtol=1e-4, atol=1e-5)
+    cfg = tiny_run(tmp_path / "cut", max_steps=6, distopt=True)  # the fused checkpoint, resumed foreach:
+    cfg.optim.adam_impl = "foreach"                                # steps back on the host (no per-step reads)
+    foreach = Trainer(cfg)
+    for inner in torch_optimizer.torch_adams(foreach.optimizer):
+        assert all(g["foreach"] and not g["fused"] for g in inner.param_groups)
+        assert all(s["step"].device.type == "cpu" for s in inner.state.values())

@@ -39,18 +39,23 @@ def test_init_adam_state_lets_a_fresh_distributed_optimizer_describe_its_state(t
 
 
 
-def test_foreach_scale_matches_the_per_tensor_contract_and_replaces_megatrons_stand_in(tmp_path):
-    """``dst = src * scale`` over lists (main fp32 -> model bf16 copies, in-place clipping by a
-    tensor coefficient), as megatron's per-tensor stand-in computes it."""
+def test_foreach_copy_and_scale_match_megatrons_per_tensor_stand_ins(tmp_path):
+    """The main fp32 -> model bf16 weight copy and ``dst = src * scale`` over lists (in-place
+    clipping by a tensor coefficient) as megatron's per-tensor loops compute them."""
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.utils import local_multi_tensor_scale
     Trainer(tiny_run(tmp_path))  # installs the fixes
     assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is torch_optimizer.foreach_scale
+    assert optimizer._multi_tensor_copy_this_to_that is torch_optimizer.foreach_copy
+    main = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (7, 500)]
+    model = [torch.zeros(n, dtype=torch.bfloat16) for n in (7, 500)]
+    torch_optimizer.foreach_copy(main, model)
+    assert all(torch.equal(b, a.to(torch.bfloat16)) for a, b in zip(main, model))
     g = torch.Generator().manual_seed(0)
     src = [torch.randn(n, generator=g) for n in (5, 300)]
     for scale in (1.0, 0.25, torch.tensor(0.3)):
-        got, want = [torch.empty(t.shape, dtype=torch.bfloat16) for t in src], [torch.empty(t.shape, dtype=torch.bfloat16)
-                                                                                for t in src]
+        got = [torch.empty(t.shape, dtype=torch.bfloat16) for t in src]
+        want = [torch.empty(t.shape, dtype=torch.bfloat16) for t in src]
         torch_optimizer.foreach_scale(2048, None, [src, got], scale)
         local_multi_tensor_scale(2048, None, [src, want], scale)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -73,7 +78,8 @@ def test_fused_adam_trains_as_foreach_and_stays_fused_across_a_foreach_checkpoin
         cfg = tiny_run(tmp_path / impl, distopt=True)
         cfg.optim.adam_impl = impl
         trainer = Trainer(cfg)
-        assert all(g["fused"] == (impl == "fused") and g["foreach"] == (impl == "foreach") for g in _adam_groups(trainer))
+        assert all(g["fused"] == (impl == "fused") and g["foreach"] == (impl == "foreach")
+                   for g in _adam_groups(trainer))
         for _ in range(3):
             trainer.train_step()
         runs[impl] = trainer

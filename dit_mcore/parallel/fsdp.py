@@ -301,7 +301,7 @@ def _same_state_everywhere(opt) -> None:
         return
     if getattr(opt, "init_state_fn", None) is not None:
         opt.init_state_fn(inner, opt.config)
-    like = steps[0] if steps else torch.tensor(0.0)  # torch's Adam keeps its step on the host (or fused: device)
+    like = steps[0] if steps else torch.tensor(0.0)  # placed below where the group's Adam kernel wants it
     for group in inner.param_groups:
         for p in group["params"]:
             state = inner.state[p]
@@ -309,6 +309,8 @@ def _same_state_everywhere(opt) -> None:
                 state["step"] = torch.full_like(like, latest)
             for key in ("exp_avg", "exp_avg_sq"):
                 state.setdefault(key, torch.zeros_like(p))
+    from dit_mcore.training.torch_optimizer import place_steps
+    place_steps(inner)
 
 
 class CheckpointView:

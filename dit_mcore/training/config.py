@@ -88,7 +88,7 @@ class ModelConfig:
     with ``compile=True`` on GPUs with float8 tensor cores (H100 and newer); None: off."""
     attention_backend: Optional[str] = None
     """The local attention kernel (``kernels.attention_kernels.BACKENDS``); None: "auto", the fastest
-    for the device, dtype and call (on Hopper cuDNN for dense batches, flash varlen for packed
+    for the device, dtype and call (on Hopper and Blackwell cuDNN for dense batches, flash varlen for packed
     ones). E.g. "sdpa_flash" to pin torch's flash kernel, "math64" for the float64 reference."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the

@@ -7,10 +7,12 @@ of those break or slow a run, on a GPU as much as on the CPU:
 - **Grad norm.** Its stand-in for apex's ``multi_tensor_l2norm`` builds the norm from host floats:
   one device sync per parameter tensor, every step. :func:`foreach_l2_norm` takes its place (two
   foreach kernels, no host read).
-- **Scale and copy.** Its stand-in for ``multi_tensor_scale`` (the main-to-model weight copy after
-  every step, the gradient clipping) launches a multiply and a copy per tensor, a thousand small
-  launches per step at DiT-XL/2 size while the GPU waits: :func:`foreach_scale` does it with
-  foreach kernels.
+- **Copies and scaling.** The bf16 optimizer copies its fp32 main weights into the bf16 model
+  weights after every step one tensor at a time (its multi-tensor path needs apex), and the
+  stand-in for ``multi_tensor_scale`` (gradient clipping) launches a multiply and a copy per tensor:
+  hundreds of small launches per step while the GPU waits. :func:`foreach_copy` and
+  :func:`foreach_scale` do them with foreach kernels (per tensor where DTensors are involved: the
+  foreach copy has no DTensor rule).
 - **Adam state before a load.** torch's Adam state is empty until the first step, but the
   distributed optimizer's ``sharded_state_dict(is_loading=True)`` asserts one ``step`` value:
   :func:`init_adam_state` fills a fresh optimizer's state before a checkpoint is read, and before
@@ -53,18 +55,36 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     return total, None
 
 
+def _has_dtensor(tensors) -> bool:
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def foreach_copy(this, that, overflow_buf=None) -> None:
+    """megatron's ``_multi_tensor_copy_this_to_that`` (``that[i] = this[i]``, any dtypes) as one
+    foreach copy instead of a ``copy_`` per tensor."""
+    if not this:
+        return
+    if _has_dtensor(this) or _has_dtensor(that):
+        for src, dst in zip(this, that):
+            dst.copy_(src)
+    else:
+        torch._foreach_copy_(list(that), list(this))
+
+
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     """apex's ``multi_tensor_scale`` contract (``dst = src * scale``, any dtypes) with foreach
-    kernels: in place when the two lists are the same tensors, a plain copy for scale 1."""
+    kernels: in place when the two lists are the same tensors (clipping), else a multiply and one
+    foreach copy."""
     src, dst = tensor_lists
     if not src:
         return
     if all(a is b for a, b in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
     elif isinstance(scale, (int, float)) and scale == 1.0:
-        torch._foreach_copy_(dst, src)
+        foreach_copy(src, dst)
     else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+        foreach_copy(torch._foreach_mul(src, scale), dst)
 
 
 def torch_adams(optimizer) -> list:
@@ -84,7 +104,7 @@ def init_adam_state(optimizer) -> None:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-        _place_steps(inner)
+        place_steps(inner)
 
 
 def set_adam_impl(optimizer, impl: str) -> None:
@@ -97,23 +117,27 @@ def set_adam_impl(optimizer, impl: str) -> None:
     def apply(inner, *_):
         for group in inner.param_groups:
             group["fused"], group["foreach"] = impl == "fused", impl == "foreach"
-        _place_steps(inner)
+        place_steps(inner)
 
     for inner in torch_adams(optimizer):
         apply(inner)
         inner.register_load_state_dict_post_hook(apply)
 
 
-def _place_steps(inner) -> None:
-    """The fused kernel wants each ``step`` on its parameter's device, in float32 (torch creates it
-    so, but a load or :func:`init_adam_state` gives a host tensor)."""
+def place_steps(inner) -> None:
+    """Each ``step`` where torch's Adam kernel wants it: the fused (and capturable) kernel on its
+    parameter's device, in float32; the foreach and for-loop kernels on the host (a device ``step``
+    there, e.g. from a checkpoint of a fused run, costs two host reads per parameter per step).
+    torch creates them so; a load or :func:`init_adam_state` may not."""
     for group in inner.param_groups:
-        if not (group.get("fused") or group.get("capturable")):
-            continue
+        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = inner.state.get(p)
-            if state and torch.is_tensor(state.get("step")) and state["step"].device != p.device:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            if not state or not torch.is_tensor(state.get("step")):
+                continue
+            where = p.device if on_device else torch.device("cpu")
+            if state["step"].device != where:
+                state["step"] = state["step"].to(device=where, dtype=torch.float32)
 
 
 def apply_fixes() -> bool:
@@ -122,6 +146,7 @@ def apply_fixes() -> bool:
     global _applied
     _norm_without_host_reads()  # gated by the kernel megatron picked, which the apex/TE checks decide apart
     _scale_with_foreach()
+    _copy_with_foreach()
     if _applied or not uses_torch_optimizer():
         return _applied
     _load_adam_state_per_parameter()
@@ -143,6 +168,13 @@ def _scale_with_foreach() -> None:
     for module in (clip_grads, optimizer):
         if module.multi_tensor_scale_impl is local_multi_tensor_scale:
             module.multi_tensor_scale_impl = foreach_scale
+
+
+def _copy_with_foreach() -> None:
+    from megatron.core.optimizer import optimizer
+    from megatron.core.utils import local_multi_tensor_applier
+    if optimizer.multi_tensor_applier is local_multi_tensor_applier:  # no apex/TE multi-tensor kernels
+        optimizer._multi_tensor_copy_this_to_that = foreach_copy
 
 
 def _load_adam_state_per_parameter() -> None:

@@ -315,6 +315,7 @@ def test_auto_picks_cudnn_for_dense_half_attention_on_hopper_and_flash_for_packe
     assert choose("auto", head_dim=72, dense=False, have_flash_attn=True, **hopper) == "flash_attn"
     assert choose("sdpa", head_dim=72, dense=False, have_flash_attn=True, **hopper) == "sdpa_flash"
     assert choose("auto", head_dim=256, dense=True, **hopper) == "sdpa_flash"  # beyond cuDNN's 128
+    assert choose("auto", head_dim=64, dense=True, gqa=True, **hopper) == "sdpa_flash"  # kv heads as they are
     ampere = dict(cuda=True, dtype=torch.bfloat16, cudnn_fastest=False, dense=True)
     assert choose("auto", head_dim=72, **ampere) == "sdpa_flash"
     assert choose("auto", head_dim=72, have_flash_attn=True, **ampere) == "flash_attn"
