@@ -302,7 +302,7 @@ class Trainer:
         # gradients cover its own tokens); megatron sums the counts over DP x CP, so count it once.
         counted = n if parallel_state.get_context_parallel_rank() == 0 else 0
         count = loss_sum.new_full((), counted, dtype=torch.int)  # a fill kernel: no host-to-device copy
-        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(n))])}
+        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_full((), float(n))])}
 
     def train_step(self) -> dict:
         for chunk in self.ddp_chunks:
