@@ -18,11 +18,12 @@
 #   profile where the device time goes (~8 min): DiT-XL/2 b128 compiled with fused vs foreach AdamW, the
 #           3B packed point (batch 2), each with the time per kind of kernel and the top kernels; then
 #           diffusers side by side at batch 128, compiled, both profiled
-#   kernels the attention kernel choice and the optimizer's foreach copies (~6 min): GPU attention and compile
+#   kernels the attention kernel choice (~6 min): GPU attention and compile
 #           tests; DiT-XL/2 b128 compiled with auto attention (cuDNN on Hopper) vs torch's flash kernel,
 #           profiled; diffusers side by side at batch 128, compiled
 #   step    the trainer's step as it stands (~5 min): the fused-AdamW resume test on CUDA; DiT-XL/2
 #           compiled at batch 128 and 256 (separate processes), the 3B packed point at batch 2, each profiled
+#           (host syncs per step included: the first measure of the asynchronous host-to-device copies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step}
@@ -83,18 +84,22 @@ case "$phase" in
       --out "$out/throughput_xl_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/xl_attention.txt" | tail -n 60 || true
     timeout 110 python3 benchmarks/train_step.py --preset DiT-XL/2 --batch 128 --dtype bf16 --compile --rounds 3 \
       --steps 4 --out "$out/train_step_xl_b128_compiled.json" 2>&1 | grep -v -i warn | tail -n 5 || true ;;
-  step)
+  step)  # JSON lines and printouts come back under $OUT, the plots as one tarball (the tool brings back few files)
+    work=/tmp/gpu_step; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider \
       tests/test_gpu_training.py::test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu 2>&1 \
       | tee "$out/tests.txt" | tail -n 5 || true
     for b in 128 256; do
       timeout 100 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches $b --compile 1 \
-        --dtype bf16 --profile --warmup 4 --steps 8 --out "$out/throughput_xl_b$b.jsonl" 2>&1 | grep -v -i warn \
+        --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b$b.jsonl" 2>&1 | grep -v -i warn \
         | tee "$out/xl_b$b.txt" | tail -n 30 || true
+      cp "$work/throughput_xl_b$b.jsonl" "$out/" 2>/dev/null || true
     done
     timeout 120 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
       --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
-      --out "$out/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true ;;
+      --out "$work/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
+    cp "$work/throughput_3b.jsonl" "$out/" 2>/dev/null || true
+    tar czf "$out/plots.tgz" -C "$work" --exclude='*.jsonl' . ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;
 esac
