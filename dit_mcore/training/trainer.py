@@ -43,7 +43,8 @@ from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.text_preview import draw_text_preview, moving_digits_prompts, preview_text_encoder
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
-from dit_mcore.training.optim import build_optimizer, grads_and_norm, shard_fully, step_if_finite, wrap_data_parallel
+from dit_mcore.training.optim import (build_optimizer, grads_and_norm, per_sample_loss_scale, shard_fully,
+                                     step_if_finite, wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
@@ -116,6 +117,8 @@ class Trainer:
         self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay)
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
+        self.sample_weight = torch.ones((), device=self.device)  # 1 / the global batch's samples, per step
+        per_sample_loss_scale(self.ddp_chunks[0].config, self.optimizer, self.sample_weight)
         self.loader = self._build_data()
         self.skipped_samples = 0
         self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
@@ -287,10 +290,13 @@ class Trainer:
         return out, partial(self._loss, inputs, batch)
 
     def _loss(self, inputs, batch, output):
-        """(sum of per-sample losses, sample count, logged pair): megatron divides by the global
-        sample count (``calculate_per_token_loss``), so every sample weighs the same whatever its
-        micro-batch, pack or rank. Context-parallel ranks other than the first report a count of 0
-        (they compute the same loss); the logged pair always carries the real count."""
+        """(sum of per-sample losses, sample count, logged pair). The gradient is divided by the
+        global sample count through the loss scale (:meth:`_weigh_samples`), so every sample weighs
+        the same whatever its micro-batch, pack or rank; megatron's schedule, in its per-token mode
+        (``calculate_per_token_loss``: no division by the micro-batch count, a sum over DP), sums the
+        counts, which :func:`optim.finalize_grads` then leaves unused. Context-parallel ranks other
+        than the first report a count of 0 (they compute the same loss); the logged pair always
+        carries the real count."""
         pred = prediction(output, self.model_config).reshape(-1, self.model_config.patch_dim)
         real = batch.token_to_sample >= 0
         per_token = self.objective.loss(pred, inputs).mean(-1) * real
@@ -313,6 +319,7 @@ class Trainer:
                     for b in microbatches)  # host ints (grids stay on the host)
         counts = to_device([float(sum(b.num_skipped for b in microbatches)),
                             float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9], self.device)
+        self._weigh_samples(microbatches)
         fwd_bwd = get_forward_backward_func()
         rows, seq = microbatches[0].tokens.shape[:2]
         reduced = fwd_bwd(forward_step_func=self._forward_step,
@@ -345,6 +352,15 @@ class Trainer:
         return {"loss": loss, "samples": totals[1], "tokens": totals[3], "model_flops": totals[4] * 1e9,
                 "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
                 "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps), **moe}
+
+    def _weigh_samples(self, microbatches) -> None:
+        """Every sample weighs 1 / the global batch's sample count (counted on the first CP rank:
+        the others compute the same loss), on the device: each stage holds its replica's
+        micro-batches, so no stage waits for the last one's count."""
+        counted = sum(b.num_samples for b in microbatches) if parallel_state.get_context_parallel_rank() == 0 else 0
+        samples = to_device([float(counted)], self.device)
+        dist.all_reduce(samples, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        self.sample_weight.copy_(1.0 / samples.clamp(min=1.0)[0])
 
     def _sync_params(self) -> None:
         """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
