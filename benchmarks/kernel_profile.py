@@ -34,7 +34,8 @@ def kind_of(kernel: str) -> str:
     return "other"
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -48,21 +49,23 @@ def profile_steps(step, device, n_steps: int = 3, top: int = 15) -> dict:
     the same over CPU operators (``busy`` and the syncs are None)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
-    _sync(device)
+    sync_device(device)
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(n_steps):
             step()
-        _sync(device)
+        sync_device(device)
         wall = time.perf_counter() - start
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    averages = prof.key_averages()
+    events = [e for e in averages if getattr(e, attr) > 0]
     total = sum(getattr(e, attr) for e in events) or 1.0
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    syncs = sum(e.count for e in prof.key_averages() if e.key in ("cudaStreamSynchronize", "cudaEventSynchronize"))
+    syncs = sum(e.count for e in averages if e.key in ("cudaStreamSynchronize", "cudaEventSynchronize"))
     kinds: dict[str, float] = {}
     for e in events:
-        kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + getattr(e, attr)
+        kind = kind_of(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr)
     return {
         "top": [{"kernel": e.key[:120], "kind": kind_of(e.key), "ms_per_step": getattr(e, attr) / 1e3 / n_steps,
                  "share": getattr(e, attr) / total, "calls_per_step": e.count / n_steps} for e in events[:top]],

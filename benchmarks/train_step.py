@@ -24,15 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kernel_profile import profile_steps, report  # noqa: E402  (benchmarks/ is the script folder)
+from kernel_profile import profile_steps, report, sync_device  # noqa: E402  (benchmarks/ is the script folder)
 from results_io import device_name, write_result  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def build_pair(preset_name: str, device, dtype):
@@ -90,11 +85,11 @@ def compile_layers(ours, theirs) -> None:
 
 
 def timed(step, n: int, device) -> float:
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     for _ in range(n):
         step()
-    _sync(device)
+    sync_device(device)
     return (time.perf_counter() - start) / n
 
 

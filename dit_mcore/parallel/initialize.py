@@ -124,7 +124,6 @@ def run_device() -> torch.device:
 
 
 def destroy_distributed() -> None:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release_model_parallel_groups()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -304,10 +304,7 @@ class Trainer:
         sums = per_token.new_zeros(n).index_add_(0, sample_of, per_token)
         counts = per_token.new_zeros(n).index_add_(0, sample_of, real.float())
         loss_sum = (sums / counts.clamp(min=1)).sum()
-        # Every context-parallel rank computes this same loss on the gathered output (each one's
-        # gradients cover its own tokens); megatron sums the counts over DP x CP, so count it once.
-        counted = n if parallel_state.get_context_parallel_rank() == 0 else 0
-        count = loss_sum.new_full((), counted, dtype=torch.int)  # a fill kernel: no host-to-device copy
+        count = loss_sum.new_full((), self._counted(n), dtype=torch.int)  # a fill kernel: no host-to-device copy
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_full((), float(n))])}
 
     def train_step(self) -> dict:
@@ -353,12 +350,17 @@ class Trainer:
                 "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
                 "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps), **moe}
 
+    @staticmethod
+    def _counted(samples: int) -> int:
+        """Samples this rank counts: every context-parallel rank computes the same loss on the
+        gathered output (each one's gradients cover its own tokens), and the counts are summed over
+        DP x CP, so only the first CP rank counts them."""
+        return samples if parallel_state.get_context_parallel_rank() == 0 else 0
+
     def _weigh_samples(self, microbatches) -> None:
-        """Every sample weighs 1 / the global batch's sample count (counted on the first CP rank:
-        the others compute the same loss), on the device: each stage holds its replica's
-        micro-batches, so no stage waits for the last one's count."""
-        counted = sum(b.num_samples for b in microbatches) if parallel_state.get_context_parallel_rank() == 0 else 0
-        samples = to_device([float(counted)], self.device)
+        """Every sample weighs 1 / the global batch's sample count, on the device: each stage holds
+        its replica's micro-batches, so no stage waits for the last one's count."""
+        samples = to_device([float(self._counted(sum(b.num_samples for b in microbatches)))], self.device)
         dist.all_reduce(samples, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.sample_weight.copy_(1.0 / samples.clamp(min=1.0)[0])
 

@@ -21,12 +21,12 @@ import torch
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
-from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.data import moving_digits_text_encoder
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
+from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
 
 BACKENDS = ("auto", "local", "te")
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -114,8 +114,8 @@ def _model_rules(r: _Rules, m) -> None:
            "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
            "drop 'layernorm' or set model.compile=False")
     r.need(m.attention_backend is None or m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
-           m.attention_backend, f"use one of {ATTENTION_BACKENDS}{did_you_mean(str(m.attention_backend), ATTENTION_BACKENDS)}"
-           " or None (auto)")
+           m.attention_backend,
+           f"use one of {ATTENTION_BACKENDS}{did_you_mean(str(m.attention_backend), ATTENTION_BACKENDS)} or None (auto)")
     r.need(m.fp8 is None or m.fp8 in FLOAT8_RECIPES, "model.fp8", m.fp8,
            f"use one of {FLOAT8_RECIPES}{did_you_mean(str(m.fp8), FLOAT8_RECIPES)} or None (off)")
     r.need(m.fp8 is None or m.backend != "te", "model.fp8", m.fp8,
