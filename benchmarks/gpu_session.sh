@@ -24,9 +24,12 @@
 #   step    the trainer's step as it stands (~5 min): the fused-AdamW resume test on CUDA; DiT-XL/2
 #           compiled at batch 128 and 256 (separate processes), the 3B packed point at batch 2, each profiled
 #           (host syncs per step included: the first measure of the asynchronous host-to-device copies)
+#   ragged  cuDNN's ragged (varlen) attention (~8 min): the GPU kernel tests (cuDNN varlen against float64
+#           and the ring-style merged backward); the 3B packed point with torch's flash varlen vs cuDNN
+#           ragged, profiled; DiT-XL/2 b128 compiled, profiled (host syncs per step)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|ragged}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -34,6 +37,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" | tee -a "$out/device.txt"
 case "$phase" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_training.py tests/test_fp8.py \
@@ -100,6 +104,17 @@ case "$phase" in
       --out "$work/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
     cp "$work/throughput_3b.jsonl" "$out/" 2>/dev/null || true
     tar czf "$out/plots.tgz" -C "$work" --exclude='*.jsonl' . ;;
+  ragged)  # plots stay on the machine: at most 8 files come back
+    work=/tmp/gpu_ragged; mkdir -p "$work"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "cudnn or auto" 2>&1 \
+      | tee "$out/tests.txt" | tail -n 15 || true
+    timeout 260 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --attention sdpa_flash,sdpa_cudnn --profile --warmup 5 \
+      --steps 6 --out "$work/throughput_3b_ragged.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 50 || true
+    timeout 110 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b128.jsonl" 2>&1 | grep -v -i warn \
+      | tee "$out/xl_b128.txt" | tail -n 30 || true
+    cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -124,7 +124,7 @@ def _packed_forward(kernel, q, k, v, segments, scale):
         vl = segments.varlen(q.device)
         o, l = _varlen_forward(kernel, vl.pack_q(q), vl.pack_k(k), vl.pack_k(v), vl, scale)
         vl.unpack_q(out, o)
-        vl.unpack_q(lse.transpose(1, 2), l.t())
+        vl.unpack_q(lse.transpose(1, 2), l.t(), pad_value=float("-inf"))
         return out, lse
     for run in runs:
         o, l = _dense_forward(kernel, run.q_view(q), run.k_view(k), run.k_view(v), scale)
@@ -166,7 +166,7 @@ def _packed_backward(kernel, dout, q, k, v, out, lse, segments, scale, dlse):
     if _uses_varlen(kernel, runs):  # never with dlse: the math kernel has no varlen form
         vl = segments.varlen(q.device)
         g = _varlen_backward(kernel, vl.pack_q(dout), vl.pack_q(q), vl.pack_k(k), vl.pack_k(v), vl.pack_q(out),
-                             vl.pack_q(lse.transpose(1, 2)).t(), vl, scale)
+                             vl.pack_lse(lse), vl, scale)
         vl.unpack_q(dq, g[0])
         vl.add_k(dk, g[1])
         vl.add_k(dv, g[2])

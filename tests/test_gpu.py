@@ -20,6 +20,9 @@ LAYOUTS = {
     "dense_gqa": (2, 128, 8, 2, None),
     "packed_mixed_gqa": (1, 208, 8, 2, [0, 40, 90, 150, 190]),   # varlen (cuDNN: runs), tail padding
     "packed_images": (1, 192, 4, 4, [0, 64, 128, 192]),           # one run: a batched dense call
+    "packed_long": (1, 1100, 4, 4, [0, 300, 700, 1000]),           # varlen, segments of 300-400 rows
+    # padded slots: the padding between segments runs inside the varlen call, then is cleared
+    "packed_gaps": (1, 1100, 4, 4, ([0, 300, 700, 1000], [0, 350, 800, 1100])),
 }
 # max |error| / max |reference| per output; bf16 as TransformerEngine's CP tests (2.5e-2)
 REL_TOL = {torch.bfloat16: 2.5e-2, torch.float32: 1e-3}
@@ -43,6 +46,8 @@ def _inputs(layout, dtype, seed=0):
     q = torch.randn(b, s, h, 64, device="cuda", generator=g, dtype=dtype)
     k, v = (torch.randn(b, s, hk, 64, device="cuda", generator=g, dtype=dtype) for _ in range(2))
     dout = torch.randn(b, s, h, 64, device="cuda", generator=g, dtype=dtype)
+    if isinstance(cu, tuple):  # (real, padded) cumulative lengths
+        return q, k, v, dout, Segments.from_cu_seqlens(cu[0], cu[0], cu[1], cu[1])
     return q, k, v, dout, None if cu is None else Segments.from_cu_seqlens(cu)
 
 
@@ -69,10 +74,12 @@ def _check_against_float64(backend, dtype, layout):
     for name, got, ref in zip("qkv", leaves, ref_leaves):
         assert got.grad.dtype == dtype
         _assert_rel(got.grad, ref.grad, tol, f"d{name}")
-    if seg is not None:  # tail padding: out 0, lse -inf, gradients exactly 0
-        tail = slice(max(seg.q_ends), None)
-        assert not out[:, tail].any() and torch.isneginf(lse[:, :, tail]).all()
-        assert not any(t.grad[:, tail].any() for t in leaves)
+    if seg is not None:  # padding (between segments and at the tail): out 0, lse -inf, gradients exactly 0
+        pad = torch.ones(q.shape[1], dtype=torch.bool, device=q.device)
+        for a, e, _, _ in seg.nonempty():
+            pad[a:e] = False
+        assert not out[:, pad].any() and torch.isneginf(lse[:, :, pad]).all()
+        assert not any(t.grad[:, pad].any() for t in leaves)
 
 
 @pytest.mark.parametrize("backend", HALF_BACKENDS)
@@ -89,7 +96,7 @@ def test_gpu_attention_matches_float64_fp32(backend, layout):
 
 
 @pytest.mark.parametrize("backend", HALF_BACKENDS)
-@pytest.mark.parametrize("layout", ["dense_gqa", "packed_mixed_gqa"])
+@pytest.mark.parametrize("layout", ["dense_gqa", "packed_mixed_gqa", "packed_long", "packed_gaps"])
 def test_gpu_ring_style_backward_against_merged_out_and_lse(backend, layout):
     """Per-key-block forward merged by lse, then each block's backward against the merged
     (out, lse): the blocks' dk/dv and summed dq equal the full attention's gradients."""

@@ -41,6 +41,10 @@ CASES = {
     "padded_slots_one_strided_run": (1, 13, 13, 4, 2, _segments([0, 3, 6, 9], None, [0, 4, 8, 12], [0, 4, 8, 12])),
     "cross_layouts": (1, 7, 9, 2, 1, _segments([0, 2, 5], [0, 4, 6], [0, 3, 6], None)),
     "shared_keys": (1, 6, 5, 2, 1, Segments((0, 3), (3, 6), (0, 0), (4, 4))),  # both samples read keys 0..3
+    # padding between segments on both sides (varlen: the gaps run as segments, then are cleared)
+    "padded_slots_varlen": (1, 13, 13, 4, 2, _segments([0, 3, 7, 9], None, [0, 4, 9, 12], [0, 4, 9, 12])),
+    "cross_padded_gaps": (1, 10, 8, 2, 1, _segments([0, 3, 7], [0, 2, 5], [0, 4, 9], [0, 3, 6])),
+    "key_gap_only": (1, 6, 6, 2, 1, _segments([0, 3, 6], [0, 2, 5], None, [0, 3, 6])),  # gathers
 }
 
 
@@ -181,6 +185,25 @@ def test_plans_are_built_once_per_segments_object():
     assert seg == _segments([0, 3, 7]) and hash(seg) == hash(_segments([0, 3, 7]))  # caches stay out of eq
 
 
+def test_varlen_takes_slices_where_padding_can_join_the_kernel_call():
+    """Padding between segments runs inside the varlen call (its own segment, or queries joining
+    the segment before them), cleared after, so q/k are sliced, not gathered; shared keys or
+    padding keys facing no padding queries keep the gather."""
+    vl = CASES["padded_slots_varlen"][-1].varlen("cpu")
+    assert vl.q_index is None and vl.k_index is None and (vl.q_range, vl.k_range) == ((0, 11), (0, 11))
+    assert vl.cu_q.tolist() == [0, 3, 4, 8, 9, 11] and vl.q_pad.tolist() == vl.k_pad.tolist() == [3, 8]
+    cross = CASES["cross_padded_gaps"][-1].varlen("cpu")
+    assert cross.q_index is None and cross.k_index is None
+    assert cross.q_pad.tolist() == [3] and cross.k_pad.tolist() == [2]
+    text = CASES["cross_layouts"][-1].varlen("cpu")  # packed text keys: the query gap joins segment 0
+    assert text.q_index is None and text.cu_q.tolist() == [0, 3, 6] and text.cu_k.tolist() == [0, 4, 6]
+    assert text.q_pad.tolist() == [2] and text.k_pad is None
+    for case in ("key_gap_only", "shared_keys"):
+        vl = CASES[case][-1].varlen("cpu")
+        assert vl.q_index is not None or vl.k_index is not None
+        assert vl.q_pad is None and vl.k_pad is None
+
+
 def test_padded_segments_skip_inner_padding():
     """TE-style (cu_seqlens, cu_seqlens_padded): padding inside a sample's slot is never attended."""
     real, padded = [0, 3, 5], [0, 4, 8]
@@ -254,7 +277,8 @@ EMULATED = {
 
 @pytest.mark.parametrize("kernel", list(EMULATED))
 @pytest.mark.parametrize("case", ["runs_mixed_tail_pad", "padded_slots_one_strided_run", "cross_layouts",
-                                  "empty_segment", "shared_keys"])
+                                  "empty_segment", "shared_keys", "padded_slots_varlen", "cross_padded_gaps",
+                                  "key_gap_only"])
 def test_varlen_path_with_emulated_kernels(monkeypatch, kernel, case):
     """Gather/scatter of real tokens, GQA repeat/sum and lse layouts of the varlen GPU path."""
     calls = []
