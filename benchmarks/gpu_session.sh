@@ -21,15 +21,16 @@
 #   kernels the attention kernel choice (~6 min): GPU attention and compile
 #           tests; DiT-XL/2 b128 compiled with auto attention (cuDNN on Hopper) vs torch's flash kernel,
 #           profiled; diffusers side by side at batch 128, compiled
-#   step    the trainer's step as it stands (~5 min): the fused-AdamW resume test on CUDA; DiT-XL/2
-#           compiled at batch 128 and 256 (separate processes), the 3B packed point at batch 2, each profiled
-#           (host syncs per step included: the first measure of the asynchronous host-to-device copies)
-#   ragged  cuDNN's ragged (varlen) attention (~8 min): the GPU kernel tests (cuDNN varlen against float64
-#           and the ring-style merged backward); the 3B packed point with torch's flash varlen vs cuDNN
-#           ragged, profiled; DiT-XL/2 b128 compiled, profiled (host syncs per step)
+#   step    the trainer's step as it stands (~5 min): the fused-AdamW resume and the pipelined-step tests on
+#           CUDA; DiT-XL/2 compiled at batch 128 and 256 (separate processes), the 3B packed point at batch 2,
+#           each profiled (host syncs per step and device busy: the first measure of the step decided on the
+#           device, no host wait per step)
+#   gaps    packed attention without gather/scatter copies (~5 min): the GPU kernel tests on packed layouts
+#           (padding between segments included); the 3B packed point at batch 2 and DiT-XL/2 at batch 256,
+#           compiled, profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|ragged}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -91,7 +92,8 @@ case "$phase" in
   step)  # JSON lines and printouts come back under $OUT, the plots as one tarball (the tool brings back few files)
     work=/tmp/gpu_step; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_gpu_training.py::test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu 2>&1 \
+      tests/test_gpu_training.py::test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu \
+      tests/test_gpu_training.py::test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once 2>&1 \
       | tee "$out/tests.txt" | tail -n 5 || true
     for b in 128 256; do
       timeout 100 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches $b --compile 1 \
@@ -104,16 +106,16 @@ case "$phase" in
       --out "$work/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
     cp "$work/throughput_3b.jsonl" "$out/" 2>/dev/null || true
     tar czf "$out/plots.tgz" -C "$work" --exclude='*.jsonl' . ;;
-  ragged)  # plots stay on the machine: at most 8 files come back
-    work=/tmp/gpu_ragged; mkdir -p "$work"
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "cudnn or auto" 2>&1 \
+  gaps)  # plots stay on the machine: at most 8 files come back
+    work=/tmp/gpu_gaps; mkdir -p "$work"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "packed" 2>&1 \
       | tee "$out/tests.txt" | tail -n 15 || true
-    timeout 260 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --attention sdpa_flash,sdpa_cudnn --profile --warmup 5 \
-      --steps 6 --out "$work/throughput_3b_ragged.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 50 || true
-    timeout 110 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
-      --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b128.jsonl" 2>&1 | grep -v -i warn \
-      | tee "$out/xl_b128.txt" | tail -n 30 || true
+    timeout 150 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
+      --out "$work/throughput_3b_gaps.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
+    timeout 130 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 256 --compile 1 \
+      --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b256.jsonl" 2>&1 | grep -v -i warn \
+      | tee "$out/xl_b256.txt" | tail -n 25 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;

@@ -78,6 +78,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         torch.compiler.reset()  # otherwise get dynamo's dynamic-shape graphs (automatic_dynamic_shapes)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(run_config(point, run_dir))
+        if point.get("step") == "host":
+            trainer.steps_on_device = False
         cuda = trainer.device.type == "cuda"
         for _ in range(warmup):
             trainer.train_step()
@@ -85,8 +87,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        history = [trainer.train_step() for _ in range(steps)]
-        if cuda:  # the host's last wait in a step is before the optimizer: count the last update too
+        history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
+        if cuda:  # the last read is before the last update: count that update too
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         world = torch.distributed.get_world_size()
@@ -98,7 +100,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
         if profile:
-            result["profile"] = profile_steps(trainer.train_step, trainer.device)
+            result["profile"] = profile_steps(None, trainer.device, steps=trainer.train_steps)
         del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -153,7 +155,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     for metric, label in (("images_per_s", "images/s"), ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
-                         r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto")
+                         r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto", r.get("step", "auto"))
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
@@ -161,7 +163,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
             shape = f"packed {k[1]}" if group[0]["packed_len"] else f"{k[1]}x{k[1]}"
             ax.plot([r["batch"] for r in group], [r[metric] for r in group], marker="o",
                     label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else "")
-                    + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else ""))
+                    + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else "")
+                    + (f" step={k[7]}" if k[7] != "auto" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -192,6 +195,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
                    "none,tensorwise,rowwise (MFU stays against the --dtype peak)")
     p.add_argument("--adam", default="fused", help="optim.adam_impl: any of fused,foreach")
+    p.add_argument("--step", default="auto",
+                   help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "
+                        "as with apex/TE Adam, to measure the device-decided step against)")
     p.add_argument("--attention", default="auto", help="model.attention_backend: e.g. auto,sdpa_flash")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
@@ -207,10 +213,11 @@ def main(argv=None) -> list[dict]:
     shapes = [{"image_size": s, "packed_len": None} for s in _list(args.image_sizes, int)] + \
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
-               "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn}
-              for preset, shape, batch, rc, c, fp8, adam, attn in itertools.product(
+               "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
+               "step": step}
+              for preset, shape, batch, rc, c, fp8, adam, attn, step in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
-                  _list(args.fp8), _list(args.adam), _list(args.attention))
+                  _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step))
               if not (rc == "norm" and int(c))]  # norm recompute does not trace under compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -234,7 +241,8 @@ def main(argv=None) -> list[dict]:
                   f"{row['images_per_s']:.1f} img/s | "
                   f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
                   f"MFU {mfu}{ratio}{'' if point['adam'] == 'fused' else ' adam=' + point['adam']}"
-                  f"{' attention=' + point['attention'] if point['attention'] else ''}", flush=True)
+                  f"{' attention=' + point['attention'] if point['attention'] else ''}"
+                  f"{' step=' + point['step'] if point['step'] != 'auto' else ''}", flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):

@@ -75,3 +75,19 @@ def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
     for inner in torch_optimizer.torch_adams(foreach.optimizer):
         assert all(g["foreach"] and not g["fused"] for g in inner.param_groups)
         assert all(s["step"].device.type == "cpu" for s in inner.state.values())
+
+
+def test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once(tmp_path):
+    """With fused AdamW the CUDA step is decided on the device and read back through an event
+    (``HostRead``) while the next one runs: the same losses, LR and weights as reading every step at
+    once, a non-finite step 2 skipped by the kernel (weights and Adam step counts untouched)."""
+    from test_training import _run_with_clipping_and_a_bad_step
+    at_once = _run_with_clipping_and_a_bad_step(tmp_path / "at_once", on_device=True, pipelined=False)
+    pipelined = _run_with_clipping_and_a_bad_step(tmp_path / "pipelined", on_device=True, pipelined=True)
+    assert [h["skipped"] for h in pipelined[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and pipelined[3] == 4
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in pipelined[0] if not h["skipped"]]),
+                               torch.tensor([h["loss"] for h in at_once[0] if not h["skipped"]]), rtol=1e-5, atol=1e-7)
+    assert [h["lr"] for h in pipelined[0]] == [h["lr"] for h in at_once[0]]
+    for got, ref in zip(pipelined[1] + pipelined[2], at_once[1] + at_once[2]):
+        assert got.is_cuda
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -167,24 +167,68 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["fused_adam", "host_decided"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_training_step_reads_to_the_host_only_where_megatron_does(tmp_path, packed):
-    """Nothing in the model, the kernels or the trainer's step syncs the device with the host: the
-    only read in a step (its data drawn beforehand, on the host) is megatron's grad norm ``.item()``
-    (megatron's token-count read in ``finalize_model_grads`` is replaced: ``optim.finalize_grads``),
-    and the packed sin-cos table's size from the batch's grids, which ``MicroBatch.to`` keeps on the
-    host. The logged loss is read with ``tolist()`` after the norm (not counted; nothing left to wait for)."""
+def test_a_training_step_reads_nothing_to_the_host_while_it_is_queued(tmp_path, packed, on_device):
+    """Nothing in the model, the kernels or the trainer's step syncs the device with the host.
+    With torch's fused AdamW the step is decided on the device (clip and skip of a non-finite step:
+    ``optim.step_on_device``) and queued with no read at all; its metrics come back through
+    ``HostRead`` (an event wait, not counted here, taken while the next step runs). Decided on the
+    host (apex/TE or foreach Adam), the one read is megatron's grad norm ``.item()``. megatron's
+    token-count read in ``finalize_model_grads`` is replaced (``optim.finalize_grads``); the packed
+    sin-cos table's size comes from the batch's grids, which ``MicroBatch.to`` keeps on the host."""
     cfg = tiny_run(tmp_path)
     if packed:
         cfg.data = DataConfig(name="mock", mock_latent_shapes=[[1, 8, 8], [2, 4, 4]], max_seq_len=64,
                               global_batch_size=4, micro_batch_size=2)
         cfg.model.num_classes = 10
+    if not on_device:
+        cfg.optim.adam_impl = "foreach"
     trainer = Trainer(cfg)
-    trainer.train_step()
+    assert trainer.steps_on_device == on_device
+    first = trainer._run_step()
     batches = trainer.loader.next_global_batch()
     trainer.loader.next_global_batch = lambda: batches
     with _HostReads() as reads:
-        trainer.train_step()
-    allowed = ("clip_grads.py:get_grad_norm_fp32",) + (("dit/model.py:_embed",) if packed else ())
-    assert reads.callers and all(c.endswith(allowed) for c in reads.callers), sorted(set(reads.callers))
+        trainer._run_step(first)  # settles the first step on the way
+    allowed = (("dit/model.py:_embed",) if packed else ()) + (
+        () if on_device else ("clip_grads.py:get_grad_norm_fp32",
+                              "optimizer.py:step_with_ready_grads"))  # foreach Adam reads its host-side `step`
+    assert all(c.endswith(allowed) for c in reads.callers), sorted(set(reads.callers))
+    assert bool(reads.callers) == (packed or not on_device)
     assert batches[0].to("meta").grids.device.type == "cpu"
+
+
+def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, pipelined: bool):
+    cfg = tiny_run(run_dir, max_steps=5)
+    cfg.optim.clip_grad, cfg.optim.warmup_steps = 1e-3, 3  # every step clipped; the LR moves each step
+    trainer = Trainer(cfg)
+    trainer.steps_on_device = on_device
+    loss = trainer.objective.loss
+    trainer.objective.loss = lambda pred, inputs: loss(pred, inputs) * (float("inf") if trainer.step == 1 else 1.0)
+    history = trainer.train_steps(5) if pipelined else [trainer.train_step() for _ in range(5)]
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    ema = [p.detach().clone() for p in trainer.ema.module.parameters()]
+    return history, weights, ema, trainer.scheduler.num_steps
+
+
+def test_a_step_decided_on_the_device_equals_one_decided_on_the_host(tmp_path):
+    """``optim.step_on_device`` (clip through fused AdamW's gradient scale, skip through its
+    ``found_inf``, no host read) against megatron's host-decided clip and skip on the same fused
+    AdamW: same losses, norms, weights and EMA to rounding, the non-finite step 2 skipped by both
+    (weights, LR schedule and EMA untouched). Pipelined (step k read while step k+1 runs) equals
+    read-at-once exactly: the skip reaches the LR schedule before the next update either way."""
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, pipelined=False)
+    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True, pipelined=False)
+    pipelined = _run_with_clipping_and_a_bad_step(tmp_path / "pipelined", on_device=True, pipelined=True)
+    for run in (host, device, pipelined):
+        assert [h["skipped"] for h in run[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and run[3] == 4
+        assert all(h["grad_norm"] > 1e-2 for h in run[0] if not h["skipped"])  # clipping was active
+    for key in ("loss", "grad_norm", "lr"):
+        torch.testing.assert_close(torch.tensor([h[key] for h in device[0] if not h["skipped"]]),
+                                   torch.tensor([h[key] for h in host[0] if not h["skipped"]]), rtol=1e-5, atol=1e-7)
+    for got, ref in zip(device[1] + device[2], host[1] + host[2]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert [h["loss"] for h in pipelined[0]] == [h["loss"] for h in device[0]]
+    assert [h["lr"] for h in pipelined[0]] == [h["lr"] for h in device[0]]
+    assert all(torch.equal(a, b) for a, b in zip(pipelined[1] + pipelined[2], device[1] + device[2]))

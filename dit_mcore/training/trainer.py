@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional
@@ -43,12 +44,13 @@ from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.text_preview import draw_text_preview, moving_digits_prompts, preview_text_encoder
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
-from dit_mcore.training.optim import (build_optimizer, grads_and_norm, per_sample_loss_scale, shard_fully,
-                                     step_if_finite, wrap_data_parallel)
+from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_and_norm, per_sample_loss_scale,
+                                     shard_fully, step_if_finite, step_on_device, steps_on_device,
+                                     wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
-from kernels.host_copy import to_device
+from kernels.host_copy import HostRead, to_device
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -308,6 +310,31 @@ class Trainer:
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_full((), float(n))])}
 
     def train_step(self) -> dict:
+        """One optimizer step; returns its metrics, read at once (the host waits for the step).
+        :meth:`train_steps` and :meth:`fit` read each step's metrics while the next one runs."""
+        return self._settle(self._run_step())
+
+    def train_steps(self, n: int) -> list[dict]:
+        """``n`` steps, pipelined as :meth:`fit` runs them: where the optimizer steps on the device
+        (:func:`optim.steps_on_device`), step ``k``'s metrics are read while step ``k+1`` runs."""
+        out, pending = [], None
+        for _ in range(n):
+            current = self._run_step(pending)
+            if pending is not None:
+                out.append(pending.metrics)
+            pending = current
+        return out + [self._settle(pending)] if pending is not None else out
+
+    def _run_step(self, previous: Optional["_Step"] = None) -> "_Step":
+        """Queue one step: forward/backward, the reductions of its metrics, then the update.
+
+        Where the optimizer steps on the device, nothing waits for the device: the clip and the
+        skip of a non-finite step are decided there (:func:`optim.step_on_device`), the metrics
+        are copied back behind the step (:class:`kernels.host_copy.HostRead`), and ``previous``
+        (the step before, if still unread) is settled just before this step's update is queued, so
+        its outcome reaches the LR schedule, the EMA and the divergence guard in the same order as
+        when every step is read at once. Elsewhere (apex/TE or foreach Adam) the host reads the
+        gradient norm and decides, as megatron does."""
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -325,30 +352,62 @@ class Trainer:
                           seq_length=self.model.token_shard.padded(seq), micro_batch_size=rows,
                           forward_only=False)
         self.signals.start_vote(self.device)  # overlaps the metrics below; read with the loss
-        moe = self._moe_metrics(len(microbatches))
-        lr = self.optimizer.param_groups[0]["lr"]
+        step = _Step(self.step + 1, moe=self._moe_metrics(len(microbatches)))
         totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # losses live on the last stage
             dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
         totals = torch.cat([totals, counts, self.signals.ballot()])
-        dp_group = parallel_state.get_data_parallel_group()
-        dist.all_reduce(totals, group=dp_group)
-        grad_norm = grads_and_norm(self.optimizer)  # the step's one host sync: waits for the backward
-        totals = totals.tolist()  # queued before the norm: done by now
-        self.signals.settle(totals[5], dist.get_world_size(dp_group))
-        loss = totals[0] / max(totals[1], 1.0)
-        ok = step_if_finite(self.optimizer, math.isfinite(loss), grad_norm)
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        moe = list(step.moe.values())
+        if self.steps_on_device:
+            grad_norm = device_grad_norm(self.optimizer, self.device)
+            step.read = HostRead(torch.cat([totals, grad_norm.reshape(1), *(v.float().reshape(1) for v in moe)]))
+            if previous is not None:  # its parameters were gathered by this step's forward already
+                self._settle(previous, sync_params=False)
+            step.lr = self.optimizer.param_groups[0]["lr"]  # this update's, once the step before advanced it
+            step_on_device(self.optimizer, totals[0] / totals[1].clamp(min=1.0), grad_norm)
+        else:
+            if previous is not None:
+                self._settle(previous, sync_params=False)
+            step.lr = self.optimizer.param_groups[0]["lr"]
+            grad_norm = grads_and_norm(self.optimizer)  # the host waits for the backward here
+            step.values = totals.tolist() + [grad_norm] + [float(v) for v in moe]  # done by now
+            step.updated = step_if_finite(self.optimizer, math.isfinite(step.values[0] / max(step.values[1], 1.0)),
+                                          grad_norm)
+        self.step += 1
+        return step
+
+    def _settle(self, step: "_Step", sync_params: bool = True) -> dict:
+        """Read ``step``'s metrics and do what its outcome decides on the host (once): the LR
+        schedule and the EMA advance only after an update, the divergence guard counts a skip,
+        the preemption vote is tallied. ``sync_params=False`` when the next step's forward has
+        run already: it gathered the updated parameters (``overlap_param_gather``), and a forced
+        gather now would mark the next gather done before that step's update."""
+        if step.metrics is not None:
+            return step.metrics
+        values = step.values if step.values is not None else step.read.get()
+        loss_sum, samples, skipped_samples, tokens, gflops, ballot, grad_norm = values[:7]
+        loss = loss_sum / max(samples, 1.0)
+        ok = step.updated if step.updated is not None else math.isfinite(loss) and math.isfinite(grad_norm)
+        self.signals.settle(ballot, dist.get_world_size(parallel_state.get_data_parallel_group()))
         if ok:
             self.scheduler.step(increment=1)
-            self._sync_params()
-            self.ema.update(self.model, self.step)
-        self.divergence.record(ok, self.step + 1, self.last_saved)
-        self.skipped_samples += int(totals[2])
-        self.step += 1
-        return {"loss": loss, "samples": totals[1], "tokens": totals[3], "model_flops": totals[4] * 1e9,
-                "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
-                "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps), **moe}
+            if sync_params:
+                self._sync_params()
+            self.ema.update(self.model, step.index - 1)
+        self.divergence.record(ok, step.index, self.last_saved)
+        self.skipped_samples += int(skipped_samples)
+        step.metrics = {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
+                        "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": step.lr,
+                        "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps),
+                        **dict(zip(step.moe, values[7:]))}
+        return step.metrics
+
+    @functools.cached_property
+    def steps_on_device(self) -> bool:
+        """Whether steps are pipelined: the optimizer clips and skips on the device."""
+        return steps_on_device(self.optimizer)
 
     @staticmethod
     def _counted(samples: int) -> int:
@@ -372,15 +431,16 @@ class Trainer:
                 chunk.start_param_sync(force_sync=True)
 
     def _moe_metrics(self, num_microbatches: int) -> dict:
-        """The MoE router losses of this step (mean over layers and micro-batches, all ranks), as
-        megatron's tracker collected them; empty for dense models."""
+        """The MoE router losses of this step (mean over layers and micro-batches, all ranks, device
+        tensors read with the step's other metrics), as megatron's tracker collected them; empty
+        for dense models."""
         if not self.model_config.num_moe_experts:
             return {}
         from megatron.core.transformer.moe.moe_utils import track_moe_metrics
         losses = {}
         track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=self.step, total_loss_dict=losses,
                           num_layers=self.model_config.num_layers)
-        return {name: float(value) for name, value in losses.items()}
+        return {name: torch.as_tensor(value, device=self.device) for name, value in losses.items()}
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:
@@ -390,18 +450,33 @@ class Trainer:
         rate = StepRate(dist.get_world_size(), peak_tflops(self.device, "bf16" if cfg.trainer.bf16 else "fp32",
                                                            cfg.trainer.peak_tflops))
         history = []
+
+        def record(step: _Step) -> None:
+            metrics = dict(step.metrics)
+            history.append({"step": step.index, **metrics})
+            rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
+            log_now = (step.index % cfg.log.log_interval == 0 or step.index == cfg.trainer.max_steps
+                       or metrics["skipped"])  # a skipped step is always shown
+            if log_now:
+                metrics.update(rate.flush())
+            logger.step(step.index, metrics if log_now else None)
+
         try:
             with self.signals:
+                pending = None
                 while self.step < cfg.trainer.max_steps:
-                    metrics = self.train_step()
-                    history.append({"step": self.step, **metrics})
-                    rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
-                    log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
-                               or metrics["skipped"])  # a skipped step is always shown
-                    if log_now:
-                        metrics.update(rate.flush())
-                    logger.step(self.step, metrics if log_now else None)
-                    self._after_step()
+                    current = self._run_step(pending)  # settles `pending` before its own update
+                    if pending is not None:
+                        record(pending)
+                        self.divergence.raise_if_diverged(pending.index, self.last_saved)
+                    pending = current
+                    if self._state_needed_after(current.index):
+                        self._settle(current)
+                        record(current)
+                        pending = None
+                        self._after_step()
+                    else:
+                        self._publish_saves()
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
                 self.save()
             self.finish_saves()
@@ -414,13 +489,26 @@ class Trainer:
             logger.close()
         return history
 
-    def _after_step(self) -> None:
-        """Between steps, in order: publish a finished asynchronous save; stop on divergence (no
-        save) or on a preemption signal (save, requeue under Slurm, exit 75); previews; the
-        periodic save, held back while the latest step was skipped as non-finite."""
+    def _state_needed_after(self, step: int) -> bool:
+        """Whether :meth:`fit` reads ``step`` at once (else while the next step runs): when the step
+        is decided on the host anyway, or something needs the state right after it (a save, a
+        preview, the end of the run, an agreed preemption)."""
         cfg = self.cfg
+        return (not self.steps_on_device or step == cfg.trainer.max_steps or step % cfg.trainer.save_interval == 0
+                or bool(cfg.log.sample_interval and step % cfg.log.sample_interval == 0)
+                or self.signals.agreed is not None)
+
+    def _publish_saves(self) -> None:
+        """Publish a finished asynchronous save (never waits)."""
         if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
             self.async_saves.maybe_finalize_async_calls(blocking=False)
+
+    def _after_step(self) -> None:
+        """After a step read at once, in order: publish a finished asynchronous save; stop on
+        divergence (no save) or on a preemption signal (save, requeue under Slurm, exit 75);
+        previews; the periodic save, held back while the latest step was skipped as non-finite."""
+        cfg = self.cfg
+        self._publish_saves()
         self.divergence.raise_if_diverged(self.step, self.last_saved)
         signum = self.signals.agreed
         if signum is not None:
@@ -467,6 +555,23 @@ class Trainer:
         return draw_preview(PipelinedForward(self.ema.module), self.model_config, self.family, self.objective, self.cfg, self.step,
                             self.run_dir / "samples", write=dist.get_rank() == 0, device=self.device,
                             decoder=self.preview_decoder)
+
+
+@dataclass(eq=False)
+class _Step:
+    """One queued optimizer step (1-based ``index``) until the host has read it (:meth:`Trainer._settle`)."""
+
+    index: int
+    moe: dict
+    """MoE router losses by name, device tensors until read."""
+    lr: float = math.nan
+    read: Optional[HostRead] = None
+    """The step's metrics on their way to the host (steps decided on the device)."""
+    values: Optional[list] = None
+    """The same, already on the host (steps decided on the host)."""
+    updated: Optional[bool] = None
+    """Whether the host applied the update (steps decided on the host; else read from the values)."""
+    metrics: Optional[dict] = None
 
 
 def _shadow_config(config):
