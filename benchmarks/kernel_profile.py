@@ -45,8 +45,9 @@ def profile_steps(step, device, n_steps: int = 3, top: int = 15, steps=None) -> 
     together, e.g. pipelined: ``Trainer.train_steps``): ``top`` kernels by device time (ms per step, share,
     calls per step), ``kinds`` (ms per step and share per kind), ``busy`` (kernel time over wall
     time; kernels of several streams overlapping, e.g. NCCL beside compute, can take it past 1),
-    ``host_syncs_per_step`` (stream/event synchronisations: ``.item()``, ``tolist()`` …;
-    after each the device idles until the host queues more) and ``wall_ms_per_step``. On the CPU
+    ``host_syncs_per_step`` (stream synchronisations: ``.item()``, ``tolist()`` …; after each
+    the device idles until the host queues more), ``event_waits_per_step`` (waits for one event,
+    e.g. a step's metrics read while the next step runs: the stream keeps its queue) and ``wall_ms_per_step``. On the CPU
     the same over CPU operators (``busy`` and the syncs are None)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
@@ -65,7 +66,8 @@ def profile_steps(step, device, n_steps: int = 3, top: int = 15, steps=None) -> 
     events = [e for e in averages if getattr(e, attr) > 0]
     total = sum(getattr(e, attr) for e in events) or 1.0
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    syncs = sum(e.count for e in averages if e.key in ("cudaStreamSynchronize", "cudaEventSynchronize"))
+    syncs = sum(e.count for e in averages if e.key == "cudaStreamSynchronize")
+    event_waits = sum(e.count for e in averages if e.key == "cudaEventSynchronize")
     kinds: dict[str, float] = {}
     for e in events:
         kind = kind_of(e.key)
@@ -77,14 +79,15 @@ def profile_steps(step, device, n_steps: int = 3, top: int = 15, steps=None) -> 
                   for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "busy": total / 1e6 / wall if cuda else None,
         "host_syncs_per_step": syncs / n_steps if cuda else None,
+        "event_waits_per_step": event_waits / n_steps if cuda else None,
         "wall_ms_per_step": wall * 1e3 / n_steps,
     }
 
 
 def report(title: str, profile: dict) -> str:
     """The profile as text: time per kind, then the top kernels."""
-    busy = (f", device busy {100 * profile['busy']:.0f}% of wall, {profile['host_syncs_per_step']:.1f} host syncs"
-            if profile["busy"] is not None else "")
+    busy = (f", device busy {100 * profile['busy']:.0f}% of wall, {profile['host_syncs_per_step']:.1f} host syncs, "
+            f"{profile['event_waits_per_step']:.1f} event waits" if profile["busy"] is not None else "")
     lines = [f"{title}: {profile['wall_ms_per_step']:.1f} ms/step{busy}"]
     lines += [f"  {k:<12} {v['ms_per_step']:8.2f} ms {100 * v['share']:5.1f}%" for k, v in profile["kinds"].items()]
     lines += [f"    {r['ms_per_step']:8.2f} ms {100 * r['share']:5.1f}% x{r['calls_per_step']:<5.0f} [{r['kind']}] "
