@@ -360,17 +360,14 @@ class Trainer:
         totals = torch.cat([totals, counts, self.signals.ballot()])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         moe = list(step.moe.values())
+        if previous is not None:  # its updated parameters were gathered by this step's forward already
+            self._settle(previous, sync_params=False)
+        step.lr = self.optimizer.param_groups[0]["lr"]  # this update's, once the step before advanced it
         if self.steps_on_device:
             grad_norm = device_grad_norm(self.optimizer, self.device)
             step.read = HostRead(torch.cat([totals, grad_norm.reshape(1), *(v.float().reshape(1) for v in moe)]))
-            if previous is not None:  # its parameters were gathered by this step's forward already
-                self._settle(previous, sync_params=False)
-            step.lr = self.optimizer.param_groups[0]["lr"]  # this update's, once the step before advanced it
             step_on_device(self.optimizer, totals[0] / totals[1].clamp(min=1.0), grad_norm)
         else:
-            if previous is not None:
-                self._settle(previous, sync_params=False)
-            step.lr = self.optimizer.param_groups[0]["lr"]
             grad_norm = grads_and_norm(self.optimizer)  # the host waits for the backward here
             step.values = totals.tolist() + [grad_norm] + [float(v) for v in moe]  # done by now
             step.updated = step_if_finite(self.optimizer, math.isfinite(step.values[0] / max(step.values[1], 1.0)),
