@@ -40,9 +40,9 @@ def sync_device(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_steps(step, device, n_steps: int = 3, top: int = 15, steps=None) -> dict:
-    """Profile ``n_steps`` calls of ``step`` (or one call ``steps(n_steps)`` that runs them
-    together, e.g. pipelined: ``Trainer.train_steps``): ``top`` kernels by device time (ms per step, share,
+def profile_steps(run_steps, device, n_steps: int = 3, top: int = 15) -> dict:
+    """Profile ``run_steps(n_steps)`` (it runs that many steps, e.g. ``Trainer.train_steps``, which
+    reads each step while the next runs): ``top`` kernels by device time (ms per step, share,
     calls per step), ``kinds`` (ms per step and share per kind), ``busy`` (kernel time over wall
     time; kernels of several streams overlapping, e.g. NCCL beside compute, can take it past 1),
     ``host_syncs_per_step`` (stream synchronisations: ``.item()``, ``tolist()`` …; after each
@@ -54,11 +54,7 @@ def profile_steps(step, device, n_steps: int = 3, top: int = 15, steps=None) -> 
     sync_device(device)
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        if steps is not None:
-            steps(n_steps)
-        else:
-            for _ in range(n_steps):
-                step()
+        run_steps(n_steps)
         sync_device(device)
         wall = time.perf_counter() - start
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"

@@ -100,7 +100,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
         if profile:
-            result["profile"] = profile_steps(None, trainer.device, steps=trainer.train_steps)
+            result["profile"] = profile_steps(trainer.train_steps, trainer.device)
         del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -136,7 +136,8 @@ def main(argv=None) -> dict:
         "ratio_ours_over_diffusers": ips["ours"] / ips["diffusers"],
     }
     if args.profile:
-        result["profile"] = {"ours": profile_steps(ours_step, device), "diffusers": profile_steps(theirs_step, device)}
+        result["profile"] = {who: profile_steps(lambda n, step=step: [step() for _ in range(n)], device)
+                             for who, step in (("ours", ours_step), ("diffusers", theirs_step))}
         for who, prof in result["profile"].items():
             print(report(f"profile, {who}", prof))
     print(f"{args.preset} batch {args.batch} {args.size}x{args.size} {args.dtype}"

@@ -7,8 +7,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
 from dit_mcore.training import torch_optimizer
 
@@ -85,8 +85,7 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(max_steps, 1),
         wd_incr_style="constant")
-    ddp_chunks[0].config.grad_scale_func = optimizer.scale_loss  # the trainer adds its per-sample weight
-    return optimizer, scheduler
+    return optimizer, scheduler  # the loss scale: per_sample_loss_scale
 
 
 @torch.no_grad()
@@ -102,26 +101,27 @@ def grads_and_norm(optimizer) -> float:
     return float(optimizer.get_grad_norm())
 
 
+def _parts(optimizer) -> list:
+    """The parts of a (possibly chained) megatron optimizer that step parameters (no stubs)."""
+    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+            if not getattr(part, "is_stub_optimizer", False)]
+
+
 @torch.no_grad()
 def step_if_finite(optimizer, loss_is_finite: bool, grad_norm: float) -> bool:
     """The second half: clip by ``grad_norm`` and update, skipped when the loss or the norm is not
     finite, so a diverging step never reaches the weights or the Adam moments. True if updated."""
     if not loss_is_finite or not math.isfinite(grad_norm):
         return False
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in _parts(optimizer):
         params = part.get_parameters()
-        if params and part.config.clip_grad > 0.0 and not getattr(part, "is_stub_optimizer", False):
+        if params and part.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
                                          use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     return optimizer.step_with_ready_grads()
 
 
 # ---- the step without a host read: clipping and the skip of a non-finite step on the device
-
-
-def _parts(optimizer) -> list:
-    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
-            if not getattr(part, "is_stub_optimizer", False)]
 
 
 def steps_on_device(optimizer) -> bool:
