@@ -106,6 +106,13 @@ class DiTConfig(TransformerConfig):
     or ``"rowwise"`` (see ``dit_mcore.models.float8``); None: off. (megatron's own ``fp8`` fields
     belong to Transformer Engine and stay unset.)"""
 
+    aten_linears: bool = True
+    """megatron's local linears multiply with one aten ``linear`` wherever no tensor-parallel
+    communication runs inside the matmul (every linear at TP=1, every row-parallel one), the bias in
+    the GEMM's epilogue, and the MLP's ``fc1`` returns its output with the bias folded in: less memory
+    traffic around the GEMMs under ``torch.compile`` (see ``dit_mcore.models.aten_linear``). False:
+    megatron's autograd function everywhere. No effect on Transformer Engine or FP8 linears."""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their

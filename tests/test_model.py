@@ -158,3 +158,45 @@ def test_per_sample_padding_changes_nothing(world):
     alone1 = model(full.transpose(0, 1), t[1:], y[1:], grid=grid).transpose(0, 1)[0]
     torch.testing.assert_close(out[:6], alone0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out[8:24], alone1, rtol=1e-5, atol=1e-6)
+
+
+def _graph_nodes(tensor) -> set:
+    """Names of the autograd nodes behind ``tensor``."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+def test_aten_linears_equal_megatrons_and_leave_its_autograd_function(world):
+    """``model.aten_linears`` (the default): the same outputs and gradients as megatron's own linear
+    path on the same weights, with no megatron linear autograd function left at TP=1 and the MLP's
+    fc1 bias folded into its matmul (megatron returns it apart)."""
+    import dataclasses
+
+    x = torch.randn(2, 4, 8, 8)
+    tokens, grid = patchify(x, 2)
+    t, y = torch.tensor([3.0, 400.0]), torch.tensor([1, 2])
+    runs, weights = {}, None
+    for aten in (True, False):
+        model = build_model(dataclasses.replace(preset("tiny"), aten_linears=aten))
+        if weights is None:
+            _randomize(model)
+            weights = model.state_dict()
+        model.load_state_dict(weights)
+        fc1 = model.layers[0].mlp.linear_fc1
+        assert fc1.skip_bias_add is not aten and fc1.bias is not None
+        out = model(tokens.transpose(0, 1), t, y, grid=grid)
+        out.square().mean().backward()
+        runs[aten] = out, {n: p.grad for n, p in model.named_parameters()}, _graph_nodes(out)
+    (out_a, grads_a, nodes_a), (out_m, grads_m, nodes_m) = runs[True], runs[False]
+    megatron_fn = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    assert megatron_fn in nodes_m and megatron_fn not in nodes_a
+    assert "AddmmBackward0" in nodes_a
+    torch.testing.assert_close(out_a, out_m, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_m.keys()
+    for name in grads_m:
+        torch.testing.assert_close(grads_a[name], grads_m[name], rtol=1e-5, atol=1e-6, msg=name)

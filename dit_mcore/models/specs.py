@@ -10,9 +10,10 @@ import logging
 from typing import Optional
 
 import torch
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
+
+from dit_mcore.models.aten_linear import AtenColumnParallelLinear, AtenRowParallelLinear
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,10 @@ NORMS = ("layernorm", "rmsnorm")
 
 
 def linears(backend: str, float8_recipe: Optional[str] = None):
-    """``(column_parallel, row_parallel)`` linear classes for ``backend``; with ``float8_recipe``
-    the local megatron linears with a float8 matmul (torchao, :mod:`dit_mcore.models.float8`)."""
+    """``(column_parallel, row_parallel)`` linear classes for ``backend``: Transformer Engine's, or
+    megatron's local ones with the matmul as one aten linear where no TP communication runs inside it
+    (:mod:`dit_mcore.models.aten_linear`; ``model.aten_linears``); with ``float8_recipe`` the local
+    megatron linears with a float8 matmul (torchao, :mod:`dit_mcore.models.float8`)."""
     if backend not in BACKENDS:
         raise ValueError(f"model.backend={backend!r} is unknown; use one of {BACKENDS}")
     if float8_recipe is not None:
@@ -42,7 +45,7 @@ def linears(backend: str, float8_recipe: Optional[str] = None):
             return TEColumnParallelLinear, TERowParallelLinear
         except Exception as exc:  # ImportError, or TE present but broken for this device
             log.warning("Transformer Engine unavailable (%s); using local megatron linears", exc)
-    return ColumnParallelLinear, RowParallelLinear
+    return AtenColumnParallelLinear, AtenRowParallelLinear
 
 
 def norm_spec(kind: str, *, affine: bool) -> ModuleSpec:

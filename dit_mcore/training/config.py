@@ -90,6 +90,10 @@ class ModelConfig:
     """The local attention kernel (``kernels.attention_kernels.BACKENDS``); None: "auto", the fastest
     for the device, dtype and call (on Hopper and Blackwell cuDNN for dense batches, flash varlen for packed
     ones). E.g. "sdpa_flash" to pin torch's flash kernel, "math64" for the float64 reference."""
+    aten_linears: Optional[bool] = None
+    """megatron's local linears multiply with one aten ``linear`` where no tensor-parallel
+    communication runs inside the matmul, biases in the GEMM epilogue (less memory traffic under
+    ``compile``; ``dit_mcore.models.aten_linear``); None: on. False: megatron's autograd function."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
