@@ -28,9 +28,15 @@
 #   gaps    packed attention without gather/scatter copies (~5 min): the GPU kernel tests on packed layouts
 #           (padding between segments included); the 3B packed point at batch 2 and DiT-XL/2 at batch 256,
 #           compiled, profiled
+#   linears the aten linears (~8 min): compile tests; DiT-XL/2 b128 compiled with aten vs megatron's
+#           linears (`--aten-linears 1,0`, same process), then the host-decided step (the device-decided
+#           one's baseline), each profiled; the model against diffusers at batch 128, compiled, profiled
+#           (Triton time side by side; benchmarks/fusion_traffic.py predicts 0.87x the bytes)
+#   accumulate  per-parameter work shared by micro-batches (~7 min): the 3B packed point at batch 2 with 1
+#           and 4 micro-batches per optimizer step (`--accumulation 1,4`), DiT-XL/2 b128 with 4, compiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -117,6 +123,28 @@ case "$phase" in
     timeout 130 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 256 --compile 1 \
       --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b256.jsonl" 2>&1 | grep -v -i warn \
       | tee "$out/xl_b256.txt" | tail -n 25 || true
+    cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
+  linears)  # at most 8 files come back: the JSON lines and printouts, no plots
+    work=/tmp/gpu_linears; mkdir -p "$work"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_compile.py 2>&1 | tee "$out/tests.txt" | tail -n 5 || true
+    timeout 230 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --aten-linears 1,0 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_linears.jsonl" 2>&1 \
+      | grep -v -i warn | tee "$out/xl_linears.txt" | tail -n 40 || true
+    timeout 120 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --step host --profile --warmup 4 --steps 8 --out "$work/throughput_xl_host_step.jsonl" 2>&1 \
+      | grep -v -i warn | tee "$out/xl_host_step.txt" | tail -n 20 || true
+    timeout 130 python3 benchmarks/train_step.py --preset DiT-XL/2 --batch 128 --dtype bf16 --compile --rounds 3 \
+      --steps 4 --profile --out "$work/train_step_xl_b128_compiled.json" 2>&1 | grep -v -i warn \
+      | tee "$out/train_step.txt" | tail -n 40 || true
+    cp "$work"/*.jsonl "$work"/*.json "$out/" 2>/dev/null || true ;;
+  accumulate)
+    work=/tmp/gpu_accumulate; mkdir -p "$work"
+    timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --accumulation 1,4 --compile 1 --dtype bf16 --warmup 3 --steps 4 \
+      --out "$work/throughput_3b_accumulation.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 20 || true
+    timeout 200 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --accumulation 4 \
+      --compile 1 --dtype bf16 --warmup 2 --steps 4 --out "$work/throughput_xl_accumulation.jsonl" 2>&1 \
+      | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;

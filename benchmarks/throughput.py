@@ -50,15 +50,17 @@ def run_config(point: dict, run_dir: str):
     from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                            RunConfig, TrainerConfig)
     side, packed_len, batch = point["image_size"], point["packed_len"], point["batch"]
+    accumulation = point.get("accumulation", 1)  # micro-batches per optimizer step
     if packed_len:  # video-like samples of 1/4/8 frames of 32x32 latents (patch 2: 256 tokens per frame)
         data = DataConfig(name="mock", image_size=32, mock_latent_shapes=[[1, 32, 32], [4, 32, 32], [8, 32, 32]],
-                          max_seq_len=packed_len, global_batch_size=batch, micro_batch_size=batch)
+                          max_seq_len=packed_len, global_batch_size=batch * accumulation, micro_batch_size=batch)
     else:
-        data = DataConfig(name="mock", image_size=side, global_batch_size=batch, micro_batch_size=batch)
+        data = DataConfig(name="mock", image_size=side, global_batch_size=batch * accumulation, micro_batch_size=batch)
     return RunConfig(
         model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
                           input_size=32 if packed_len else side, compile=point["compile"],
                           fp8=point.get("fp8"), attention_backend=point.get("attention"),
+                          aten_linears=point.get("aten_linears"),
                           **RECOMPUTE[point["recompute"]]),
         data=data,
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "fused")),
@@ -155,7 +157,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     for metric, label in (("images_per_s", "images/s"), ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
-                         r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto", r.get("step", "auto"))
+                         r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto", r.get("step", "auto"),
+                         r.get("aten_linears", True), r.get("accumulation", 1))
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
@@ -164,7 +167,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
             ax.plot([r["batch"] for r in group], [r[metric] for r in group], marker="o",
                     label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else "")
                     + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else "")
-                    + (f" step={k[7]}" if k[7] != "auto" else ""))
+                    + (f" step={k[7]}" if k[7] != "auto" else "") + ("" if k[8] else " megatron linears")
+                    + (f" accumulation={k[9]}" if k[9] != 1 else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -198,6 +202,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--step", default="auto",
                    help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "
                         "as with apex/TE Adam, to measure the device-decided step against)")
+    p.add_argument("--accumulation", default="1", help="micro-batches per optimizer step (gradient accumulation: "
+                   "the global batch is micro-batch x this): any of e.g. 1,4; the per-parameter work of a step "
+                   "(gradient norm, AdamW, weight copies) is shared by that many micro-batches, as in real runs")
+    p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
+                   "autograd function, to measure the aten linears against)")
     p.add_argument("--attention", default="auto", help="model.attention_backend: e.g. auto,sdpa_flash")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
@@ -214,10 +223,11 @@ def main(argv=None) -> list[dict]:
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
-               "step": step}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step in itertools.product(
+               "step": step, "aten_linears": bool(int(aten)), "accumulation": acc}
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, acc in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
-                  _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step))
+                  _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
+                  _list(args.aten_linears), _list(args.accumulation, int))
               if not (rc == "norm" and int(c))]  # norm recompute does not trace under compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -242,7 +252,9 @@ def main(argv=None) -> list[dict]:
                   f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
                   f"MFU {mfu}{ratio}{'' if point['adam'] == 'fused' else ' adam=' + point['adam']}"
                   f"{' attention=' + point['attention'] if point['attention'] else ''}"
-                  f"{' step=' + point['step'] if point['step'] != 'auto' else ''}", flush=True)
+                  f"{' step=' + point['step'] if point['step'] != 'auto' else ''}"
+                  f"{'' if point['aten_linears'] else ' megatron linears'}"
+                  f"{' accumulation=' + str(point['accumulation']) if point['accumulation'] != 1 else ''}", flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):

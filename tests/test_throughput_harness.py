@@ -15,15 +15,15 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
     from dit_mcore.training.flops import dit_flops
 
     out = tmp_path / "tp.jsonl"
-    throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2,4", "--steps", "2", "--warmup", "1",
-                     "--peak-tflops", "0.5", "--out", str(out)])
+    throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2,4", "--accumulation", "1,2",
+                     "--steps", "2", "--warmup", "1", "--peak-tflops", "0.5", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["batch"] for r in rows] == [2, 4]
+    assert [(r["batch"], r["accumulation"]) for r in rows] == [(2, 1), (2, 2), (4, 1), (4, 2)]
     cfg = preset("tiny")
-    for r in rows:
-        assert r["images_per_s"] == pytest.approx(r["batch"] / r["step_s"])
+    for r in rows:  # a step is `accumulation` micro-batches
+        assert r["images_per_s"] == pytest.approx(r["batch"] * r["accumulation"] / r["step_s"])
         assert r["tokens_per_s_per_gpu"] == pytest.approx(r["images_per_s"] * 16)  # 8x8 latents, patch 2
-        flops = dit_flops(cfg, [16] * r["batch"]).model
+        flops = dit_flops(cfg, [16] * r["batch"]).model * r["accumulation"]
         assert r["tflops_per_gpu"] == pytest.approx(flops / r["step_s"] / 1e12, rel=1e-5)
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5)
         assert r["command"].startswith("python benchmarks/throughput.py")

@@ -16,7 +16,7 @@ a separate op. Under ``torch.compile`` that costs memory traffic Inductor cannot
   Here ``fc1`` returns its output with the bias folded in (no separate bias), as diffusers' linears
   do.
 
-Scheduled by Inductor for an H100 (``benchmarks/linear_traffic.py``), a DiT-XL/2 layer's fused
+Scheduled by Inductor for an H100 (``benchmarks/fusion_traffic.py``), a DiT-XL/2 layer's fused
 (Triton) kernels move about 13% fewer bytes per token in forward plus backward. Numerics are the
 same products and sums (the bias added in the GEMM's epilogue instead of after it). Column-parallel
 linears with TP communication (TP > 1, sequence parallel), megatron's gradient-accumulation fusion
