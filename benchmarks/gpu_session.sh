@@ -34,9 +34,11 @@
 #           (Triton time side by side; benchmarks/fusion_traffic.py predicts 0.87x the bytes)
 #   accumulate  per-parameter work shared by micro-batches (~7 min): the 3B packed point at batch 2 with 1
 #           and 4 micro-batches per optimizer step (`--accumulation 1,4`), DiT-XL/2 b128 with 4, compiled
+#   tuning  Inductor's on-device block-size tuning of the fused kernels (~8 min): DiT-XL/2 b128 compiled,
+#           `--inductor-tuning 0,1`, profiled (the Triton time per step side by side)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|tuning}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -146,6 +148,10 @@ case "$phase" in
       --compile 1 --dtype bf16 --warmup 2 --steps 4 --out "$work/throughput_xl_accumulation.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
+  tuning)
+    timeout 480 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --inductor-tuning 0,1 --profile --warmup 4 --steps 8 --out "$out/throughput_xl_tuning.jsonl" 2>&1 \
+      | grep -v -i warn | tee "$out/xl_tuning.txt" | tail -n 40 || true ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;
 esac

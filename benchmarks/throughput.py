@@ -76,9 +76,14 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
     from dit_mcore.training.flops import peak_tflops
     from dit_mcore.training.trainer import Trainer
 
+    import torch._inductor.config as inductor_config
+
     if point["compile"]:  # each point compiles afresh: another batch size in the same process would
         torch.compiler.reset()  # otherwise get dynamo's dynamic-shape graphs (automatic_dynamic_shapes)
-    with tempfile.TemporaryDirectory() as run_dir:
+    # --inductor-tuning: Inductor benchmarks block sizes of every fused kernel on the device as it
+    # compiles them (its column reductions over tokens ran at ~40% of the H200's bandwidth untuned)
+    tuning = inductor_config.patch(coordinate_descent_tuning=bool(point.get("inductor_tuning")))
+    with tuning, tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(run_config(point, run_dir))
         if point.get("step") == "host":
             trainer.steps_on_device = False
@@ -158,7 +163,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
                          r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto", r.get("step", "auto"),
-                         r.get("aten_linears", True), r.get("accumulation", 1))
+                         r.get("aten_linears", True), r.get("accumulation", 1),
+                         r.get("inductor_tuning", False))
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
@@ -168,7 +174,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                     label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else "")
                     + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else "")
                     + (f" step={k[7]}" if k[7] != "auto" else "") + ("" if k[8] else " megatron linears")
-                    + (f" accumulation={k[9]}" if k[9] != 1 else ""))
+                    + (f" accumulation={k[9]}" if k[9] != 1 else "") + (" tuned" if k[10] else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -205,6 +211,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--accumulation", default="1", help="micro-batches per optimizer step (gradient accumulation: "
                    "the global batch is micro-batch x this): any of e.g. 1,4; the per-parameter work of a step "
                    "(gradient norm, AdamW, weight copies) is shared by that many micro-batches, as in real runs")
+    p.add_argument("--inductor-tuning", default="0", help="any of 0,1: 1 lets Inductor tune the block sizes of "
+                   "each fused kernel on the device as it compiles (coordinate_descent_tuning; slower compile)")
     p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
                    "autograd function, to measure the aten linears against)")
     p.add_argument("--attention", default="auto", help="model.attention_backend: e.g. auto,sdpa_flash")
@@ -223,11 +231,12 @@ def main(argv=None) -> list[dict]:
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
-               "step": step, "aten_linears": bool(int(aten)), "accumulation": acc}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, acc in itertools.product(
+               "step": step, "aten_linears": bool(int(aten)), "accumulation": acc,
+               "inductor_tuning": bool(int(tune))}
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, acc, tune in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
-                  _list(args.aten_linears), _list(args.accumulation, int))
+                  _list(args.aten_linears), _list(args.accumulation, int), _list(args.inductor_tuning))
               if not (rc == "norm" and int(c))]  # norm recompute does not trace under compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -254,7 +263,8 @@ def main(argv=None) -> list[dict]:
                   f"{' attention=' + point['attention'] if point['attention'] else ''}"
                   f"{' step=' + point['step'] if point['step'] != 'auto' else ''}"
                   f"{'' if point['aten_linears'] else ' megatron linears'}"
-                  f"{' accumulation=' + str(point['accumulation']) if point['accumulation'] != 1 else ''}", flush=True)
+                  f"{' accumulation=' + str(point['accumulation']) if point['accumulation'] != 1 else ''}"
+                  f"{' inductor-tuned' if point['inductor_tuning'] else ''}", flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):
