@@ -25,6 +25,8 @@ dense path, but the CPU's SDPA op stands in for cuDNN's; the count is a byte mod
     python benchmarks/fusion_traffic.py                       # DiT-XL/2: ours (aten linears), ours
                                                               # (megatron's linears), diffusers
     python benchmarks/fusion_traffic.py --preset DiT-S/2 --batches 1,2
+    python benchmarks/fusion_traffic.py --family llama --preset MovieGen-3B --packed-lens 1024,2048
+                                                              # one layer through the trainer, packed
 """
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ def _cpu_pattern_tables() -> None:
 @dataclasses.dataclass
 class Kernel:
     graph: int
+    backward: bool
     fused: bool  # a Triton kernel; False: an extern kernel (GEMM, attention)
     bytes: int
     ops: str
@@ -121,6 +124,7 @@ class TrafficRecorder:
         from torch._inductor import scheduler
         self.kernels: list[Kernel] = []
         self._graph = 0
+        self._backward = False
         self._recording = False
         original = scheduler.Scheduler._codegen
         recorder = self
@@ -132,7 +136,8 @@ class TrafficRecorder:
                 ops = sorted({str(getattr(origin.target, "__name__", origin.target))
                               for sub in node.get_nodes() for origin in getattr(getattr(sub, "node", None), "origins", ())
                               if origin.op == "call_function"})
-                recorder.kernels.append(Kernel(recorder._graph, not (node.is_extern() or node.is_template()),
+                recorder.kernels.append(Kernel(recorder._graph, recorder._backward,
+                                               not (node.is_extern() or node.is_template()),
                                                node.get_read_write_buffers_sizes(), ",".join(ops)))
             raise TrafficRecorder._Stop
 
@@ -151,6 +156,7 @@ class TrafficRecorder:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         self._graph += 1
+        self._backward = bool(kwargs.get("is_backward", False))
         mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fake = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
@@ -168,8 +174,12 @@ class TrafficRecorder:
             self._recording = False
         return make_boxed_func(gm.forward)  # run the graph uncompiled on the CPU
 
-    def fused_bytes(self) -> int:
-        return sum(k.bytes for k in self.kernels if k.fused)
+    def summary(self, tokens: int) -> dict:
+        """Fused-kernel bytes of the recorded forward and backward graphs."""
+        return {"forward_bytes": sum(k.bytes for k in self.kernels if k.fused and not k.backward),
+                "backward_bytes": sum(k.bytes for k in self.kernels if k.fused and k.backward),
+                "fused_kernels": sum(k.fused for k in self.kernels), "graphs": len({k.graph for k in self.kernels}),
+                "tokens": tokens, "kernels": [dataclasses.asdict(k) for k in self.kernels]}
 
 
 def _stopped(exc: BaseException) -> bool:
@@ -228,30 +238,59 @@ def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     y = torch.arange(batch) % cfg.num_classes
     ours_step, theirs_step = make_steps(ours, theirs, x0, t, y)
     (theirs_step if which == "diffusers" else ours_step)()
-    graphs = sorted({k.graph for k in recorder.kernels})
-    if len(graphs) != 2:
-        raise RuntimeError(f"{which}: expected one forward and one backward graph per layer, got {len(graphs)}")
-    fwd, bwd = (sum(k.bytes for k in recorder.kernels if k.fused and k.graph == g) for g in graphs)
-    return {"forward_bytes": fwd, "backward_bytes": bwd,
-            "fused_kernels": sum(k.fused for k in recorder.kernels),
-            "tokens": batch * (size // cfg.patch_size) ** 2,
-            "kernels": [dataclasses.asdict(k) for k in recorder.kernels]}
+    summary = recorder.summary(batch * (size // cfg.patch_size) ** 2)
+    if summary["graphs"] != 2:  # a dense layer compiles whole: a graph break would split (and hide) fusions
+        raise RuntimeError(f"{which}: expected one forward and one backward graph per layer, got {summary['graphs']}")
+    return summary
+
+
+def packed_traffic(which: str, family: str, preset_name: str, packed_len: int) -> dict:
+    """The same for a one-layer model of ``family``/``preset_name`` trained one step through the trainer
+    on one packed sequence of ``packed_len`` mock tokens (video-like samples, text for text families):
+    the layer's graphs between the attention calls that run outside them (packed patterns)."""
+    import tempfile
+
+    import throughput
+
+    from dit_mcore.training.trainer import Trainer
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    recorder = TrafficRecorder()
+    point = {"family": family, "preset": preset_name, "image_size": 32, "packed_len": packed_len, "batch": 1,
+             "recompute": "none", "compile": True, "dtype": "bf16", "aten_linears": which == "ours"}
+    original = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda module, **kw: original(module, backend=recorder.backend, dynamic=False)
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            config = throughput.run_config(point, run_dir)
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=1))
+            Trainer(config).train_step()
+    finally:
+        torch.nn.Module.compile = original
+    return recorder.summary(packed_len)
 
 
 def main(argv=None) -> dict:
     from results_io import RESULTS, write_result
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="dit", help="with --packed-lens: the model family (dit, dit_xattn, llama, stdit)")
     p.add_argument("--preset", default="DiT-XL/2")
+    p.add_argument("--packed-lens", default="", help="two packed lengths (e.g. 1024,2048): one layer trained "
+                   "through the trainer on packed mock data instead of the dense pair against diffusers")
     p.add_argument("--size", type=int, default=32, help="latent side (32 = 256px images)")
     p.add_argument("--batches", default="2,4", help="two batch sizes; the per-token figure is their difference")
     p.add_argument("--models", default="ours,ours_megatron_linears,diffusers")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    small, large = (int(b) for b in args.batches.split(","))
+    packed = bool(args.packed_lens)
+    small, large = (int(b) for b in (args.packed_lens or args.batches).split(","))
+    models = [m for m in args.models.split(",") if not (packed and m == "diffusers")]
     rows = {}
-    for which in args.models.split(","):
-        a, b = (layer_traffic(which, args.preset, batch, args.size) for batch in (small, large))
+    for which in models:
+        a, b = (packed_traffic(which, args.family, args.preset, n) if packed else
+                layer_traffic(which, args.preset, n, args.size) for n in (small, large))
         tokens = b["tokens"] - a["tokens"]
         per_token = {k: (b[k] - a[k]) / tokens for k in ("forward_bytes", "backward_bytes")}
         per_token["total_bytes"] = per_token["forward_bytes"] + per_token["backward_bytes"]
@@ -270,8 +309,10 @@ def main(argv=None) -> dict:
         print(f"{name}: {value:.3f}")
     result = {"device": "H100 (Inductor scheduling, no GPU)", "torch": torch.__version__,
               "command": "python benchmarks/fusion_traffic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "preset": args.preset, "batches": [small, large], "ratios": ratios, "models": rows}
-    default = RESULTS / f"fusion_traffic_{args.preset.replace('/', '')}_torch{torch.__version__.split('+')[0]}.json"
+              "family": args.family, "preset": args.preset, "packed_lens" if packed else "batches": [small, large],
+              "ratios": ratios, "models": rows}
+    shape = f"_packed{large}" if packed else ""
+    default = RESULTS / f"fusion_traffic_{args.preset.replace('/', '')}{shape}_torch{torch.__version__.split('+')[0]}.json"
     print("wrote", write_result("fusion_traffic", result, args.out or str(default)))
     return result
 
