@@ -36,9 +36,11 @@
 #           and 4 micro-batches per optimizer step (`--accumulation 1,4`), DiT-XL/2 b128 with 4, compiled
 #   tuning  Inductor's on-device block-size tuning of the fused kernels (~8 min): DiT-XL/2 b128 compiled,
 #           `--inductor-tuning 0,1`, profiled (the Triton time per step side by side)
+#   autotune  model.compile_mode (~9 min): DiT-XL/2 b128 compiled with the default mode and with
+#           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|tuning}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|tuning|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -152,6 +154,11 @@ case "$phase" in
     timeout 480 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
       --dtype bf16 --inductor-tuning 0,1 --profile --warmup 4 --steps 8 --out "$out/throughput_xl_tuning.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl_tuning.txt" | tail -n 40 || true ;;
+  autotune)
+    timeout 560 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --compile-mode default,max-autotune-no-cudagraphs --profile --warmup 4 --steps 8 \
+      --out "$out/throughput_xl_compile_mode.jsonl" 2>&1 | grep -v -i warn | tee "$out/xl_compile_mode.txt" \
+      | tail -n 40 || true ;;
   *)
     echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -59,6 +59,7 @@ def run_config(point: dict, run_dir: str):
     return RunConfig(
         model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
                           input_size=32 if packed_len else side, compile=point["compile"],
+                          compile_mode=point.get("compile_mode") if point["compile"] else None,
                           fp8=point.get("fp8"), attention_backend=point.get("attention"),
                           aten_linears=point.get("aten_linears"),
                           **RECOMPUTE[point["recompute"]]),
@@ -164,7 +165,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
                          r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto", r.get("step", "auto"),
                          r.get("aten_linears", True), r.get("accumulation", 1),
-                         r.get("inductor_tuning", False))
+                         r.get("inductor_tuning", False), r.get("compile_mode") or "default")
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
@@ -174,7 +175,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                     label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else "")
                     + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else "")
                     + (f" step={k[7]}" if k[7] != "auto" else "") + ("" if k[8] else " megatron linears")
-                    + (f" accumulation={k[9]}" if k[9] != 1 else "") + (" tuned" if k[10] else ""))
+                    + (f" accumulation={k[9]}" if k[9] != 1 else "") + (" tuned" if k[10] else "")
+                    + (f" {k[11]}" if k[11] != "default" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -211,6 +213,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--accumulation", default="1", help="micro-batches per optimizer step (gradient accumulation: "
                    "the global batch is micro-batch x this): any of e.g. 1,4; the per-parameter work of a step "
                    "(gradient norm, AdamW, weight copies) is shared by that many micro-batches, as in real runs")
+    p.add_argument("--compile-mode", default="default", help="model.compile_mode with --compile 1: any of "
+                   "default,max-autotune-no-cudagraphs")
     p.add_argument("--inductor-tuning", default="0", help="any of 0,1: 1 lets Inductor tune the block sizes of "
                    "each fused kernel on the device as it compiles (coordinate_descent_tuning; slower compile)")
     p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
@@ -232,12 +236,14 @@ def main(argv=None) -> list[dict]:
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
                "step": step, "aten_linears": bool(int(aten)), "accumulation": acc,
-               "inductor_tuning": bool(int(tune))}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, acc, tune in itertools.product(
+               "inductor_tuning": bool(int(tune)), "compile_mode": None if mode == "default" else mode}
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, acc, tune, mode in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
-                  _list(args.aten_linears), _list(args.accumulation, int), _list(args.inductor_tuning))
-              if not (rc == "norm" and int(c))]  # norm recompute does not trace under compile
+                  _list(args.aten_linears), _list(args.accumulation, int), _list(args.inductor_tuning),
+                  _list(args.compile_mode))
+              if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
+              and (int(c) or mode == "default")]  # a compile mode needs compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
@@ -264,7 +270,8 @@ def main(argv=None) -> list[dict]:
                   f"{' step=' + point['step'] if point['step'] != 'auto' else ''}"
                   f"{'' if point['aten_linears'] else ' megatron linears'}"
                   f"{' accumulation=' + str(point['accumulation']) if point['accumulation'] != 1 else ''}"
-                  f"{' inductor-tuned' if point['inductor_tuning'] else ''}", flush=True)
+                  f"{' inductor-tuned' if point['inductor_tuning'] else ''}"
+                  f"{' mode=' + point['compile_mode'] if point['compile_mode'] else ''}", flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):

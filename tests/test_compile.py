@@ -86,3 +86,25 @@ def test_a_compiled_layer_takes_a_new_packing_without_recompiling():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for lens in ([12, 6, 6], [2, 20, 2], [6, 6, 6, 6], [4, 4, 4, 4, 8], [12, 12]):
             step(lens)
+
+
+def test_max_autotune_compile_mode_trains_as_eager(tmp_path):
+    """``model.compile_mode="max-autotune-no-cudagraphs"`` reaches every layer's torch.compile
+    (Inductor then benchmarks GEMM templates; on the CPU its C++ ones) and trains as eager."""
+    eager = losses(Trainer(tiny_run(tmp_path / "eager", max_steps=2)).fit())
+    cfg = tiny_run(tmp_path / "autotuned", max_steps=2)
+    cfg.model.compile, cfg.model.compile_mode = True, "max-autotune-no-cudagraphs"
+    seen = []
+    original = torch.nn.Module.compile
+
+    def record(module, *args, **kwargs):
+        seen.append(kwargs.get("mode"))
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.compile = record
+    try:
+        trainer = Trainer(cfg)
+    finally:
+        torch.nn.Module.compile = original
+    assert seen == ["max-autotune-no-cudagraphs"] * len(trainer.model[0].layers)
+    torch.testing.assert_close(torch.tensor(losses(trainer.fit())), torch.tensor(eager), rtol=1e-5, atol=0)

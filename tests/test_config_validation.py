@@ -1,5 +1,7 @@
 """Every bad config fails before compute with one line naming ``section.field``, the value, the
 rule and the fix (the table below), and nothing is written."""
+import re
+
 import pytest
 
 from dit_mcore.config import ConfigError, preset
@@ -110,3 +112,13 @@ def test_layernorm_recompute_with_compile_is_refused_before_compute(tmp_path):
     assert len(problems) == 1 and "does not trace under model.compile=True" in problems[0], problems
     cfg.model.compile = False
     assert run_problems(cfg, world_size=1) == []
+
+
+@pytest.mark.parametrize("compile_, mode, match", [
+    (True, "reduce-overhead", "model.compile_mode.*use one of"),
+    (False, "max-autotune-no-cudagraphs", "model.compile_mode.*only with model.compile=True")])
+def test_bad_compile_modes_are_refused_before_compute(tmp_path, compile_, mode, match):
+    cfg = tiny_run(tmp_path)
+    cfg.model.compile, cfg.model.compile_mode = compile_, mode
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and re.search(match, problems[0]), problems

@@ -171,10 +171,20 @@ def _graph_nodes(tensor) -> set:
     return {type(node).__name__ for node in seen}
 
 
+def _producer(tensor) -> str:
+    """The autograd node that made ``tensor``, past reshapes and megatron's TP reduction (an identity
+    at TP=1)."""
+    node = tensor.grad_fn
+    while type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                                  "_ReduceFromModelParallelRegionBackward"):
+        node = node.next_functions[0][0]
+    return type(node).__name__
+
+
 def test_aten_linears_equal_megatrons_and_leave_its_autograd_function(world):
     """``model.aten_linears`` (the default): the same outputs and gradients as megatron's own linear
-    path on the same weights, with no megatron linear autograd function left at TP=1 and the MLP's
-    fc1 bias folded into its matmul (megatron returns it apart)."""
+    path on the same weights; at TP=1 every spec linear is one aten matmul (the QKV and fc1 biases in
+    it: fc1 returns no separate bias), and no megatron linear autograd function is left."""
     import dataclasses
 
     x = torch.randn(2, 4, 8, 8)
@@ -187,15 +197,24 @@ def test_aten_linears_equal_megatrons_and_leave_its_autograd_function(world):
             _randomize(model)
             weights = model.state_dict()
         model.load_state_dict(weights)
-        fc1 = model.layers[0].mlp.linear_fc1
-        assert fc1.skip_bias_add is not aten and fc1.bias is not None
+        made = {}
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+                module.register_forward_hook(
+                    lambda mod, args, out, name=name: made.__setitem__(name, (_producer(out[0]), out[1] is None)))
         out = model(tokens.transpose(0, 1), t, y, grid=grid)
         out.square().mean().backward()
-        runs[aten] = out, {n: p.grad for n, p in model.named_parameters()}, _graph_nodes(out)
-    (out_a, grads_a, nodes_a), (out_m, grads_m, nodes_m) = runs[True], runs[False]
+        runs[aten] = out, {n: p.grad for n, p in model.named_parameters()}, _graph_nodes(out), made
+    (out_a, grads_a, nodes_a, made_a), (out_m, grads_m, nodes_m, made_m) = runs[True], runs[False]
     megatron_fn = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
     assert megatron_fn in nodes_m and megatron_fn not in nodes_a
-    assert "AddmmBackward0" in nodes_a
+    assert len(made_a) == 8  # 2 layers x 4 linears
+    for name, (producer, no_bias) in made_a.items():
+        kind = name.rsplit(".", 1)[-1]
+        # row-parallel linears return their bias apart (the layer adds it before the gate)
+        assert (producer, no_bias) == (("AddmmBackward0", True) if kind in ("linear_qkv", "linear_fc1")
+                                       else ("MmBackward0", False)), name
+        assert made_m[name] == (megatron_fn, kind == "linear_qkv"), name
     torch.testing.assert_close(out_a, out_m, rtol=1e-5, atol=1e-6)
     assert grads_a.keys() == grads_m.keys()
     for name in grads_m:

@@ -34,6 +34,10 @@ from dit_mcore.models.seeding import draw_base_seed, init_stream
 
 RECOMPUTE_METHODS = ("uniform", "block")
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+"""torch.compile modes ``model.compile_mode`` offers (the CUDA-graph ones are not: untested with
+megatron's gradient hooks and the pipelined step)."""
+
 
 def check_recompute_config(config) -> None:
     """Reject recompute settings this stack cannot honour, naming the field."""
@@ -92,12 +96,15 @@ class LayerStack(nn.ModuleList):
         if numbers != list(range(offset + 1, offset + n_local + 1)):
             raise RuntimeError(f"layers got global numbers {numbers}, expected {offset + 1}..{offset + n_local}")
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, mode: Optional[str] = None) -> None:
         """Regional ``torch.compile``: each layer compiled in place (one graph per layer, reused by
-        every layer of the same shape), so norms, modulation, gating and GELU fuse around the GEMMs."""
+        every layer of the same shape), so norms, modulation, gating and GELU fuse around the GEMMs.
+        ``mode``: one of :data:`COMPILE_MODES` (None: torch's default)."""
+        if mode is not None and mode not in COMPILE_MODES:
+            raise ValueError(f"model.compile_mode={mode!r}: use one of {COMPILE_MODES} or None")
         _quiet_default_tp_group()
         for layer in self:
-            layer.compile()
+            layer.compile(mode=mode)
 
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
                 context_params=None, rotary_pos_emb: Optional[torch.Tensor] = None,

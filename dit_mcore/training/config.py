@@ -98,12 +98,18 @@ class ModelConfig:
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
     steps are slower while the layer graph compiles."""
+    compile_mode: Optional[str] = None
+    """With ``compile``: torch.compile's mode, ``"default"`` (None) or ``"max-autotune-no-cudagraphs"``
+    (Inductor benchmarks Triton GEMM templates against cuBLAS, with the elementwise work around a
+    GEMM fused into its epilogue where a template wins, and tunes every fused kernel's block sizes:
+    minutes more compile). The CUDA-graph modes are not offered: untested with megatron's gradient
+    hooks and the pipelined step."""
     init_model_with_meta_device: Optional[bool] = None
     """Build the model on the meta device, let FSDP shard it, then fill each rank's shards part by
     part (initialised on the host, the same values as a direct build): for models bigger than one
     device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
-    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "fp8", "attention_backend")
+    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "compile_mode", "fp8", "attention_backend")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)

@@ -21,6 +21,7 @@ import torch
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
+from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.data import moving_digits_text_encoder
@@ -113,6 +114,10 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(not (norm_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
            "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
            "drop 'layernorm' or set model.compile=False")
+    r.need(m.compile_mode is None or m.compile_mode in COMPILE_MODES, "model.compile_mode", m.compile_mode,
+           f"use one of {COMPILE_MODES}{did_you_mean(str(m.compile_mode), COMPILE_MODES)} or None (default)")
+    r.need(m.compile_mode is None or m.compile, "model.compile_mode", m.compile_mode,
+           "takes effect only with model.compile=True: set it, or leave compile_mode unset")
     r.need(m.attention_backend is None or m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
            m.attention_backend,
            f"use one of {ATTENTION_BACKENDS}{did_you_mean(str(m.attention_backend), ATTENTION_BACKENDS)} or None (auto)")

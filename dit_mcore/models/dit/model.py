@@ -116,9 +116,9 @@ class DiT(MegatronModule):
             if module is not None:
                 yield from module.parameters()
 
-    def compile_layers(self) -> None:
-        """Compile each transformer layer (``model.compile``)."""
-        self.layers.compile_layers()
+    def compile_layers(self, mode: Optional[str] = None) -> None:
+        """Compile each transformer layer (``model.compile``, ``model.compile_mode``)."""
+        self.layers.compile_layers(mode)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline parallel: the previous stage's output replaces the patch embedding."""
