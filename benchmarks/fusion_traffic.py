@@ -120,35 +120,20 @@ class TrafficRecorder:
     class _Stop(Exception):
         pass
 
+    active = None  # the recorder whose probe is running (the scheduler hook is installed once)
+
     def __init__(self):
-        from torch._inductor import scheduler
         self.kernels: list[Kernel] = []
         self._graph = 0
         self._backward = False
-        self._recording = False
-        original = scheduler.Scheduler._codegen
-        recorder = self
-
-        def codegen(sched, nodes):
-            if not recorder._recording:
-                return original(sched, nodes)
-            for node in nodes:
-                ops = sorted({str(getattr(origin.target, "__name__", origin.target))
-                              for sub in node.get_nodes() for origin in getattr(getattr(sub, "node", None), "origins", ())
-                              if origin.op == "call_function"})
-                recorder.kernels.append(Kernel(recorder._graph, recorder._backward,
-                                               not (node.is_extern() or node.is_template()),
-                                               node.get_read_write_buffers_sizes(), ",".join(ops)))
-            raise TrafficRecorder._Stop
-
-        scheduler.Scheduler._codegen = codegen
-        _cpu_pattern_tables()
+        _install_hooks()
 
     def backend(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs, inner_compile=self._inner)
 
     def _inner(self, gm, example_inputs, **kwargs):
+        import torch._inductor.config as inductor_config
         from torch._functorch.aot_autograd import make_boxed_func
         from torch._guards import detect_fake_mode
         from torch._inductor.compile_fx import compile_fx_inner
@@ -162,16 +147,16 @@ class TrafficRecorder:
             fake = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
                     if isinstance(x, torch.Tensor) else x for x in example_inputs]
             cuda_gm = make_fx(_on_cuda(gm))(*fake)
-        self._recording = True
-        try:
-            with pretend_h100():
+        TrafficRecorder.active = self
+        try:  # one scheduler pass per graph (no partitions), never served from a cache
+            with pretend_h100(), inductor_config.patch(graph_partition=False, fx_graph_cache=False):
                 compile_fx_inner(cuda_gm, fake, is_backward=kwargs.get("is_backward", False),
                                  is_inference=kwargs.get("is_inference", False))
         except Exception as exc:  # the scheduler stops every compile; anything else is a real failure
             if not _stopped(exc):
                 raise
         finally:
-            self._recording = False
+            TrafficRecorder.active = None
         return make_boxed_func(gm.forward)  # run the graph uncompiled on the CPU
 
     def summary(self, tokens: int) -> dict:
@@ -180,6 +165,36 @@ class TrafficRecorder:
                 "backward_bytes": sum(k.bytes for k in self.kernels if k.fused and k.backward),
                 "fused_kernels": sum(k.fused for k in self.kernels), "graphs": len({k.graph for k in self.kernels}),
                 "tokens": tokens, "kernels": [dataclasses.asdict(k) for k in self.kernels]}
+
+
+_HOOKED = False
+
+
+def _install_hooks() -> None:
+    """Once per process: the scheduler records (and stops) while a recorder's probe runs; the pattern
+    tables are built on the CPU."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    from torch._inductor import scheduler
+    original = scheduler.Scheduler._codegen
+
+    def codegen(sched, nodes):
+        recorder = TrafficRecorder.active
+        if recorder is None:
+            return original(sched, nodes)
+        for node in nodes:
+            ops = sorted({str(getattr(origin.target, "__name__", origin.target))
+                          for sub in node.get_nodes() for origin in getattr(getattr(sub, "node", None), "origins", ())
+                          if origin.op == "call_function"})
+            recorder.kernels.append(Kernel(recorder._graph, recorder._backward,
+                                           not (node.is_extern() or node.is_template()),
+                                           node.get_read_write_buffers_sizes(), ",".join(ops)))
+        raise TrafficRecorder._Stop
+
+    scheduler.Scheduler._codegen = codegen
+    _cpu_pattern_tables()
+    _HOOKED = True
 
 
 def _stopped(exc: BaseException) -> bool:
@@ -198,7 +213,7 @@ def _on_cuda(gm):
     for node in gm.graph.nodes:
         if node.kwargs.get("device") == cpu:
             node.kwargs = {**node.kwargs, "device": cuda}
-        node.args = tuple(cuda if a == cpu and isinstance(a, torch.device) else a for a in node.args)
+        node.args = tuple(cuda if isinstance(a, torch.device) and a == cpu else a for a in node.args)
         if node.op == "get_attr":
             value = getattr(gm, node.target)
             if isinstance(value, torch.Tensor) and value.device.type == "cpu":
@@ -213,14 +228,13 @@ def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     ``ours_megatron_linears`` or ``diffusers``."""
     from train_step import build_pair, make_steps
 
-    from dit_mcore.config import preset
     from dit_mcore.models.dit import build_model
 
     torch.compiler.reset()
     torch.manual_seed(0)
     ours, theirs = build_pair(preset_name, torch.device("cpu"), torch.bfloat16)
     if which == "ours_megatron_linears":
-        megatron = build_model(dataclasses.replace(preset(preset_name, timestep_freq_shift=1.0), aten_linears=False))
+        megatron = build_model(dataclasses.replace(ours.config, aten_linears=False))
         megatron.load_state_dict(ours.state_dict())
         ours = megatron.to(torch.bfloat16).train()
     del ours.layers[1:]
@@ -268,7 +282,10 @@ def packed_traffic(which: str, family: str, preset_name: str, packed_len: int) -
             Trainer(config).train_step()
     finally:
         torch.nn.Module.compile = original
-    return recorder.summary(packed_len)
+    summary = recorder.summary(packed_len)
+    if not summary["backward_bytes"] or not summary["forward_bytes"]:
+        raise RuntimeError(f"{which}: no forward or backward graph was scheduled (did the layer compile?)")
+    return summary
 
 
 def main(argv=None) -> dict:
