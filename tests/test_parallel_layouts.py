@@ -67,6 +67,7 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           num_moe_experts=4 if moe else None, moe_router_topk=2 if moe else None,
                           moe_aux_loss_coeff=0.1 if moe else None,
                           init_model_with_meta_device=parallel.pop("meta_init", None),
+                          aten_linears=parallel.pop("aten_linears", None),
                           st_attention=parallel.pop("st_attention", None)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False)),
@@ -211,6 +212,10 @@ def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit
 
 def _cases(world: int):
     two = [("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+           # megatron's linear autograd function throughout (model.aten_linears=False; the default
+           # runs TP2's row-parallel linears and every TP=1 linear as one aten matmul)
+           ("tp2_sp_megatron_linears", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                        "aten_linears": False}),
            ("cp2_p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
            ("cp2_a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
            ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
