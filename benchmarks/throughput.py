@@ -150,8 +150,22 @@ def diffusers_side_by_side(point: dict, steps: int) -> dict:
             "ratio_over_diffusers": r["ratio_ours_over_diffusers"]}
 
 
+def variant(point: dict) -> str:
+    """A point's (or row's) settings that differ from the defaults, beyond preset, shape, batch,
+    recompute, compile, precision and FP8: one label for the printout and the plots."""
+    parts = [f"adam={point['adam']}" if point.get("adam", "fused") != "fused" else "",
+             f"attention={point['attention']}" if point.get("attention") else "",
+             f"step={point['step']}" if point.get("step", "auto") != "auto" else "",
+             "" if point.get("aten_linears", True) else "megatron linears",
+             f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
+             "inductor-tuned" if point.get("inductor_tuning") else "",
+             f"mode={point['compile_mode']}" if point.get("compile_mode") else ""]
+    return "".join(f" {part}" for part in parts if part)
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
-    """Throughput and MFU against batch (one line per preset x shape x compile x recompute x FP8)."""
+    """Throughput and MFU against batch (one line per preset x shape x compile x recompute x FP8 x the
+    other settings, :func:`variant`)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -163,20 +177,15 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     for metric, label in (("images_per_s", "images/s"), ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         key = lambda r: (r["preset"], r["packed_len"] or r["image_size"], r["compile"], r["recompute"],  # noqa: E731
-                         r.get("fp8") or "none", r.get("adam", "fused"), r.get("attention") or "auto", r.get("step", "auto"),
-                         r.get("aten_linears", True), r.get("accumulation", 1),
-                         r.get("inductor_tuning", False), r.get("compile_mode") or "default")
+                         r.get("fp8") or "none", variant(r))
         for k, group in itertools.groupby(sorted(rows, key=key), key=key):
             group = sorted(group, key=lambda r: r["batch"])
             if any(r[metric] is None for r in group):
                 continue
             shape = f"packed {k[1]}" if group[0]["packed_len"] else f"{k[1]}x{k[1]}"
             ax.plot([r["batch"] for r in group], [r[metric] for r in group], marker="o",
-                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}" + (f" fp8={k[4]}" if k[4] != "none" else "")
-                    + (f" adam={k[5]}" if k[5] != "fused" else "") + (f" attention={k[6]}" if k[6] != "auto" else "")
-                    + (f" step={k[7]}" if k[7] != "auto" else "") + ("" if k[8] else " megatron linears")
-                    + (f" accumulation={k[9]}" if k[9] != 1 else "") + (" tuned" if k[10] else "")
-                    + (f" {k[11]}" if k[11] != "default" else ""))
+                    label=f"{k[0]} {shape} compile={int(k[2])} recompute={k[3]}"
+                    + (f" fp8={k[4]}" if k[4] != "none" else "") + k[5])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel(label)
@@ -265,13 +274,7 @@ def main(argv=None) -> list[dict]:
                   f"compile={int(point['compile'])} {point['dtype']}{' fp8=' + point['fp8'] if point['fp8'] else ''}: "
                   f"{row['images_per_s']:.1f} img/s | "
                   f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
-                  f"MFU {mfu}{ratio}{'' if point['adam'] == 'fused' else ' adam=' + point['adam']}"
-                  f"{' attention=' + point['attention'] if point['attention'] else ''}"
-                  f"{' step=' + point['step'] if point['step'] != 'auto' else ''}"
-                  f"{'' if point['aten_linears'] else ' megatron linears'}"
-                  f"{' accumulation=' + str(point['accumulation']) if point['accumulation'] != 1 else ''}"
-                  f"{' inductor-tuned' if point['inductor_tuning'] else ''}"
-                  f"{' mode=' + point['compile_mode'] if point['compile_mode'] else ''}", flush=True)
+                  f"MFU {mfu}{ratio}{variant(point)}", flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):

@@ -88,7 +88,7 @@ def test_a_compiled_layer_takes_a_new_packing_without_recompiling():
             step(lens)
 
 
-def test_max_autotune_compile_mode_trains_as_eager(tmp_path):
+def test_max_autotune_compile_mode_trains_as_eager(tmp_path, monkeypatch):
     """``model.compile_mode="max-autotune-no-cudagraphs"`` reaches every layer's torch.compile
     (Inductor then benchmarks GEMM templates; on the CPU its C++ ones) and trains as eager."""
     eager = losses(Trainer(tiny_run(tmp_path / "eager", max_steps=2)).fit())
@@ -101,10 +101,7 @@ def test_max_autotune_compile_mode_trains_as_eager(tmp_path):
         seen.append(kwargs.get("mode"))
         return original(module, *args, **kwargs)
 
-    torch.nn.Module.compile = record
-    try:
-        trainer = Trainer(cfg)
-    finally:
-        torch.nn.Module.compile = original
+    monkeypatch.setattr(torch.nn.Module, "compile", record)
+    trainer = Trainer(cfg)
     assert seen == ["max-autotune-no-cudagraphs"] * len(trainer.model[0].layers)
     torch.testing.assert_close(torch.tensor(losses(trainer.fit())), torch.tensor(eager), rtol=1e-5, atol=0)
