@@ -29,18 +29,21 @@
 #           (padding between segments included); the 3B packed point at batch 2 and DiT-XL/2 at batch 256,
 #           compiled, profiled
 #   linears the aten linears (~8 min): compile tests; DiT-XL/2 b128 compiled with aten vs megatron's
-#           linears (`--aten-linears 1,0`, same process), then the host-decided step (the device-decided
+#           linears (`--aten-linears 1,0 --wgrad-fusion 0`, same process: the matmuls alone), then the host-decided step (the device-decided
 #           one's baseline), each profiled; the model against diffusers at batch 128, compiled, profiled
 #           (Triton time side by side; benchmarks/fusion_traffic.py predicts 0.87x the bytes)
 #   accumulate  per-parameter work shared by micro-batches (~7 min): the 3B packed point at batch 2 with 1
 #           and 4 micro-batches per optimizer step (`--accumulation 1,4`), DiT-XL/2 b128 with 4, compiled
+#   wgrad   weight gradients accumulated into main_grad inside the GEMM (~8 min): the GPU kernel test, then the
+#           3B packed point (batch 2, 2 micro-batches per step) and DiT-XL/2 b128, compiled, with the fused
+#           accumulation vs megatron DDP's hook (`--wgrad-fusion 1,0`, same process), profiled
 #   tuning  Inductor's on-device block-size tuning of the fused kernels (~8 min): DiT-XL/2 b128 compiled,
 #           `--inductor-tuning 0,1`, profiled (the Triton time per step side by side)
 #   autotune  model.compile_mode (~9 min): DiT-XL/2 b128 compiled with the default mode and with
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|tuning|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|wgrad|tuning|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -132,7 +135,7 @@ case "$phase" in
     work=/tmp/gpu_linears; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_compile.py 2>&1 | tee "$out/tests.txt" | tail -n 5 || true
     timeout 230 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
-      --dtype bf16 --aten-linears 1,0 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_linears.jsonl" 2>&1 \
+      --dtype bf16 --aten-linears 1,0 --wgrad-fusion 0 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_linears.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl_linears.txt" | tail -n 40 || true
     timeout 120 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
       --dtype bf16 --step host --profile --warmup 4 --steps 8 --out "$work/throughput_xl_host_step.jsonl" 2>&1 \
@@ -148,6 +151,18 @@ case "$phase" in
       --out "$work/throughput_3b_accumulation.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 20 || true
     timeout 200 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --accumulation 4 \
       --compile 1 --dtype bf16 --warmup 2 --steps 4 --out "$work/throughput_xl_accumulation.jsonl" 2>&1 \
+      | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
+    cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
+  wgrad)
+    work=/tmp/gpu_wgrad; mkdir -p "$work"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py -k "wgrad" 2>&1 \
+      | tee "$out/tests.txt" | tail -n 5 || true
+    timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --accumulation 2 --wgrad-fusion 1,0 --compile 1 --dtype bf16 --profile \
+      --warmup 3 --steps 4 --out "$work/throughput_3b_wgrad_fusion.jsonl" 2>&1 | grep -v -i warn \
+      | tee "$out/3b.txt" | tail -n 40 || true
+    timeout 150 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --wgrad-fusion 1,0 --warmup 3 --steps 6 --out "$work/throughput_xl_wgrad_fusion.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   tuning)

@@ -62,6 +62,7 @@ def run_config(point: dict, run_dir: str):
                           compile_mode=point.get("compile_mode") if point["compile"] else None,
                           fp8=point.get("fp8"), attention_backend=point.get("attention"),
                           aten_linears=point.get("aten_linears"),
+                          fuse_wgrad_accumulation=point.get("wgrad_fusion"),
                           **RECOMPUTE[point["recompute"]]),
         data=data,
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "fused")),
@@ -157,6 +158,7 @@ def variant(point: dict) -> str:
              f"attention={point['attention']}" if point.get("attention") else "",
              f"step={point['step']}" if point.get("step", "auto") != "auto" else "",
              "" if point.get("aten_linears", True) else "megatron linears",
+             "" if point.get("wgrad_fusion", True) else "wgrad via DDP hook",
              f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
              "inductor-tuned" if point.get("inductor_tuning") else "",
              f"mode={point['compile_mode']}" if point.get("compile_mode") else ""]
@@ -228,6 +230,8 @@ def main(argv=None) -> list[dict]:
                    "each fused kernel on the device as it compiles (coordinate_descent_tuning; slower compile)")
     p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
                    "autograd function, to measure the aten linears against)")
+    p.add_argument("--wgrad-fusion", default="1", help="model.fuse_wgrad_accumulation: any of 1,0 (0: megatron "
+                   "DDP's hook adds each weight gradient into main_grad, to measure the fused accumulation against)")
     p.add_argument("--attention", default="auto", help="model.attention_backend: e.g. auto,sdpa_flash")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
@@ -244,12 +248,12 @@ def main(argv=None) -> list[dict]:
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
-               "step": step, "aten_linears": bool(int(aten)), "accumulation": acc,
+               "step": step, "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
                "inductor_tuning": bool(int(tune)), "compile_mode": None if mode == "default" else mode}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, acc, tune, mode in itertools.product(
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, tune, mode in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
-                  _list(args.aten_linears), _list(args.accumulation, int), _list(args.inductor_tuning),
+                  _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int), _list(args.inductor_tuning),
                   _list(args.compile_mode))
               if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
               and (int(c) or mode == "default")]  # a compile mode needs compile

@@ -113,6 +113,12 @@ class DiTConfig(TransformerConfig):
     traffic around the GEMMs under ``torch.compile`` (see ``dit_mcore.models.aten_linear``). False:
     megatron's autograd function everywhere. No effect on Transformer Engine or FP8 linears."""
 
+    fuse_wgrad_accumulation: bool = True
+    """Under megatron DDP, the aten-path linears (see ``aten_linears``) add their weight gradients
+    into the parameters' fp32 ``main_grad`` inside the backward, the GEMM doing the add
+    (``kernels.wgrad_accumulation``), instead of DDP's hook adding a bf16 gradient after: megatron's
+    ``gradient_accumulation_fusion`` without apex. False: DDP's hook adds them."""
+
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
     conditioning from the batch; megatron's ``finalize_model_grads`` sums the gradients of their

@@ -91,3 +91,30 @@ def test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once(tmp_pa
     for got, ref in zip(pipelined[1] + pipelined[2], at_once[1] + at_once[2]):
         assert got.is_cuda
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_wgrad_accumulates_in_fp32_inside_the_gemm(compiled):
+    """On the GPU, bf16 weight gradients accumulate into the fp32 ``main_grad`` inside cuBLAS
+    (``addmm`` with ``out_dtype``, in place: the buffer is the GEMM's C and D): nearer the float64
+    sum than the bf16 product added after (DDP hook's rounding), the buffer's storage unmoved."""
+    from kernels.wgrad_accumulation import accumulate_wgrad, mixed_addmm_accumulates
+
+    device = torch.device("cuda")
+    assert mixed_addmm_accumulates(device, torch.bfloat16, torch.float32), (
+        f"torch {torch.__version__}: addmm cannot accumulate bf16 into an fp32 tensor in place; the fallback "
+        "(bf16 product, then an add) runs")
+    torch.manual_seed(0)
+    g = [torch.randn(4, 512, 384, device=device).bfloat16() for _ in range(2)]
+    x = [torch.randn(4, 512, 256, device=device).bfloat16() for _ in range(2)]
+    buffer = torch.zeros(384 * 256 + 64, device=device)
+    main_grad = buffer[32:32 + 384 * 256].view(384, 256)
+    op = torch.compile(accumulate_wgrad, fullgraph=True) if compiled else accumulate_wgrad
+    for gi, xi in zip(g, x):
+        op(main_grad, gi, xi)
+    exact = sum(gi.double().reshape(-1, 384).t() @ xi.double().reshape(-1, 256) for gi, xi in zip(g, x))
+    hook = sum((gi.reshape(-1, 384).t() @ xi.reshape(-1, 256)).float() for gi, xi in zip(g, x))
+    fused_err = (main_grad.double() - exact).abs().max().item()
+    hook_err = (hook.double() - exact).abs().max().item()
+    assert fused_err < hook_err / 4, (fused_err, hook_err)
+    assert not buffer[:32].any() and not buffer[32 + 384 * 256:].any()

@@ -23,11 +23,49 @@ instead of after a rounding of the product (as ``nn.Linear`` and diffusers do). 
 linears with TP communication (TP > 1, sequence parallel), megatron's gradient-accumulation fusion
 and deferred weight gradients keep megatron's function; parameters, their attributes and checkpoint
 keys are megatron's.
+
+Under megatron DDP (``model.fuse_wgrad_accumulation``, on by default) the aten path also accumulates
+the weight gradient into the parameter's fp32 ``main_grad`` inside its backward, the GEMM doing the
+add (:mod:`kernels.wgrad_accumulation`), instead of handing DDP's hook a bf16 gradient to add:
+megatron's gradient-accumulation fusion, without apex. :func:`fuse_wgrad_accumulation` switches it
+on per linear once DDP has given the weights their buffers.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from kernels.wgrad_accumulation import accumulate_wgrad
+
+
+def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
+    """What the backward returns as the weight's gradient once it is in ``main_grad``: megatron
+    DDP's hook must fire (it counts the gradient ready for the bucket's reduction) and skips the add
+    for weights flagged ``grad_added_to_main_grad``; the values are never read."""
+    return torch.empty_like(weight)
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """``F.linear`` whose backward adds the weight gradient into ``main_grad`` itself (a custom op
+    that ``torch.compile`` runs in place) and returns a placeholder for the weight."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, main_grad):
+        ctx.save_for_backward(input, weight)
+        # Not a saved tensor: other linears add into the same buffer before this backward runs
+        # (views of one buffer share a version counter, which saving would check).
+        ctx.main_grad = main_grad
+        ctx.has_bias = bias is not None
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        accumulate_wgrad(ctx.main_grad, grad_output, input)
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_input, _dummy_wgrad(weight), grad_bias, None
 
 
 class AtenMatmul:
@@ -37,12 +75,24 @@ class AtenMatmul:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.aten_matmul = getattr(self.config, "aten_linears", True)
+        self.wgrad_into_main_grad = False  # set by fuse_wgrad_accumulation()
+
+    def _communicates(self) -> bool:
+        """Whether megatron's forward hands ``_forward_impl`` work for its own autograd function
+        (apex's accumulation fusion; in a column-parallel linear also TP communication and deferred
+        weight gradients): the static twin of ``_forward_impl``'s test of its arguments."""
+        return bool(self.gradient_accumulation_fusion)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         needs_megatron = (kwargs.get("allreduce_dgrad") or kwargs.get("sequence_parallel")
                           or kwargs.get("gradient_accumulation_fusion") or kwargs.get("grad_output_buffer") is not None)
         if args or needs_megatron or not self.aten_matmul:
+            if self.wgrad_into_main_grad:
+                raise RuntimeError(f"{type(self).__name__}: the weight gradient is flagged as accumulated by the "
+                                   "linear, but this call takes megatron's autograd function")
             return super()._forward_impl(input, weight, *args, **kwargs)
+        if self.wgrad_into_main_grad and weight is self.weight:
+            return _LinearIntoMainGrad.apply(input, weight, kwargs.get("bias"), weight.main_grad)
         return F.linear(input, weight, kwargs.get("bias"))
 
 
@@ -57,7 +107,27 @@ class AtenColumnParallelLinear(AtenMatmul, ColumnParallelLinear):
                 and not self.is_expert and not self.config.bias_activation_fusion):
             self.skip_bias_add = False  # megatron's forward now passes the bias to the matmul
 
+    def _communicates(self) -> bool:
+        comm = not self.explicit_expert_comm and (self.allreduce_dgrad or self.sequence_parallel)
+        return bool(comm or self.config.defer_embedding_wgrad_compute or super()._communicates())
+
 
 class AtenRowParallelLinear(AtenMatmul, RowParallelLinear):
     """``RowParallelLinear`` with the aten matmul (its reduction, and the bias after it, are
     megatron's as before)."""
+
+
+def fuse_wgrad_accumulation(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Switch on the accumulation into ``main_grad`` for every aten-path linear of ``module``
+    (``model.fuse_wgrad_accumulation``), once megatron DDP has given the weights their fp32
+    buffers; the weights whose gradients the linears now add themselves, for DDP to flag
+    ``grad_added_to_main_grad`` after each ``zero_grad_buffer``."""
+    fused = []
+    for linear in module.modules():
+        if (isinstance(linear, AtenMatmul) and linear.aten_matmul and not linear._communicates()
+                and getattr(linear.config, "fuse_wgrad_accumulation", True)
+                and linear.weight is not None and linear.weight.requires_grad
+                and getattr(linear.weight, "main_grad", None) is not None):
+            linear.wgrad_into_main_grad = True
+            fused.append(linear.weight)
+    return fused

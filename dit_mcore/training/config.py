@@ -94,6 +94,10 @@ class ModelConfig:
     """megatron's local linears multiply with one aten ``linear`` where no tensor-parallel
     communication runs inside the matmul, biases in the GEMM epilogue (less memory traffic under
     ``compile``; ``dit_mcore.models.aten_linear``); None: on. False: megatron's autograd function."""
+    fuse_wgrad_accumulation: Optional[bool] = None
+    """Under megatron DDP the aten-path linears accumulate their weight gradients into the fp32
+    ``main_grad`` buffers inside the backward (the GEMM adds, no extra pass per parameter;
+    megatron's gradient-accumulation fusion without apex); None: on. False: DDP's hook adds them."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first

@@ -10,7 +10,30 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
+from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
 from dit_mcore.training import torch_optimizer
+
+
+class DataParallel(DistributedDataParallel):
+    """megatron DDP whose aten-path linears add their weight gradients into ``main_grad`` in their
+    own backward (``model.fuse_wgrad_accumulation``; :mod:`kernels.wgrad_accumulation`). megatron's
+    backward hook adds a weight's gradient unless the weight is flagged ``grad_added_to_main_grad``,
+    a flag its ``zero_grad_buffer`` clears every step (megatron's fused linears set it again in each
+    backward); here the flag is set again right after each clear, for exactly the weights whose
+    linears accumulate."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wgrad_fused_params = fuse_wgrad_accumulation(self.module)
+        self._flag_fused_wgrads()
+
+    def _flag_fused_wgrads(self) -> None:
+        for param in self.wgrad_fused_params:
+            param.grad_added_to_main_grad = True
+
+    def zero_grad_buffer(self):
+        super().zero_grad_buffer()
+        self._flag_fused_wgrads()
 
 
 def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool) -> list:
@@ -25,8 +48,8 @@ def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimi
     if parallel.fsdp != "none":
         wrapped = shard_fully(chunks, model_config, ddp_config, parallel.fsdp)
     else:
-        wrapped = [DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
-                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        wrapped = [DataParallel(config=model_config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
     def per_chunk(name):
         hooks = [getattr(c, name) for c in wrapped]
