@@ -5,6 +5,10 @@
 #
 # Here, first:   python3 ../shared/tools/gpu_wheels.py          (py3.12 wheels into .whl/)
 # Then, per call (carry .whl):   bash benchmarks/gpu_session.sh <phase>
+#   current the code as it stands, first (~9 min): the tanh-GELU side by side (benchmarks/activation_speed.py),
+#           the weight-gradient fusion and compile GPU tests, then DiT-XL/2 at batch 128 and 256 and the 3B
+#           packed point at batch 2, compiled, profiled (the new headline numbers: aten linears, fused
+#           weight-gradient accumulation, sigmoid-form GELU and the device-decided step, all unmeasured)
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     DiT-XL/2 256px, batch 128, compiled, bf16 vs FP8 rowwise / tensorwise (goal: >= 1.65x)
@@ -37,13 +41,15 @@
 #   wgrad   weight gradients accumulated into main_grad inside the GEMM (~8 min): the GPU kernel test, then the
 #           3B packed point (batch 2, 2 micro-batches per step) and DiT-XL/2 b128, compiled, with the fused
 #           accumulation vs megatron DDP's hook (`--wgrad-fusion 1,0`, same process), profiled
-#   tuning  Inductor's on-device block-size tuning of the fused kernels (~8 min): DiT-XL/2 b128 compiled,
-#           `--inductor-tuning 0,1`, profiled (the Triton time per step side by side)
+#   tuning  Inductor options for the fused kernels (~9 min): DiT-XL/2 b128 compiled with torch's defaults,
+#           with multi-kernel reductions (persistent ones generated too, the faster picked on the device: the
+#           forward LayerNorm kernels over 1152 channels are looped reductions by default and ran at ~0.8-0.9
+#           TB/s on the H200) and with on-device block-size tuning, profiled (Triton time per step side by side)
 #   autotune  model.compile_mode (~9 min): DiT-XL/2 b128 compiled with the default mode and with
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|wgrad|tuning|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|wgrad|tuning|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -153,6 +159,22 @@ case "$phase" in
       --compile 1 --dtype bf16 --warmup 2 --steps 4 --out "$work/throughput_xl_accumulation.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
+  current)
+    work=/tmp/gpu_current; mkdir -p "$work"
+    timeout 90 python3 benchmarks/activation_speed.py --out "$work/activation_speed.json" 2>&1 | grep -v -i warn \
+      | tee "$out/activation.txt" | tail -n 5 || true
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_compile.py \
+      -k "wgrad or compile" 2>&1 | tee "$out/tests.txt" | tail -n 5 || true
+    timeout 120 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b128.jsonl" 2>&1 | grep -v -i warn \
+      | tee "$out/xl_b128.txt" | tail -n 30 || true
+    timeout 120 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 256 --compile 1 \
+      --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b256.jsonl" 2>&1 | grep -v -i warn \
+      | tee "$out/xl_b256.txt" | tail -n 30 || true
+    timeout 150 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --profile --warmup 4 --steps 6 \
+      --out "$work/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
+    cat "$work"/*.jsonl > "$out/throughput_current.jsonl" 2>/dev/null; cp "$work/activation_speed.json" "$out/" || true ;;
   wgrad)
     work=/tmp/gpu_wgrad; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py -k "wgrad" 2>&1 \
@@ -166,8 +188,9 @@ case "$phase" in
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   tuning)
-    timeout 480 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
-      --dtype bf16 --inductor-tuning 0,1 --profile --warmup 4 --steps 8 --out "$out/throughput_xl_tuning.jsonl" 2>&1 \
+    timeout 560 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --compile-options "none;triton.multi_kernel=1;coordinate_descent_tuning=1" --profile \
+      --warmup 4 --steps 8 --out "$out/throughput_xl_tuning.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl_tuning.txt" | tail -n 40 || true ;;
   autotune)
     timeout 560 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \

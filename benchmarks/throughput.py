@@ -21,6 +21,7 @@ weights, batch, precision), with the ratio.
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import json
 import sys
@@ -60,6 +61,7 @@ def run_config(point: dict, run_dir: str):
         model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
                           input_size=32 if packed_len else side, compile=point["compile"],
                           compile_mode=point.get("compile_mode") if point["compile"] else None,
+                          compile_options=point.get("compile_options") if point["compile"] else None,
                           fp8=point.get("fp8"), attention_backend=point.get("attention"),
                           aten_linears=point.get("aten_linears"),
                           fuse_wgrad_accumulation=point.get("wgrad_fusion"),
@@ -78,14 +80,9 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
     from dit_mcore.training.flops import peak_tflops
     from dit_mcore.training.trainer import Trainer
 
-    import torch._inductor.config as inductor_config
-
     if point["compile"]:  # each point compiles afresh: another batch size in the same process would
         torch.compiler.reset()  # otherwise get dynamo's dynamic-shape graphs (automatic_dynamic_shapes)
-    # --inductor-tuning: Inductor benchmarks block sizes of every fused kernel on the device as it
-    # compiles them (its column reductions over tokens ran at ~40% of the H200's bandwidth untuned)
-    tuning = inductor_config.patch(coordinate_descent_tuning=bool(point.get("inductor_tuning")))
-    with tuning, tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(run_config(point, run_dir))
         if point.get("step") == "host":
             trainer.steps_on_device = False
@@ -160,7 +157,8 @@ def variant(point: dict) -> str:
              "" if point.get("aten_linears", True) else "megatron linears",
              "" if point.get("wgrad_fusion", True) else "wgrad via DDP hook",
              f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
-             "inductor-tuned" if point.get("inductor_tuning") else "",
+             "options=" + ",".join(f"{k}={v}" for k, v in point["compile_options"].items())
+             if point.get("compile_options") else "",
              f"mode={point['compile_mode']}" if point.get("compile_mode") else ""]
     return "".join(f" {part}" for part in parts if part)
 
@@ -205,6 +203,19 @@ def _list(text: str, cast=str) -> list:
     return [cast(x) for x in text.split(",") if x != ""]
 
 
+def compile_option_sets(text: str) -> list:
+    """``--compile-options``: ';'-separated alternatives, each ``none`` or ``name=value,...`` (values
+    as Python literals, else strings) -> a list of None / option dicts."""
+    def value(v: str):
+        try:
+            return ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            return v
+    return [None if alt.strip() in ("", "none") else
+            {k.strip(): value(v.strip()) for k, v in (item.split("=", 1) for item in alt.split(","))}
+            for alt in text.split(";")]
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="dit", help="model family of the presets (dit, dit_xattn, llama, stdit)")
@@ -226,8 +237,10 @@ def main(argv=None) -> list[dict]:
                    "(gradient norm, AdamW, weight copies) is shared by that many micro-batches, as in real runs")
     p.add_argument("--compile-mode", default="default", help="model.compile_mode with --compile 1: any of "
                    "default,max-autotune-no-cudagraphs")
-    p.add_argument("--inductor-tuning", default="0", help="any of 0,1: 1 lets Inductor tune the block sizes of "
-                   "each fused kernel on the device as it compiles (coordinate_descent_tuning; slower compile)")
+    p.add_argument("--compile-options", default="none", help="model.compile_options with --compile 1, alternatives "
+                   "separated by ';', each 'none' or comma-separated Inductor options, e.g. "
+                   "'none;triton.multi_kernel=1;coordinate_descent_tuning=1' (reductions also generated persistent, "
+                   "the faster picked on the device; block sizes tuned on the device)")
     p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
                    "autograd function, to measure the aten linears against)")
     p.add_argument("--wgrad-fusion", default="1", help="model.fuse_wgrad_accumulation: any of 1,0 (0: megatron "
@@ -249,14 +262,15 @@ def main(argv=None) -> list[dict]:
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
                "step": step, "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
-               "inductor_tuning": bool(int(tune)), "compile_mode": None if mode == "default" else mode}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, tune, mode in itertools.product(
+               "compile_options": options, "compile_mode": None if mode == "default" else mode}
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, options, mode in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
-                  _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int), _list(args.inductor_tuning),
+                  _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int),
+                  compile_option_sets(args.compile_options),
                   _list(args.compile_mode))
               if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
-              and (int(c) or mode == "default")]  # a compile mode needs compile
+              and (int(c) or (mode == "default" and options is None))]  # a compile mode or options need compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []

@@ -105,3 +105,47 @@ def test_max_autotune_compile_mode_trains_as_eager(tmp_path, monkeypatch):
     trainer = Trainer(cfg)
     assert seen == ["max-autotune-no-cudagraphs"] * len(trainer.model[0].layers)
     torch.testing.assert_close(torch.tensor(losses(trainer.fit())), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+def test_compile_options_reach_every_layer_over_the_modes(monkeypatch):
+    """``model.compile_options`` reach each layer's torch.compile as Inductor options, over the
+    compile mode's own (torch.compile takes a mode or options, not both)."""
+    from megatron_env import single_process_world
+    from dit_mcore.config import preset
+    from dit_mcore.models import build_model
+
+    single_process_world()
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module, *args, **kwargs: seen.append((args, kwargs)))
+    stack = build_model(preset("tiny")).layers
+    stack.compile_layers("max-autotune-no-cudagraphs", {"triton.multi_kernel": 1, "coordinate_descent_tuning": False})
+    assert seen == [((), {"options": {"max_autotune": True, "coordinate_descent_tuning": False,
+                                      "triton.multi_kernel": 1}})] * len(stack)
+    seen.clear()
+    stack.compile_layers(None, {"triton.multi_kernel": 1})
+    assert seen == [((), {"options": {"triton.multi_kernel": 1}})] * len(stack)
+
+
+def test_compiled_gelu_is_the_sigmoid_form_of_the_same_function():
+    """Traced, the DiT MLP's tanh-GELU is written ``x * sigmoid(2z)`` (Inductor lowers ``sigmoid`` to
+    a fast exponential, ``tanh`` to libdevice's accurate one): the same values and gradients as
+    torch's ``F.gelu(approximate="tanh")`` in float64; eager keeps torch's kernel."""
+    import torch.nn.functional as F
+
+    from dit_mcore.config import gelu_tanh
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.linspace(-12, 12, 100_001, dtype=torch.float64, requires_grad=True)
+    traced = torch.compile(gelu_tanh, backend=capture, fullgraph=True)(x)
+    called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert torch.sigmoid in called and F.gelu not in called, called
+    reference = F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(traced, reference, rtol=0, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(traced.sum(), x)[0], torch.autograd.grad(reference.sum(), x)[0],
+                               rtol=0, atol=1e-13)
+    assert torch.equal(gelu_tanh(x), reference)  # eager: torch's kernel

@@ -38,6 +38,8 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("model", "attention_backend", "cudnn", "model.attention_backend='cudnn': use one of"),
     ("model", "compile_mode", "max-autotune-no-cudagraphs",
      "model.compile_mode='max-autotune-no-cudagraphs': takes effect only with model.compile=True"),
+    ("model", "compile_options", {"triton.multi_kernel": 1},
+     "model.compile_options={'triton.multi_kernel': 1}: takes effect only with model.compile=True"),
     ("optim", "adam_impl", "fusd", "optim.adam_impl='fusd': use one of ('fused', 'foreach'); did you mean 'fused'?"),
     ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
     ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
@@ -120,3 +122,17 @@ def test_an_unknown_compile_mode_is_refused_before_compute(tmp_path):
     cfg.model.compile, cfg.model.compile_mode = True, "reduce-overhead"
     problems = run_problems(cfg, world_size=1)
     assert len(problems) == 1 and "model.compile_mode='reduce-overhead': use one of" in problems[0], problems
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"triton.multi_kernal": 1}, "'triton.multi_kernal' is not an Inductor option; did you mean 'triton.multi_kernel'?"),
+    ({"triton.cudagraphs": True}, "'triton.cudagraphs': CUDA graphs are not offered"),
+    ("triton.multi_kernel=1", "model.compile_options='triton.multi_kernel=1': must be of type Optional[dict]"),
+])
+def test_bad_compile_options_are_refused_before_compute(tmp_path, options, expected):
+    cfg = tiny_run(tmp_path)
+    cfg.model.compile, cfg.model.compile_options = True, options
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and expected in problems[0], problems
+    cfg.model.compile_options = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
+    assert run_problems(cfg, world_size=1) == []

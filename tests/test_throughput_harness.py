@@ -29,6 +29,12 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["command"].startswith("python benchmarks/throughput.py")
 
 
+def test_compile_option_alternatives_parse_into_option_dicts():
+    assert throughput.compile_option_sets("none;triton.multi_kernel=1,coordinate_descent_tuning=True;"
+                                          "max_autotune_gemm_backends=TRITON") == [
+        None, {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}, {"max_autotune_gemm_backends": "TRITON"}]
+
+
 def test_autotune_finds_the_largest_batch_that_fits(monkeypatch):
     monkeypatch.setattr(throughput, "fits", lambda point: point["batch"] <= 37)
     assert throughput.autotune({"batch": 4}) == 37

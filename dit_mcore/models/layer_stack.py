@@ -39,6 +39,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 megatron's gradient hooks and the pipelined step)."""
 
 
+
 def check_recompute_config(config) -> None:
     """Reject recompute settings this stack cannot honour, naming the field."""
     granularity = config.recompute_granularity
@@ -96,15 +97,22 @@ class LayerStack(nn.ModuleList):
         if numbers != list(range(offset + 1, offset + n_local + 1)):
             raise RuntimeError(f"layers got global numbers {numbers}, expected {offset + 1}..{offset + n_local}")
 
-    def compile_layers(self, mode: Optional[str] = None) -> None:
+    def compile_layers(self, mode: Optional[str] = None, options: Optional[dict] = None) -> None:
         """Regional ``torch.compile``: each layer compiled in place (one graph per layer, reused by
         every layer of the same shape), so norms, modulation, gating and GELU fuse around the GEMMs.
-        ``mode``: one of :data:`COMPILE_MODES` (None: torch's default)."""
+        ``mode``: one of :data:`COMPILE_MODES` (None: torch's default); ``options``: Inductor options
+        over the mode's (torch.compile takes one or the other, so the mode is expanded)."""
         if mode is not None and mode not in COMPILE_MODES:
             raise ValueError(f"model.compile_mode={mode!r}: use one of {COMPILE_MODES} or None")
         _quiet_default_tp_group()
+        if options:
+            import torch._inductor
+            merged = {**torch._inductor.list_mode_options(mode or "default"), **options}
         for layer in self:
-            layer.compile(mode=mode)
+            if options:
+                layer.compile(options=merged)
+            else:
+                layer.compile(mode=mode)
 
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
                 context_params=None, rotary_pos_emb: Optional[torch.Tensor] = None,

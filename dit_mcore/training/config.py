@@ -108,12 +108,20 @@ class ModelConfig:
     GEMM fused into its epilogue where a template wins, and tunes every fused kernel's block sizes:
     minutes more compile). The CUDA-graph modes are not offered: untested with megatron's gradient
     hooks and the pipelined step."""
+    compile_options: Optional[dict] = None
+    """With ``compile``: Inductor options for every layer's torch.compile, over ``compile_mode``'s
+    (names as ``torch._inductor.list_options()`` gives them), e.g. ``{"triton.multi_kernel": 1}``
+    (reductions also generated persistent, the faster picked on the device: DiT-XL/2's LayerNorm
+    over 1152 channels is past Inductor's 1024 limit for persistent reductions) or
+    ``{"coordinate_descent_tuning": True}`` (block sizes tuned on the device). Unknown names and CUDA
+    graphs are refused before compute."""
     init_model_with_meta_device: Optional[bool] = None
     """Build the model on the meta device, let FSDP shard it, then fill each rank's shards part by
     part (initialised on the host, the same values as a direct build): for models bigger than one
     device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
-    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "compile_mode", "fp8", "attention_backend")
+    _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "compile_mode", "compile_options", "fp8",
+                          "attention_backend")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)

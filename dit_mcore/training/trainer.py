@@ -101,7 +101,7 @@ class Trainer:
             self.model = self._build_model()
         if cfg.model.compile:
             for chunk in self.model:
-                chunk.compile_layers(cfg.model.compile_mode)
+                chunk.compile_layers(cfg.model.compile_mode, cfg.model.compile_options)
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         # The EMA shadow (fp32, previews) multiplies in full precision: float8 is a training speed-up,
         # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.

@@ -94,6 +94,21 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _compile_option_rules(r: _Rules, options: dict) -> None:
+    """Inductor options must exist (``torch._inductor.list_options()``), and CUDA graphs are not
+    offered (as for the compile modes: untested with megatron's gradient hooks and the pipelined
+    step)."""
+    import torch._inductor
+
+    known = torch._inductor.list_options()
+    for name, value in options.items():
+        r.need(name in known, "model.compile_options", options,
+               f"{name!r} is not an Inductor option{did_you_mean(str(name), known)}")
+        r.need(not ("cudagraph" in str(name) and value), "model.compile_options", options,
+               f"{name!r}: CUDA graphs are not offered (untested with megatron's gradient hooks and the "
+               "pipelined step)")
+
+
 def _model_rules(r: _Rules, m) -> None:
     r.need(m.family in families(), "model.family", m.family,
            f"unknown family; use one of {families()}{did_you_mean(m.family, families())}")
@@ -118,6 +133,10 @@ def _model_rules(r: _Rules, m) -> None:
            f"use one of {COMPILE_MODES}{did_you_mean(str(m.compile_mode), COMPILE_MODES)} or None (default)")
     r.need(m.compile_mode is None or m.compile, "model.compile_mode", m.compile_mode,
            "takes effect only with model.compile=True: set it, or leave compile_mode unset")
+    r.need(m.compile_options is None or m.compile, "model.compile_options", m.compile_options,
+           "takes effect only with model.compile=True: set it, or leave compile_options unset")
+    if isinstance(m.compile_options, dict):  # (its type is checked with every field's)
+        _compile_option_rules(r, m.compile_options)
     r.need(m.attention_backend is None or m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
            m.attention_backend,
            f"use one of {ATTENTION_BACKENDS}{did_you_mean(str(m.attention_backend), ATTENTION_BACKENDS)} or None (auto)")

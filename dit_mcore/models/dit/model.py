@@ -116,9 +116,10 @@ class DiT(MegatronModule):
             if module is not None:
                 yield from module.parameters()
 
-    def compile_layers(self, mode: Optional[str] = None) -> None:
-        """Compile each transformer layer (``model.compile``, ``model.compile_mode``)."""
-        self.layers.compile_layers(mode)
+    def compile_layers(self, mode: Optional[str] = None, options: Optional[dict] = None) -> None:
+        """Compile each transformer layer (``model.compile``, ``model.compile_mode``,
+        ``model.compile_options``)."""
+        self.layers.compile_layers(mode, options)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline parallel: the previous stage's output replaces the patch embedding."""
