@@ -104,7 +104,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         result = {**point, "device": device_name(), "world_size": world, "step_s": elapsed / steps,
                   "images_per_s": samples / elapsed, "tokens_per_s_per_gpu": tokens / elapsed / world,
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
-                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+                  "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None)}
         if profile:
             result["profile"] = profile_steps(trainer.train_steps, trainer.device)
         del trainer

@@ -38,33 +38,81 @@ def test_accumulate_wgrad_adds_the_weight_gradient_in_place(compiled):
     assert not mixed_addmm_accumulates(torch.device("cpu"), torch.bfloat16, torch.float32)
 
 
-@pytest.mark.parametrize("compile_, bf16", [(False, False), (True, False), (False, True)])
-def test_fused_wgrad_accumulation_trains_as_ddps_hook(tmp_path, monkeypatch, compile_, bf16):
-    """Same losses with the accumulation in the linears as with megatron DDP's hook, over two
-    micro-batches per step. The placeholder the fused backward returns for each weight is filled
-    with NaN here: were it added (the weight not flagged for DDP), the loss would be NaN; were the
-    weight flagged but its gradient not accumulated, the updates would differ."""
+FUSION_CASES = {  # name -> RunConfig overrides (section, field, value)
+    "eager": [],
+    "compiled": [("model", "compile", True)],
+    "bf16": [("trainer", "bf16", True)],
+    "full_recompute": [("model", "recompute_granularity", "full"), ("model", "recompute_method", "uniform"),
+                       ("model", "recompute_num_layers", 1)],
+    "selective_recompute_compiled": [("model", "recompute_granularity", "selective"),
+                                     ("model", "recompute_modules", ["core_attn", "mlp"]), ("model", "compile", True)],
+    "overlap_distopt": [("parallel", "overlap_grad_reduce", True), ("optim", "use_distributed_optimizer", True)],
+    "moe": [("model", "num_moe_experts", 2), ("model", "moe_router_topk", 2), ("model", "moe_aux_loss_coeff", 0.01)],
+}
+
+
+@pytest.mark.parametrize("case", list(FUSION_CASES))
+def test_fused_wgrad_accumulation_leaves_the_gradients_of_ddps_hook(tmp_path, monkeypatch, case):
+    """After each of two steps (two micro-batches each), every parameter's ``main_grad`` with the
+    accumulation in the linears equals the one megatron DDP's hook accumulates, and the fused
+    weights' gradients are not zero (the weights are moved off adaLN-Zero's start, where they
+    would be). The placeholder gradient the fused backward returns is filled with NaN here: were it
+    added (a weight not flagged again after ``zero_grad_buffer``), ``main_grad`` would be NaN."""
     import dit_mcore.models.aten_linear as aten_linear
     from dit_mcore.training.trainer import Trainer
 
-    def run(name, fuse):
-        cfg = tiny_run(tmp_path / name, max_steps=3)  # 16 samples per step, micro-batches of 8
-        cfg.model.fuse_wgrad_accumulation, cfg.model.compile, cfg.trainer.bf16 = fuse, compile_, bf16
+    def run(fuse):
+        cfg = tiny_run(tmp_path / f"{case}_{fuse}", max_steps=3)  # 16 samples per step, micro-batches of 8
+        cfg.model.fuse_wgrad_accumulation = fuse
+        for section, field, value in FUSION_CASES[case]:
+            setattr(getattr(cfg, section), field, value)
         trainer = Trainer(cfg)
-        fused = trainer.ddp_chunks[0].wgrad_fused_params
-        return [trainer.train_step()["loss"] for _ in range(3)], fused, trainer
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in trainer.model[0].parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+        trainer.optimizer.reload_model_params()  # into the fp32 main weights (bf16, distributed optimizer)
+        fused = {id(p) for p in trainer.ddp_chunks[0].wgrad_fused_params}
+        names = [n for n, p in trainer.model[0].named_parameters() if id(p) in fused]
+        grads = []
+        for _ in range(2):
+            trainer.train_step()
+            grads.append({n: p.main_grad.detach().clone() for n, p in trainer.model[0].named_parameters()})
+        return grads, names, trainer
 
     monkeypatch.setattr(aten_linear, "_dummy_wgrad", lambda weight: torch.full_like(weight, float("nan")))
-    fused_losses, fused, trainer = run("fused", True)
-    hook_losses, none, _ = run("hook", False)
-    linears = {name.rsplit(".", 1)[0] for name, p in trainer.model[0].named_parameters()
-               if any(p is q for q in fused)}
-    assert len(fused) == 8 and all(name.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
-                                                                "linear_fc2") for name in linears), linears
-    assert none == []
-    assert all(p.grad_added_to_main_grad for p in fused)  # set again after the step's zero_grad_buffer
-    if bf16:  # on the CPU the bf16 product is added, as the hook adds it: bit for bit
-        assert fused_losses == hook_losses
-    else:
-        torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(hook_losses), rtol=1e-6, atol=0)
+    fused_grads, names, trainer = run(True)
+    hook_grads, none, _ = run(False)
+    layers = 2 * (2 if case == "moe" else 4)  # MoE experts are megatron's own linears (the hook adds theirs)
+    assert len(names) == layers and none == [], names
+    assert all(n.rsplit(".", 2)[-2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") for n in names)
+    assert all(p.grad_added_to_main_grad for p in trainer.ddp_chunks[0].wgrad_fused_params)
+    for step, (fused, hook) in enumerate(zip(fused_grads, hook_grads)):
+        for name in names:
+            assert hook[name].abs().max() > 0, (step, name)
+        for name in hook:
+            if case == "bf16":  # on the CPU the bf16 product is added, as the hook adds it: bit for bit
+                assert torch.equal(fused[name], hook[name]), (step, name)
+            else:
+                torch.testing.assert_close(fused[name], hook[name], rtol=1e-5, atol=1e-7, msg=f"{step} {name}")
 
+
+def test_a_fused_linear_refuses_another_weight():
+    """DDP skips whatever else reaches a fused weight, so a fused linear called with another weight
+    refuses instead of letting that gradient drop."""
+    from megatron_env import single_process_world
+    from dit_mcore.config import preset
+    from dit_mcore.models import build_model
+    from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
+
+    single_process_world()
+    model = build_model(preset("tiny"))
+    for p in model.parameters():
+        p.main_grad = torch.zeros_like(p)
+    assert len(fuse_wgrad_accumulation(model)) == 8
+    fc1 = model.layers[0].mlp.linear_fc1
+    x = torch.randn(3, 2, fc1.weight.shape[1])
+    fc1(x)[0].sum().backward()
+    assert fc1.weight.main_grad.abs().sum() > 0 and fc1.weight.grad is not None  # placeholder for DDP's hook
+    with pytest.raises(RuntimeError, match="called with another weight"):
+        fc1(x, weight=fc1.weight * 2)

@@ -28,7 +28,9 @@ Under megatron DDP (``model.fuse_wgrad_accumulation``, on by default) the aten p
 the weight gradient into the parameter's fp32 ``main_grad`` inside its backward, the GEMM doing the
 add (:mod:`kernels.wgrad_accumulation`), instead of handing DDP's hook a bf16 gradient to add:
 megatron's gradient-accumulation fusion, without apex. :func:`fuse_wgrad_accumulation` switches it
-on per linear once DDP has given the weights their buffers.
+on per linear once DDP has given the weights their buffers. DDP then skips every other gradient that
+reaches such a weight in a step, so its gradient must come through this linear's matmul alone (a
+linear called with another weight refuses).
 """
 from __future__ import annotations
 
@@ -91,7 +93,11 @@ class AtenMatmul:
                 raise RuntimeError(f"{type(self).__name__}: the weight gradient is flagged as accumulated by the "
                                    "linear, but this call takes megatron's autograd function")
             return super()._forward_impl(input, weight, *args, **kwargs)
-        if self.wgrad_into_main_grad and weight is self.weight:
+        if self.wgrad_into_main_grad and weight.requires_grad:
+            if weight is not self.weight:  # DDP would skip this weight's gradient: refuse, never drop it
+                raise RuntimeError(f"{type(self).__name__}: called with another weight while its own weight's "
+                                   "gradient is accumulated by the linear (model.fuse_wgrad_accumulation=False "
+                                   "allows it)")
             return _LinearIntoMainGrad.apply(input, weight, kwargs.get("bias"), weight.main_grad)
         return F.linear(input, weight, kwargs.get("bias"))
 

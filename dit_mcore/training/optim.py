@@ -1,6 +1,7 @@
 """megatron-core DDP, optimizer and LR scheduler from the run config."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -12,6 +13,9 @@ from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_
 
 from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
 from dit_mcore.training import torch_optimizer
+from kernels.wgrad_accumulation import mixed_addmm_accumulates
+
+log = logging.getLogger(__name__)
 
 
 class DataParallel(DistributedDataParallel):
@@ -25,6 +29,15 @@ class DataParallel(DistributedDataParallel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.wgrad_fused_params = fuse_wgrad_accumulation(self.module)
+        # Whether the GEMM itself adds into main_grad (else the product, then an add); None: no fusion.
+        self.wgrad_accumulates_in_gemm = None
+        if self.wgrad_fused_params:  # probed here, before training holds the memory, and logged
+            param = self.wgrad_fused_params[0]
+            self.wgrad_accumulates_in_gemm = param.dtype == param.main_grad.dtype or mixed_addmm_accumulates(
+                param.device, param.dtype, param.main_grad.dtype)
+            log.info("weight gradients of %d linears accumulate into main_grad %s", len(self.wgrad_fused_params),
+                     "inside the GEMM" if self.wgrad_accumulates_in_gemm else "after the product (no in-place "
+                     "mixed-dtype addmm on this device)")
         self._flag_fused_wgrads()
 
     def _flag_fused_wgrads(self) -> None:
