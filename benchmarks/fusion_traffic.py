@@ -14,7 +14,8 @@ write. This script counts those bytes without a GPU:
    from a table), and stops before any kernel is generated or compiled;
 3. every fused (non-extern) node the scheduler would emit is one Triton kernel; its
    ``get_read_write_buffers_sizes()`` is Inductor's own count of the bytes it reads and writes.
-   GEMMs and attention (extern kernels) are left out.
+   GEMMs and attention (extern kernels) are left out. A reduction kernel is also marked persistent
+   (one pass) or looped as Inductor's heuristic would code it for the device.
 
 Each model is measured at two batch sizes and the difference is divided by the token difference:
 bytes per token of fused-kernel traffic, forward and backward (per-step constants such as diffusers'
@@ -27,6 +28,7 @@ dense path, but the CPU's SDPA op stands in for cuDNN's; the count is a byte mod
     python benchmarks/fusion_traffic.py --preset DiT-S/2 --batches 1,2
     python benchmarks/fusion_traffic.py --family llama --preset MovieGen-3B --packed-lens 1024,2048
                                                               # one layer through the trainer, packed
+    python benchmarks/fusion_traffic.py --models ours --compile-options triton.multi_kernel=1
 """
 from __future__ import annotations
 
@@ -112,6 +114,7 @@ class Kernel:
     fused: bool  # a Triton kernel; False: an extern kernel (GEMM, attention)
     bytes: int
     ops: str
+    reduction: str = ""  # "persistent" (one pass, the row in registers), "looped", or "" (no reduction)
 
 
 class TrafficRecorder:
@@ -163,6 +166,7 @@ class TrafficRecorder:
         """Fused-kernel bytes of the recorded forward and backward graphs."""
         return {"forward_bytes": sum(k.bytes for k in self.kernels if k.fused and not k.backward),
                 "backward_bytes": sum(k.bytes for k in self.kernels if k.fused and k.backward),
+                "looped_reduction_bytes": sum(k.bytes for k in self.kernels if k.fused and k.reduction == "looped"),
                 "fused_kernels": sum(k.fused for k in self.kernels), "graphs": len({k.graph for k in self.kernels}),
                 "tokens": tokens, "kernels": [dataclasses.asdict(k) for k in self.kernels]}
 
@@ -187,14 +191,33 @@ def _install_hooks() -> None:
             ops = sorted({str(getattr(origin.target, "__name__", origin.target))
                           for sub in node.get_nodes() for origin in getattr(getattr(sub, "node", None), "origins", ())
                           if origin.op == "call_function"})
-            recorder.kernels.append(Kernel(recorder._graph, recorder._backward,
-                                           not (node.is_extern() or node.is_template()),
-                                           node.get_read_write_buffers_sizes(), ",".join(ops)))
+            fused = not (node.is_extern() or node.is_template())
+            recorder.kernels.append(Kernel(recorder._graph, recorder._backward, fused,
+                                           node.get_read_write_buffers_sizes(), ",".join(ops),
+                                           _reduction_kind(sched, node) if fused else ""))
         raise TrafficRecorder._Stop
 
     scheduler.Scheduler._codegen = codegen
     _cpu_pattern_tables()
     _HOOKED = True
+
+
+def _reduction_kind(sched, node) -> str:
+    """How Inductor would code a fused reduction node for the device: "persistent" or "looped"
+    (``should_use_persistent_reduction`` on the node's schedule, before tiling scores and split
+    reductions refine it), "" for a pointwise kernel."""
+    from torch._inductor.codegen.simd_kernel_features import SIMDKernelFeatures
+    from torch._inductor.virtualized import V
+
+    if not node.is_reduction():
+        return ""
+    nodes = node.get_nodes()
+    _, (numel, rnumel) = max(nodes, key=lambda n: int(n.is_reduction())).group
+    backend = sched.get_backend(node.get_device())
+    backend = getattr(backend, "_triton_scheduling", backend)  # CUDA's combined scheduling: its Triton part
+    features = SIMDKernelFeatures(backend.generate_node_schedule(nodes, numel, rnumel), numel, rnumel)
+    return "persistent" if V.choices.should_use_persistent_reduction(features, cooperative_reduction=False) \
+        else "looped"
 
 
 def _stopped(exc: BaseException) -> bool:
@@ -289,7 +312,9 @@ def packed_traffic(which: str, family: str, preset_name: str, packed_len: int) -
 
 
 def main(argv=None) -> dict:
+    import torch._inductor.config as inductor_config
     from results_io import RESULTS, write_result
+    from throughput import compile_option_sets
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="dit", help="with --packed-lens: the model family (dit, dit_xattn, llama, stdit)")
@@ -299,22 +324,26 @@ def main(argv=None) -> dict:
     p.add_argument("--size", type=int, default=32, help="latent side (32 = 256px images)")
     p.add_argument("--batches", default="2,4", help="two batch sizes; the per-token figure is their difference")
     p.add_argument("--models", default="ours,ours_megatron_linears,diffusers")
+    p.add_argument("--compile-options", default="none", help="Inductor options to schedule under, as "
+                   "model.compile_options takes them (throughput.py's syntax), e.g. triton.multi_kernel=1")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     packed = bool(args.packed_lens)
     small, large = (int(b) for b in (args.packed_lens or args.batches).split(","))
     models = [m for m in args.models.split(",") if not (packed and m == "diffusers")]
+    options = compile_option_sets(args.compile_options)[0] or {}
     rows = {}
     for which in models:
-        a, b = (packed_traffic(which, args.family, args.preset, n) if packed else
-                layer_traffic(which, args.preset, n, args.size) for n in (small, large))
+        with inductor_config.patch(options):
+            a, b = (packed_traffic(which, args.family, args.preset, n) if packed else
+                    layer_traffic(which, args.preset, n, args.size) for n in (small, large))
         tokens = b["tokens"] - a["tokens"]
-        per_token = {k: (b[k] - a[k]) / tokens for k in ("forward_bytes", "backward_bytes")}
+        per_token = {k: (b[k] - a[k]) / tokens for k in ("forward_bytes", "backward_bytes", "looped_reduction_bytes")}
         per_token["total_bytes"] = per_token["forward_bytes"] + per_token["backward_bytes"]
         rows[which] = {"bytes_per_token": per_token, "fused_kernels": b["fused_kernels"], "kernels": b["kernels"]}
         print(f"{which:24s} fused-kernel bytes/token/layer: forward {per_token['forward_bytes']:8.0f}  "
               f"backward {per_token['backward_bytes']:8.0f}  total {per_token['total_bytes']:8.0f}  "
-              f"({b['fused_kernels']} fused kernels)")
+              f"({b['fused_kernels']} fused kernels; looped reductions {per_token['looped_reduction_bytes']:8.0f})")
     ratios = {}
     if "ours" in rows and "diffusers" in rows:
         ratios["ours_over_diffusers"] = rows["ours"]["bytes_per_token"]["total_bytes"] / \
@@ -327,8 +356,9 @@ def main(argv=None) -> dict:
     result = {"device": "H100 (Inductor scheduling, no GPU)", "torch": torch.__version__,
               "command": "python benchmarks/fusion_traffic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "family": args.family, "preset": args.preset, "packed_lens" if packed else "batches": [small, large],
+              "compile_options": options,
               "ratios": ratios, "models": rows}
-    shape = f"_packed{large}" if packed else ""
+    shape = (f"_packed{large}" if packed else "") + "".join(f"_{k}{v}" for k, v in options.items())
     default = RESULTS / f"fusion_traffic_{args.preset.replace('/', '')}{shape}_torch{torch.__version__.split('+')[0]}.json"
     print("wrote", write_result("fusion_traffic", result, args.out or str(default)))
     return result

@@ -206,7 +206,7 @@ def _list(text: str, cast=str) -> list:
 
 def compile_option_sets(text: str) -> list:
     """``--compile-options``: ';'-separated alternatives, each ``none`` or ``name=value,...`` (values
-    as Python literals, else strings) -> a list of None / option dicts."""
+    as Python literals, else strings; no commas inside a value) -> a list of None / option dicts."""
     def value(v: str):
         try:
             return ast.literal_eval(v)

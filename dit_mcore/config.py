@@ -28,10 +28,19 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     the same function, but Inductor lowers ``tanh`` to libdevice's accurate tanh (tens of
     instructions per element, which keeps the GELU kernels of a DiT-XL/2 step below the memory
     bandwidth a plain pointwise kernel reaches) and ``sigmoid`` to a fast exponential and a
-    division. Eager keeps torch's one fused kernel."""
-    if torch.compiler.is_compiling():
+    division. Eager keeps torch's one fused kernel. (Under selective recompute of the MLP with
+    ``compile``, dynamo stops at megatron's checkpoint, so the recomputation inside backward runs eagerly,
+    in the tanh form: the same values to the last bits of fp32.)"""
+    if _sigmoid_form():
         return x * torch.sigmoid(_TWO_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x)))
     return F.gelu(x, approximate="tanh")
+
+
+def _sigmoid_form() -> bool:
+    """Whether :func:`gelu_tanh` writes the sigmoid form: when traced (a test may ask for it eagerly,
+    to compare eager and compiled runs whose float8 casts would round the two forms' last bits
+    differently)."""
+    return torch.compiler.is_compiling()
 
 
 @dataclass

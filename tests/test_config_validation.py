@@ -127,6 +127,7 @@ def test_an_unknown_compile_mode_is_refused_before_compute(tmp_path):
 @pytest.mark.parametrize("options, expected", [
     ({"triton.multi_kernal": 1}, "'triton.multi_kernal' is not an Inductor option; did you mean 'triton.multi_kernel'?"),
     ({"triton.cudagraphs": True}, "'triton.cudagraphs': CUDA graphs are not offered"),
+    ({"coordinate_descent_tuning": 1}, "'coordinate_descent_tuning' must be of type bool"),
     ("triton.multi_kernel=1", "model.compile_options='triton.multi_kernel=1': must be of type Optional[dict]"),
 ])
 def test_bad_compile_options_are_refused_before_compute(tmp_path, options, expected):
@@ -134,5 +135,6 @@ def test_bad_compile_options_are_refused_before_compute(tmp_path, options, expec
     cfg.model.compile, cfg.model.compile_options = True, options
     problems = run_problems(cfg, world_size=1)
     assert len(problems) == 1 and expected in problems[0], problems
-    cfg.model.compile_options = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
+    cfg.model.compile_options = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True,
+                                 "triton.cudagraphs": False, "triton.cudagraph_trees": True}
     assert run_problems(cfg, world_size=1) == []

@@ -35,6 +35,27 @@ def test_compile_option_alternatives_parse_into_option_dicts():
         None, {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}, {"max_autotune_gemm_backends": "TRITON"}]
 
 
+def test_every_option_set_of_the_gpu_session_passes_validation_and_torch_compile(tmp_path):
+    """The option sets benchmarks/gpu_session.sh hands throughput.py are checked here, before a lent
+    GPU's minutes are spent on them: the run config's rules and torch.compile's own type checks."""
+    import re
+
+    import torch
+
+    from dit_mcore.training.validate import run_problems
+    from test_training import tiny_run
+
+    script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh").read_text()
+    sets = [opts for text in re.findall(r'--compile-options "([^"]+)"', script)
+            for opts in throughput.compile_option_sets(text) if opts]
+    assert sets
+    for options in sets:
+        cfg = tiny_run(tmp_path)
+        cfg.model.compile, cfg.model.compile_options = True, options
+        assert run_problems(cfg, world_size=1) == [], options
+        torch.compile(lambda x: x + 1, options=options)  # raises on an unknown name or a wrong type
+
+
 def test_autotune_finds_the_largest_batch_that_fits(monkeypatch):
     monkeypatch.setattr(throughput, "fits", lambda point: point["batch"] <= 37)
     assert throughput.autotune({"batch": 4}) == 37

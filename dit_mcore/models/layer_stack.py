@@ -39,7 +39,6 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 megatron's gradient hooks and the pipelined step)."""
 
 
-
 def check_recompute_config(config) -> None:
     """Reject recompute settings this stack cannot honour, naming the field."""
     granularity = config.recompute_granularity

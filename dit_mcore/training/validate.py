@@ -95,16 +95,22 @@ def _finite(x) -> bool:
 
 
 def _compile_option_rules(r: _Rules, options: dict) -> None:
-    """Inductor options must exist (``torch._inductor.list_options()``), and CUDA graphs are not
-    offered (as for the compile modes: untested with megatron's gradient hooks and the pipelined
-    step)."""
+    """Inductor options must exist (``torch._inductor.list_options()``) and have the type torch.compile
+    checks (it would refuse them only when the first layer compiles), and CUDA graphs are not offered
+    (as for the compile modes: untested with megatron's gradient hooks and the pipelined step)."""
     import torch._inductor
+    import torch._inductor.config as inductor_config
 
     known = torch._inductor.list_options()
     for name, value in options.items():
-        r.need(name in known, "model.compile_options", options,
-               f"{name!r} is not an Inductor option{did_you_mean(str(name), known)}")
-        r.need(not ("cudagraph" in str(name) and value), "model.compile_options", options,
+        if name not in known:
+            r.need(False, "model.compile_options", options,
+                   f"{name!r} is not an Inductor option{did_you_mean(str(name), known)}")
+            continue
+        kind = inductor_config.get_type(name)
+        r.need(typing.get_origin(kind) is not None or isinstance(value, kind), "model.compile_options", options,
+               f"{name!r} must be of type {getattr(kind, '__name__', kind)}")
+        r.need(not (name == "triton.cudagraphs" and value), "model.compile_options", options,
                f"{name!r}: CUDA graphs are not offered (untested with megatron's gradient hooks and the "
                "pipelined step)")
 
