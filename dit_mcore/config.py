@@ -26,9 +26,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
     Traced by ``torch.compile`` it is written with the identity ``(1 + tanh(z)) / 2 = sigmoid(2z)``:
     the same function, but Inductor lowers ``tanh`` to libdevice's accurate tanh (tens of
-    instructions per element, which keeps the GELU kernels of a DiT-XL/2 step below the memory
-    bandwidth a plain pointwise kernel reaches) and ``sigmoid`` to a fast exponential and a
-    division. Eager keeps torch's one fused kernel. (Under selective recompute of the MLP with
+    instructions per element: our suspect for the GELU kernels of a DiT-XL/2 step running below the
+    bandwidth a plain pointwise kernel reaches on an H200) and ``sigmoid`` to a fast exponential and
+    a division. Eager keeps torch's one fused kernel. (Under selective recompute of the MLP with
     ``compile``, dynamo stops at megatron's checkpoint, so the recomputation inside backward runs eagerly,
     in the tanh form: the same values to the last bits of fp32.)"""
     if _sigmoid_form():
