@@ -240,7 +240,7 @@ def main(argv=None) -> list[dict]:
                    "default,max-autotune-no-cudagraphs")
     p.add_argument("--compile-options", default="none", help="model.compile_options with --compile 1, alternatives "
                    "separated by ';', each 'none' or comma-separated Inductor options, e.g. "
-                   "'none;triton.multi_kernel=1;coordinate_descent_tuning=1' (reductions also generated persistent, "
+                   "'none;triton.multi_kernel=1;coordinate_descent_tuning=True' (values of torch's type; reductions also generated persistent, "
                    "the faster picked on the device; block sizes tuned on the device)")
     p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
                    "autograd function, to measure the aten linears against)")

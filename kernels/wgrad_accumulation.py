@@ -43,6 +43,13 @@ def _(main_grad, grad_output, input) -> None:
     return None
 
 
+def gemm_accumulates(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`accumulate_wgrad` adds ``dtype`` gradients into an ``out_dtype`` buffer inside the
+    GEMM (one dtype: always; across dtypes: where :func:`mixed_addmm_accumulates`), rather than
+    computing the product and adding it after."""
+    return dtype == out_dtype or mixed_addmm_accumulates(device, dtype, out_dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def mixed_addmm_accumulates(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     """Whether this torch's ``addmm`` on ``device`` accumulates ``dtype`` matrices into an

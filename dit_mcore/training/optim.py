@@ -13,7 +13,7 @@ from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_
 
 from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
 from dit_mcore.training import torch_optimizer
-from kernels.wgrad_accumulation import mixed_addmm_accumulates
+from kernels.wgrad_accumulation import gemm_accumulates
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,7 @@ class DataParallel(DistributedDataParallel):
         self.wgrad_accumulates_in_gemm = None
         if self.wgrad_fused_params:  # probed here, before training holds the memory, and logged
             param = self.wgrad_fused_params[0]
-            self.wgrad_accumulates_in_gemm = param.dtype == param.main_grad.dtype or mixed_addmm_accumulates(
-                param.device, param.dtype, param.main_grad.dtype)
+            self.wgrad_accumulates_in_gemm = gemm_accumulates(param.device, param.dtype, param.main_grad.dtype)
             log.info("weight gradients of %d linears accumulate into main_grad %s", len(self.wgrad_fused_params),
                      "inside the GEMM" if self.wgrad_accumulates_in_gemm else "after the product (no in-place "
                      "mixed-dtype addmm on this device)")
