@@ -5,12 +5,13 @@
 #
 # Here, first:   python3 ../shared/tools/gpu_wheels.py          (py3.12 wheels into .whl/)
 # Then, per call (carry .whl):   bash benchmarks/gpu_session.sh <phase>
-#   current the code as it stands, first: what one 15-minute lease can measure (~8 min): the tanh-GELU
+#   current the code as it stands, first: what one 15-minute lease can measure (~9.5 min): the tanh-GELU
 #           side by side (benchmarks/activation_speed.py), the weight-gradient fusion GPU test, DiT-XL/2 b128
 #           compiled with torch's default Inductor options and with multi-kernel reductions, and the 3B
 #           packed point (batch 2) with the fused weight-gradient accumulation and with DDP's hook, all
 #           profiled (also the first numbers of the aten linears, the sigmoid-form GELU and the
-#           device-decided step at compiled points)
+#           device-decided step at compiled points); last, the flat AdamW: its tests on CUDA (the Triton
+#           kernel) and benchmarks/optimizer_step.py (flat vs torch's fused AdamW + megatron's copy)
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     DiT-XL/2 256px, batch 128, compiled, bf16 vs FP8 rowwise / tensorwise (goal: >= 1.65x)
@@ -47,11 +48,14 @@
 #           with multi-kernel reductions (persistent ones generated too, the faster picked on the device: the
 #           forward LayerNorm kernels over 1152 channels are looped reductions by default and ran at ~0.8-0.9
 #           TB/s on the H200) and with on-device block-size tuning, profiled (Triton time per step side by side)
+#   optimizer  optim.adam_impl=flat (~8 min): its tests on CUDA, benchmarks/optimizer_step.py at MovieGen-3B's
+#           widths, then the 3B packed point (batch 2) and DiT-XL/2 b128, compiled, with the flat vs the fused
+#           AdamW (`--adam flat,fused`, same process), profiled (optimizer and copy time per step)
 #   autotune  model.compile_mode (~9 min): DiT-XL/2 b128 compiled with the default mode and with
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|wgrad|tuning|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -171,7 +175,22 @@ case "$phase" in
       --out "$out/throughput_xl_b128.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
     timeout 200 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
       --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --wgrad-fusion 1,0 --profile --warmup 3 --steps 5 \
-      --out "$out/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true ;;
+      --out "$out/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
+    timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py 2>&1 \
+      | tee "$out/tests_flat_adam.txt" | tail -n 5 || true
+    timeout 50 python3 benchmarks/optimizer_step.py --repeats 5 --iters 5 --out "$out/optimizer_step.json" 2>&1 \
+      | grep -v -i warn | tail -n 5 || true ;;
+  optimizer)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py 2>&1 \
+      | tee "$out/tests_flat_adam.txt" | tail -n 5 || true
+    timeout 60 python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v -i warn \
+      | tail -n 5 || true
+    timeout 230 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --adam flat,fused --profile --warmup 3 --steps 5 \
+      --out "$out/throughput_3b_adam.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
+    timeout 150 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --adam flat,fused --profile --warmup 4 --steps 8 --out "$out/throughput_xl_adam.jsonl" 2>&1 \
+      | grep -v -i warn | tail -n 30 || true ;;
   wgrad)
     work=/tmp/gpu_wgrad; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py -k "wgrad" 2>&1 \

@@ -12,9 +12,11 @@ import time
 import torch
 
 # First match wins; the order puts the specific names before the generic ones. "optimizer" holds every
-# multi-tensor (foreach) kernel: the Adam update, and the gradient norm and zeroing too.
+# multi-tensor (foreach) kernel: the Adam update, and the gradient norm and zeroing too; and the flat
+# AdamW's generated kernel (optim.adam_impl=flat: a Triton kernel named after its ops, lerp among them,
+# which no model kernel uses).
 KINDS = (
-    ("optimizer", r"adam|multi_tensor_apply|foreach|_fused_sgd"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach|_fused_sgd|^triton_\w*_lerp_"),
     ("attention", r"flash|fmha|sdpa|attention|attn"),
     ("collective", r"nccl|all_?reduce|all_?gather|reduce_?scatter|alltoall"),
     ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|wgmma|matmul|sm90_|sm80_|s16816|ampere_|float8|scaled_mm"

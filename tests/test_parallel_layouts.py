@@ -70,7 +70,8 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           aten_linears=parallel.pop("aten_linears", None),
                           st_attention=parallel.pop("st_attention", None)),
         data=data_cfg,
-        optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False)),
+        optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
+                          adam_impl=parallel.pop("adam_impl", "fused")),
         diffusion=DiffusionConfig(objective="flow", sample_steps=2),
         trainer=TrainerConfig(max_steps=STEPS, save_interval=1000, ema_decay=0.9),
         log=LogConfig(dir=str(run_dir), log_interval=1, sample_interval=0, progress_bar=False, tensorboard=False),
@@ -224,6 +225,9 @@ def _cases(world: int):
            ("pp2_uneven", {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}),
            ("ep2", {"expert_model_parallel_size": 2}),
            ("dp2_overlap_distopt", {"distopt": True, "overlap_grad_reduce": True, "overlap_param_gather": True}),
+           # AdamW over flat buffers: the distributed optimizer's shards per bucket, MoE's chained parts
+           ("dp2_distopt_flat_adam", {"distopt": True, "adam_impl": "flat"}),
+           ("ep2_flat_adam", {"expert_model_parallel_size": 2, "adam_impl": "flat"}),
            ("fsdp2", {"fsdp": "torch"}),
            ("fsdp2_meta_init", {"fsdp": "torch", "meta_init": True})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",

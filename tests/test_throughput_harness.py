@@ -73,6 +73,7 @@ def test_kernel_profile_sorts_kernels_into_kinds_and_accounts_for_all_device_tim
              "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
              "triton_red_fused__unsafe_view_add_gelu_gelu_backward_sum_2": "triton",
              "void at::native::_fused_adamw_kernel": "optimizer",
+             "triton_poi_fused__to_copy_add_copy_copy__div_index_lerp_mul_ne_pow_0": "optimizer",  # flat AdamW
              "void at::native::reduce_kernel<128, 4, at::native::ReduceOp": "reduction",
              "void at::native::index_elementwise_kernel<128, 4>": "copy",
              "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add": "elementwise",

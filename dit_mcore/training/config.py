@@ -184,9 +184,12 @@ class OptimConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks."""
     adam_impl: str = "fused"
-    """torch's AdamW kernel where megatron steps with torch's optimizer (no apex/TE): "fused" (one
-    kernel per device and dtype, torchtitan's default) or "foreach" (torch's multi-tensor default,
-    a dozen passes over the state). apex's and TE's FusedAdam are fused already and ignore it."""
+    """The AdamW step where megatron steps with torch's optimizer (no apex/TE): "fused" (torch's fused
+    kernel, then megatron's main-to-model weight copy; torchtitan's default), "flat" (main weights and
+    moments in flat buffers laid out like megatron DDP's gradient buffer, one generated kernel that
+    also writes the bf16 model weights: :mod:`dit_mcore.training.flat_adam`; parts it does not fit,
+    e.g. under FSDP, step "fused"; opt-in until a GPU measures it) or "foreach" (torch's multi-tensor
+    default, a dozen passes over the state). apex's and TE's FusedAdam are fused already and ignore it."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
 from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
-from dit_mcore.training import torch_optimizer
+from dit_mcore.training import flat_adam, torch_optimizer
 from kernels.wgrad_accumulation import gemm_accumulates
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,9 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    torch_optimizer.set_adam_impl(optimizer, optim.adam_impl)
+    if optim.adam_impl == "flat":
+        flat_adam.install(optimizer, ddp_chunks)
+    torch_optimizer.set_adam_impl(optimizer, "fused" if optim.adam_impl == "flat" else optim.adam_impl)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,

@@ -1,0 +1,144 @@
+"""The optimizer's share of a bf16 step, side by side: AdamW over flat buffers writing the bf16
+weights in the same pass (``optim.adam_impl=flat``, ours) against torch's fused AdamW followed by
+megatron's main-to-model weight copy (``fused``, megatron's path without apex/TE), both through
+megatron's mixed-precision optimizer and DDP gradient buffer, on the parameter shapes of a DiT
+layer stack (qkv, proj, fc1, fc2, adaLN, their biases and norm weights).
+
+An H200 profile of the MovieGen-3B step had the fused AdamW at 26.6 ms (~3.2 TB/s) and the weight
+copy at 10.8 ms (~1.7 TB/s). Bytes per parameter: fused reads grad, weight and two moments and
+writes three (28), the copy reads fp32 and writes bf16 (6): 34 in two passes, the second a kernel
+per tensor; flat: 33 by Inductor's count (its group byte, the bf16 output counted read and written)
+in one generated kernel. The gain to expect is bandwidth (a generated elementwise kernel reached
+4.1 TB/s there), not bytes. ``--traffic`` prints, without a GPU, what Inductor schedules for the
+flat step on an H100: its Triton kernels and their bytes per parameter.
+
+    python benchmarks/optimizer_step.py                       # GPU: MovieGen-3B's widths, 8 layers
+    python benchmarks/optimizer_step.py --hidden 256 --ffn 1024 --layers 4   # CPU-sized
+    python benchmarks/optimizer_step.py --traffic             # CPU: the H100 schedule of the flat step
+
+Each repeat times both back to back (interleaved); prints median ms per optimizer step, the bytes
+per second each reaches at the 34 / 31 bytes per parameter above, and the ratio fused / flat; writes
+``benchmarks/results/optimizer_step_<device>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from kernel_profile import sync_device  # noqa: E402  (benchmarks/ is the script folder)
+from results_io import device_name, write_result  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dit_mcore.parallel.config import ParallelConfig  # noqa: E402
+from dit_mcore.parallel.initialize import initialize_distributed  # noqa: E402
+from dit_mcore.training.config import OptimConfig  # noqa: E402
+from dit_mcore.training.optim import build_optimizer  # noqa: E402
+
+BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33}
+
+
+def flat_step_traffic(n: int = 1 << 20) -> list:
+    """``(Triton kernel?, bytes per parameter)`` of each kernel Inductor schedules on an H100 for one
+    flat AdamW step over ``n`` parameters (with gradient scale, skip flag and bf16 output), counted
+    on the CPU (``fusion_traffic.TrafficRecorder``)."""
+    from fusion_traffic import TrafficRecorder
+    from dit_mcore.training.flat_adam import adamw_flat
+    recorder = TrafficRecorder()
+    step = torch.compile(adamw_flat, backend=recorder.backend, fullgraph=True, dynamic=False)
+    step(torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.uint8),
+         torch.tensor([[1e-3, 0.1], [1e-3, 0.0]]), torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0.0),
+         torch.empty(n, dtype=torch.bfloat16), beta1=0.9, beta2=0.999, eps=1e-8)
+    return [(k.fused, k.bytes / n) for k in recorder.kernels]
+
+
+def layer_stack(hidden: int, ffn: int, layers: int) -> torch.nn.Module:
+    """Linears (with biases) and norm weights of the shapes of a DiT layer stack, as megatron's
+    optimizer groups them (weights decayed; biases and norms not)."""
+    def layer():
+        return torch.nn.ModuleDict({"qkv": torch.nn.Linear(hidden, 3 * hidden), "proj": torch.nn.Linear(hidden, hidden),
+                                    "fc1": torch.nn.Linear(hidden, ffn), "fc2": torch.nn.Linear(ffn, hidden),
+                                    "adaln": torch.nn.Linear(hidden, 6 * hidden),
+                                    "norm": torch.nn.LayerNorm(hidden)})
+    return torch.nn.ModuleList([layer() for _ in range(layers)])
+
+
+def build(impl: str, args, device) -> tuple:
+    """(megatron optimizer, DDP wrapper) over a fresh layer stack in bf16 with random gradients."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+    torch.manual_seed(0)
+    module = layer_stack(args.hidden, args.ffn, args.layers).to(device=device, dtype=torch.bfloat16)
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1, bf16=True,
+                               params_dtype=torch.bfloat16)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    optimizer, _ = build_optimizer([ddp], OptimConfig(lr=1e-4, weight_decay=0.1, adam_impl=impl), bf16=True,
+                                   max_steps=1000)
+    for buffer in ddp.buffers:
+        buffer.grad_data.normal_(generator=torch.Generator(device).manual_seed(1))
+    return optimizer, ddp
+
+
+def step(optimizer) -> None:
+    """The optimizer step after the gradients are ready: gradients into the main weights' .grad,
+    the update, the weights into the bf16 model (megatron's ``step_with_ready_grads``)."""
+    optimizer.prepare_grads()
+    optimizer.step_with_ready_grads()
+
+
+def main(argv=None) -> dict:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=3072 if cuda else 256, help="MovieGen-3B: 3072")
+    p.add_argument("--ffn", type=int, default=8192 if cuda else 1024, help="MovieGen-3B: 8192")
+    p.add_argument("--layers", type=int, default=8 if cuda else 4)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--iters", type=int, default=10 if cuda else 3)
+    p.add_argument("--traffic", action="store_true", help="print the flat step's H100 kernels (no GPU needed)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.traffic:
+        kernels = flat_step_traffic()
+        for fused, per_param in kernels:
+            print(f"{'Triton' if fused else 'extern'} kernel: {per_param:.2f} bytes per parameter")
+        return {"kernels": kernels}
+
+    initialize_distributed(ParallelConfig(), seed=0)
+    device = torch.device("cuda" if cuda else "cpu")
+    runs = {impl: build(impl, args, device) for impl in ("fused", "flat")}
+    params = sum(p.numel() for p in runs["flat"][1].module.parameters())
+    for optimizer, _ in runs.values():  # the first steps compile the flat kernel and allocate state
+        for _ in range(3):
+            step(optimizer)
+    weights = [[p.detach().float() for p in ddp.module.parameters()] for _, ddp in runs.values()]
+    max_diff = max((a - b).abs().max().item() for a, b in zip(*weights))
+    times = {impl: [] for impl in runs}
+    for _ in range(args.repeats):
+        for impl, (optimizer, _) in runs.items():
+            sync_device(device)
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                step(optimizer)
+            sync_device(device)
+            times[impl].append((time.perf_counter() - start) / args.iters)
+    result = {"device": device_name(), "torch": torch.__version__, "parameters": params,
+              "hidden": args.hidden, "ffn": args.ffn, "layers": args.layers,
+              "command": "python benchmarks/optimizer_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "max_abs_weight_diff_after_3_steps": max_diff}
+    for impl, t in times.items():
+        ms = statistics.median(t) * 1e3
+        result[impl] = {"ms_per_step": ms, "gb_per_s": BYTES_PER_PARAM[impl] * params / (ms * 1e-3) / 1e9}
+        print(f"{impl:6s} {ms:8.3f} ms per optimizer step  {result[impl]['gb_per_s']:8.1f} GB/s "
+              f"({BYTES_PER_PARAM[impl]} B/param, {params / 1e6:.0f}M parameters)")
+    result["ratio_fused_over_flat"] = result["fused"]["ms_per_step"] / result["flat"]["ms_per_step"]
+    print(f"fused+copy / flat: {result['ratio_fused_over_flat']:.3f}x   (max |weight diff| after 3 steps {max_diff:.2e})")
+    print("wrote", write_result("optimizer_step", result, args.out))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""AdamW over flat buffers aligned with megatron DDP's gradient buffer, writing the bf16 model
+weights in the same pass (``optim.adam_impl=flat``, ``dit_mcore/training/flat_adam.py``)."""
+import pytest
+import torch
+
+from dit_mcore.training import flat_adam
+from dit_mcore.training.flat_adam import FlatAdamW
+from dit_mcore.training.trainer import Trainer
+from test_training import losses, tiny_run
+
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+def _reference_adamw(p0, grads, groups, scales, skips, dtype):
+    """torch's AdamW (fused in float32, for-loop in float64) over the same steps, one tensor per group
+    element set; a skipped step is not taken."""
+    params = [torch.nn.Parameter(p0[idx].to(dtype).clone()) for idx, _ in groups]
+    opt = torch.optim.AdamW([{"params": [p], "lr": lr, "weight_decay": wd} for p, (_, (lr, wd)) in zip(params, groups)],
+                            betas=BETAS, eps=EPS, fused=dtype == torch.float32, foreach=False)
+    for grad, scale, skip in zip(grads, scales, skips):
+        if skip:
+            continue
+        for p, (idx, _) in zip(params, groups):
+            p.grad = (grad[idx] / scale).to(dtype)
+        opt.step()
+    out = torch.empty_like(p0, dtype=dtype)
+    for p, (idx, _) in zip(params, groups):
+        out[idx] = p.detach()
+    return out
+
+
+def test_flat_kernel_steps_as_torchs_adamw_to_float64_accuracy():
+    """The compiled kernel over two interleaved groups (their own lr and weight decay), a gradient
+    scale and a skipped (non-finite) step: as close to float64 AdamW as torch's fused kernel is, the
+    skipped step changes nothing, and the bf16 output is the updated weight rounded."""
+    n = 4096
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen)
+    group = (torch.arange(n) % 3 == 0).to(torch.uint8)
+    groups = [(group == 0, (1e-3, 0.1)), (group == 1, (3e-3, 0.0))]
+    grads = [torch.randn(n, generator=gen) * 10 ** -k for k in range(5)]
+    scales, skips = [1.0, 2.0, 4.0, 1.0, 0.5], [False, False, True, False, False]
+    want = _reference_adamw(p0, grads, groups, scales, skips, torch.float64)
+    fused = _reference_adamw(p0, grads, groups, scales, skips, torch.float32)
+
+    param, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    hyper = torch.tensor([[1e-3, 0.1], [3e-3, 0.0]])
+    kernel, step = flat_adam._kernel(), 0
+    for grad, scale, skip in zip(grads, scales, skips):
+        before = (param.clone(), m.clone(), v.clone(), out.clone())
+        kernel(param, grad, m, v, group, hyper, torch.tensor(float(step + 1)), torch.tensor(scale),
+               torch.tensor(float(skip)), out, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+        if skip:
+            assert all(torch.equal(a, b) for a, b in zip(before, (param, m, v, out)))
+        else:
+            step += 1
+            assert torch.equal(out, param.to(torch.bfloat16))
+    assert not torch.equal(param, p0)
+    ours, torchs = (param.double() - want).abs().max(), (fused.double() - want).abs().max()
+    assert ours <= 2 * torchs + 1e-7, (ours, torchs)
+
+
+def _inners(trainer):
+    return [part.optimizer for part in trainer.optimizer.chained_optimizers]
+
+
+def _run(tmp_path, impl, *, bf16=False, distopt=False, steps=2):
+    cfg = tiny_run(tmp_path, distopt=distopt)
+    cfg.trainer.bf16, cfg.optim.adam_impl, cfg.optim.weight_decay = bf16, impl, 0.1
+    trainer = Trainer(cfg)
+    _perturb(trainer)
+    history = [trainer.train_step() for _ in range(steps)]
+    return trainer, history
+
+
+@torch.no_grad()
+def _perturb(trainer):
+    """Move every weight off adaLN-Zero's start (whose zero gates leave most gradients zero), the same
+    way in every run, and tell the optimizer (its fp32 main weights are copies)."""
+    gen = torch.Generator().manual_seed(1)
+    for p in trainer.model.parameters():
+        p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.05)
+    trainer.optimizer.reload_model_params()
+
+
+@pytest.mark.parametrize("bf16, distopt", [(False, False), (True, False), (True, True)])
+def test_trainer_steps_flat_as_torchs_fused_adamw(tmp_path, bf16, distopt):
+    """Through the trainer (fp32; bf16 with megatron's mixed-precision optimizer; bf16 with the
+    distributed one): every part steps flat, its states and main weights are views of the flat
+    buffers, the step wrote the model weights (the bf16 ones are the fp32 main weights rounded: the
+    copy megatron would do next was done by the kernel), and the weights equal torch's fused AdamW
+    followed by megatron's copy to float rounding."""
+    fused, _ = _run(tmp_path / "fused", "fused", bf16=bf16, distopt=distopt)
+    flat, history = _run(tmp_path / "flat", "flat", bf16=bf16, distopt=distopt)
+    assert all(isinstance(inner, FlatAdamW) and inner.wrote_model_weights for inner in _inners(flat))
+    for inner in _inners(flat):
+        for r in inner.ranges:
+            for slot in r.members:
+                main, state = slot.main, inner.state[slot.main]
+                assert main.data_ptr() == r.master[slot.start:].data_ptr()
+                assert state["exp_avg"].data_ptr() == r.exp_avg[slot.start:].data_ptr()
+                assert float(state["step"]) == 2.0
+                if bf16:
+                    model = slot.model.detach().reshape(-1)[slot.model_offset:slot.model_offset + main.numel()]
+                    assert torch.equal(model, main.detach().reshape(-1).to(torch.bfloat16))
+    for (name, a), b in zip(fused.model.named_parameters(), flat.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 if not bf16 else 8e-3, msg=name)
+    assert all(h["grad_norm"] > 0 for h in history)
+
+
+@pytest.mark.parametrize("distopt", [False, True])
+def test_flat_resume_is_bit_identical_and_reads_a_fused_checkpoint(tmp_path, distopt):
+    """A flat run stopped and resumed continues bit for bit (the loaded states go back into their
+    slots of the flat buffers); a checkpoint of a fused run resumes flat with the fused run's Adam
+    state (same step count, moments in the slots)."""
+    def run(path, impl, steps=4):
+        cfg = tiny_run(path, distopt=distopt, max_steps=steps)
+        cfg.trainer.bf16, cfg.optim.adam_impl, cfg.optim.weight_decay = True, impl, 0.1
+        return cfg
+
+    full = losses(Trainer(run(tmp_path / "full", "flat")).fit())
+    cut = Trainer(run(tmp_path / "cut", "flat"))
+    first = [cut.train_step()["loss"] for _ in range(2)]
+    cut.save()
+    resumed = Trainer(run(tmp_path / "cut", "flat"))
+    assert resumed.step == 2 and all(isinstance(i, FlatAdamW) for i in _inners(resumed))
+    assert first + losses(resumed.fit()) == full
+
+    fused = Trainer(run(tmp_path / "fused", "fused"))
+    for _ in range(2):
+        fused.train_step()
+    fused.save()
+    # the states are views of flat buffers; a checkpoint holds their elements, not the buffers
+    def size(run):
+        return sum(f.stat().st_size for f in (tmp_path / run / "checkpoints" / "step_00000002").rglob("*")
+                   if f.is_file())
+    assert size("cut") <= 1.02 * size("fused")
+    moments = {k: v["exp_avg"].clone() for k, v in enumerate(_inners(fused)[0].state.values())}
+    into_flat = Trainer(run(tmp_path / "fused", "flat"))
+    inner = _inners(into_flat)[0]
+    inner._rehome_states()
+    assert isinstance(inner, FlatAdamW) and float(inner._steps.min()) == float(inner._steps.max()) == 2.0
+    got = [inner.state[slot.main]["exp_avg"] for r in inner.ranges for slot in r.members]
+    assert sorted(float(t.abs().sum()) for t in got) == pytest.approx(
+        sorted(float(t.abs().sum()) for t in moments.values()), rel=1e-6)
+    rest = losses(into_flat.fit())
+    assert len(rest) == 2 and all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(rest, full[2:]))
+
+
+def test_a_weight_moved_off_its_slot_falls_back_to_megatrons_copy(tmp_path):
+    """A bf16 model weight that no longer lies in the flat buffer (something re-pointed it) still
+    receives its update: the step notices, leaves the model weights to megatron's copy, and the
+    weights still equal the rounded main weights."""
+    trainer, _ = _run(tmp_path, "flat", bf16=True, steps=1)
+    inner = _inners(trainer)[0]
+    slot = inner.ranges[0].members[0]
+    slot.model.data = slot.model.data.clone()
+    trainer.train_step()
+    assert not inner.wrote_model_weights
+    assert torch.equal(slot.model.detach(), slot.main.detach().to(torch.bfloat16))
+    assert not torch.equal(inner.ranges[0].out[slot.start:slot.end].view(slot.main.shape),
+                           slot.model.detach())  # the kernel did not write where nobody reads
+
+
+def test_parts_it_does_not_fit_keep_torchs_fused_adamw(tmp_path, caplog):
+    """FSDP has no megatron gradient buffer: the part keeps torch's fused AdamW, and says why."""
+    cfg = tiny_run(tmp_path)
+    cfg.optim.adam_impl, cfg.parallel.fsdp = "flat", "torch"
+    with caplog.at_level("INFO", logger="dit_mcore.training.flat_adam"):
+        trainer = Trainer(cfg)
+    assert all(type(inner) is torch.optim.AdamW and all(g["fused"] for g in inner.param_groups)
+               for inner in _inners(trainer))
+    assert "FSDP" in caplog.text
+    trainer.train_step()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pretends to be an H100 on a machine without one")
+def test_on_an_h100_the_flat_step_is_one_triton_kernel():
+    """What Inductor schedules for the step on an H100 (counted on the CPU): one Triton kernel moving
+    33 bytes per parameter (gradient, weight and moments read; weight, moments and the bf16 copy
+    written; the group byte) — the two passes it replaces move 34 (torch's fused AdamW, then a
+    casting copy per tensor)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from optimizer_step import flat_step_traffic
+    kernels = flat_step_traffic(1 << 16)
+    assert len(kernels) == 1 and kernels[0][0], kernels
+    assert kernels[0][1] == pytest.approx(33, abs=0.01)
