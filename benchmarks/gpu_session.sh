@@ -10,8 +10,9 @@
 #           compiled with torch's default Inductor options and with multi-kernel reductions, and the 3B
 #           packed point (batch 2) with the fused weight-gradient accumulation and with DDP's hook, all
 #           profiled (also the first numbers of the aten linears, the sigmoid-form GELU and the
-#           device-decided step at compiled points); last, the flat AdamW: its tests on CUDA (the Triton
-#           kernel) and benchmarks/optimizer_step.py (flat vs torch's fused AdamW + megatron's copy)
+#           device-decided step at compiled points, and of the compiled EMA fold); last, the flat AdamW and the
+#           EMA fold: their tests on CUDA (the Triton kernels) and benchmarks/optimizer_step.py (flat vs torch's
+#           fused AdamW + megatron's copy; the EMA compiled vs eager)
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     DiT-XL/2 256px, batch 128, compiled, bf16 vs FP8 rowwise / tensorwise (goal: >= 1.65x)
@@ -176,12 +177,12 @@ case "$phase" in
     timeout 200 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
       --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --wgrad-fusion 1,0 --profile --warmup 3 --steps 5 \
       --out "$out/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
-    timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py 2>&1 \
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py tests/test_ema.py 2>&1 \
       | tee "$out/tests_flat_adam.txt" | tail -n 5 || true
     timeout 50 python3 benchmarks/optimizer_step.py --repeats 5 --iters 5 --out "$out/optimizer_step.json" 2>&1 \
       | grep -v -i warn | tail -n 5 || true ;;
   optimizer)
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py 2>&1 \
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py tests/test_ema.py 2>&1 \
       | tee "$out/tests_flat_adam.txt" | tail -n 5 || true
     timeout 60 python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v -i warn \
       | tail -n 5 || true

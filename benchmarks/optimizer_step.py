@@ -10,14 +10,18 @@ writes three (28), the copy reads fp32 and writes bf16 (6): 34 in two passes, th
 per tensor; flat: 33 by Inductor's count (its group byte, the bf16 output counted read and written)
 in one generated kernel. The gain to expect is bandwidth (a generated elementwise kernel reached
 4.1 TB/s there), not bytes. ``--traffic`` prints, without a GPU, what Inductor schedules for the
-flat step on an H100: its Triton kernels and their bytes per parameter.
+flat step and the EMA fold on an H100: their Triton kernels and bytes per parameter.
 
     python benchmarks/optimizer_step.py                       # GPU: MovieGen-3B's widths, 8 layers
     python benchmarks/optimizer_step.py --hidden 256 --ffn 1024 --layers 4   # CPU-sized
     python benchmarks/optimizer_step.py --traffic             # CPU: the H100 schedule of the flat step
 
-Each repeat times both back to back (interleaved); prints median ms per optimizer step, the bytes
-per second each reaches at the 34 / 31 bytes per parameter above, and the ratio fused / flat; writes
+Then the EMA update over the same weights (the trainer's next per-parameter pass): eager, as on the
+CPU (a casting copy per bf16 parameter, then torch's foreach lerp: 18 bytes per parameter), against
+the compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold``: 10).
+
+Each repeat times the candidates back to back (interleaved); prints median ms, the bytes per second
+each reaches at the bytes per parameter above, and the ratios; writes
 ``benchmarks/results/optimizer_step_<device>.json``.
 """
 from __future__ import annotations
@@ -40,6 +44,16 @@ from dit_mcore.training.config import OptimConfig  # noqa: E402
 from dit_mcore.training.optim import build_optimizer  # noqa: E402
 
 BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33}
+
+
+def ema_fold_traffic(sizes=(1 << 18, 3 << 18, 1 << 16)) -> list:
+    """The same for the EMA's compiled fold over bf16 parameters of ``sizes`` into an fp32 shadow."""
+    from fusion_traffic import TrafficRecorder
+    from dit_mcore.training.ema import fold
+    recorder = TrafficRecorder()
+    step = torch.compile(fold, backend=recorder.backend, fullgraph=True, dynamic=False)
+    step([torch.zeros(n) for n in sizes], [torch.zeros(n, dtype=torch.bfloat16) for n in sizes], torch.tensor(0.1))
+    return [(k.fused, k.bytes / n) for k, n in zip(recorder.kernels, sizes)]
 
 
 def flat_step_traffic(n: int = 1 << 20) -> list:
@@ -90,6 +104,38 @@ def step(optimizer) -> None:
     optimizer.step_with_ready_grads()
 
 
+def ema_side_by_side(module, args, device) -> dict:
+    """The EMA update over the same bf16 weights into an fp32 shadow: eager (a casting copy per
+    parameter, then torch's foreach lerp: 18 bytes per parameter) against the compiled fold (10)."""
+    from dit_mcore.training.ema import compiled_fold
+    params = [p.detach() for p in module.parameters()]
+    shadows = {name: [p.float() for p in params] for name in ("eager", "compiled")}
+    weight = torch.tensor(1e-4, device=device)
+    candidates = {"eager": lambda: torch._foreach_lerp_(shadows["eager"], [p.float() for p in params], 1e-4),
+                  "compiled": lambda: compiled_fold()(shadows["compiled"], params, weight)}
+    for fn in candidates.values():
+        for _ in range(3):
+            fn()
+    times = {name: [] for name in candidates}
+    for _ in range(args.repeats):
+        for name, fn in candidates.items():
+            sync_device(device)
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                fn()
+            sync_device(device)
+            times[name].append((time.perf_counter() - start) / args.iters)
+    n = sum(p.numel() for p in params)
+    result = {"max_abs_diff": max((a - b).abs().max().item() for a, b in zip(*shadows.values()))}
+    for name, t in times.items():
+        ms = statistics.median(t) * 1e3
+        result[name] = {"ms_per_update": ms, "gb_per_s": (18 if name == "eager" else 10) * n / (ms * 1e-3) / 1e9}
+        print(f"EMA {name:8s} {ms:8.3f} ms per update  {result[name]['gb_per_s']:8.1f} GB/s")
+    result["ratio_eager_over_compiled"] = result["eager"]["ms_per_update"] / result["compiled"]["ms_per_update"]
+    print(f"EMA eager / compiled: {result['ratio_eager_over_compiled']:.3f}x   (max |diff| {result['max_abs_diff']:.2e})")
+    return result
+
+
 def main(argv=None) -> dict:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -98,14 +144,15 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=8 if cuda else 4)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--iters", type=int, default=10 if cuda else 3)
-    p.add_argument("--traffic", action="store_true", help="print the flat step's H100 kernels (no GPU needed)")
+    p.add_argument("--traffic", action="store_true", help="print the H100 kernels of the flat step and the EMA fold (no GPU needed)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.traffic:
-        kernels = flat_step_traffic()
-        for fused, per_param in kernels:
-            print(f"{'Triton' if fused else 'extern'} kernel: {per_param:.2f} bytes per parameter")
-        return {"kernels": kernels}
+        kernels = {"flat_adamw": flat_step_traffic(), "ema_fold": ema_fold_traffic()}
+        for name, found in kernels.items():
+            for fused, per_param in found:
+                print(f"{name}: {'Triton' if fused else 'extern'} kernel, {per_param:.2f} bytes per parameter")
+        return kernels
 
     initialize_distributed(ParallelConfig(), seed=0)
     device = torch.device("cuda" if cuda else "cpu")
@@ -136,6 +183,7 @@ def main(argv=None) -> dict:
               f"({BYTES_PER_PARAM[impl]} B/param, {params / 1e6:.0f}M parameters)")
     result["ratio_fused_over_flat"] = result["fused"]["ms_per_step"] / result["flat"]["ms_per_step"]
     print(f"fused+copy / flat: {result['ratio_fused_over_flat']:.3f}x   (max |weight diff| after 3 steps {max_diff:.2e})")
+    result["ema"] = ema_side_by_side(runs["flat"][1].module, args, device)
     print("wrote", write_result("optimizer_step", result, args.out))
     return result
 

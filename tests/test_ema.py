@@ -32,3 +32,42 @@ def test_update_refuses_another_model():
     ema = EMA(_net(), _net(seed=1), decay=0.9)
     with pytest.raises(ValueError, match="model has 2 parameters but the EMA shadow 4"):
         ema.update(torch.nn.Linear(5, 7), 0)
+
+
+def _fold_case(device):
+    g = torch.Generator().manual_seed(0)
+    sizes = [(7, 5), (7,), (3, 7), (1000,), (33, 17)]
+    shadow = [torch.randn(s, generator=g).to(device) for s in sizes]
+    params = [torch.randn(s, generator=g).to(device=device, dtype=torch.bfloat16) for s in sizes]
+    return shadow, params
+
+
+@pytest.mark.parametrize("weight", [0.1, 0.9])  # lerp's two formulas (weight below / above one half)
+def test_compiled_fold_reads_bf16_weights_as_the_eager_cast_and_lerp(weight):
+    """The compiled fold (the EMA's CUDA path: each bf16 parameter read in its dtype, one kernel per
+    tensor) equals the eager cast-then-lerp to one float32 rounding, on the CPU's C++ kernels."""
+    from dit_mcore.training.ema import compiled_fold
+    shadow, params = _fold_case("cpu")
+    want = [s.clone() for s in shadow]
+    torch._foreach_lerp_(want, [p.float() for p in params], weight)
+    compiled_fold()(shadow, params, torch.tensor(weight))
+    for got, ref in zip(shadow, want):
+        torch.testing.assert_close(got, ref, rtol=2 ** -23, atol=1e-7)
+    assert not torch.equal(shadow[0], _fold_case("cpu")[0][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_update_on_the_gpu_matches_per_parameter_lerp():
+    model = _net(torch.bfloat16).cuda()
+    ema = EMA(model, _net(torch.bfloat16, seed=1).cuda(), decay=0.9)
+    reference = [p.detach().float().clone() for p in model.parameters()]
+    for step in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model, step)
+        weight = 1.0 - min(0.9, (1.0 + step) / (10.0 + step))
+        for r, p in zip(reference, model.parameters()):
+            r.lerp_(p.detach().float(), weight)
+    for r, e in zip(reference, ema.module.parameters()):
+        torch.testing.assert_close(e, r, rtol=1e-6, atol=1e-6)
