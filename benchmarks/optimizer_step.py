@@ -1,24 +1,25 @@
-"""The optimizer's share of a bf16 step, side by side: AdamW over flat buffers writing the bf16
+"""The per-parameter work of a bf16 step, side by side. First AdamW over flat buffers writing the bf16
 weights in the same pass (``optim.adam_impl=flat``, ours) against torch's fused AdamW followed by
 megatron's main-to-model weight copy (``fused``, megatron's path without apex/TE), both through
 megatron's mixed-precision optimizer and DDP gradient buffer, on the parameter shapes of a DiT
 layer stack (qkv, proj, fc1, fc2, adaLN, their biases and norm weights).
 
-An H200 profile of the MovieGen-3B step had the fused AdamW at 26.6 ms (~3.2 TB/s) and the weight
-copy at 10.8 ms (~1.7 TB/s). Bytes per parameter: fused reads grad, weight and two moments and
-writes three (28), the copy reads fp32 and writes bf16 (6): 34 in two passes, the second a kernel
-per tensor; flat: 33 by Inductor's count (its group byte, the bf16 output counted read and written)
-in one generated kernel. The gain to expect is bandwidth (a generated elementwise kernel reached
-4.1 TB/s there), not bytes. ``--traffic`` prints, without a GPU, what Inductor schedules for the
-flat step and the EMA fold on an H100: their Triton kernels and bytes per parameter.
+An H200 profile of the MovieGen-3B step had the fused AdamW at 26.6 ms (~3.2 TB/s) and the copy
+among 19.3 ms of foreach kernels (~3.4 TB/s). Bytes per parameter: fused reads grad, weight and two
+moments and writes three (28), the copy reads fp32 and writes bf16 (6): 34 in two passes; flat: 33
+by Inductor's count (its group byte, the bf16 output counted read and written) in one generated
+kernel. The gain to expect is bandwidth (a generated elementwise kernel reached 4.1 TB/s there),
+not bytes. ``--traffic`` prints, without a GPU, what Inductor schedules for the flat step and the
+EMA fold on an H100: their Triton kernels and bytes per parameter.
 
     python benchmarks/optimizer_step.py                       # GPU: MovieGen-3B's widths, 8 layers
     python benchmarks/optimizer_step.py --hidden 256 --ffn 1024 --layers 4   # CPU-sized
     python benchmarks/optimizer_step.py --traffic             # CPU: the H100 schedule of the flat step
 
 Then the EMA update over the same weights (the trainer's next per-parameter pass): eager, as on the
-CPU (a casting copy per bf16 parameter, then torch's foreach lerp: 18 bytes per parameter), against
-the compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold``: 10).
+CPU (a casting copy per bf16 parameter, then torch's foreach lerp: 18 bytes per parameter; the H200
+profile of the 3B step: the casts 10.7 ms in 260 unvectorized copy kernels, ~1.7 TB/s), against the
+compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold``: 10).
 
 Each repeat times the candidates back to back (interleaved); prints median ms, the bytes per second
 each reaches at the bytes per parameter above, and the ratios; writes

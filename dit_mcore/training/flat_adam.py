@@ -2,9 +2,10 @@
 model weights in the same pass (``optim.adam_impl=flat``).
 
 Without apex or Transformer Engine, megatron's bf16 optimizer steps torch's AdamW over one fp32
-main weight per parameter, then copies every main weight into its bf16 model weight: two passes
-over the parameters, the copy a casting kernel per tensor (an H200 profile of the MovieGen-3B step:
-fused AdamW 26.6 ms at ~3.2 TB/s, the weight copy 10.8 ms at ~1.7 TB/s). megatron DDP already keeps
+main weight per parameter, then copies every main weight into its bf16 model weight (a foreach
+copy since :mod:`dit_mcore.training.torch_optimizer`): two passes over the parameters (an H200
+profile of the MovieGen-3B step: the fused AdamW 26.6 ms at ~3.2 TB/s; the copy among 19.3 ms of
+foreach kernels, ~3.4 TB/s: ``benchmarks/results/cpu_2026-11-26_per_parameter_work.md``). megatron DDP already keeps
 every gradient in one flat fp32 buffer (``grad_data``); here the fp32 main weights, the two Adam
 moments and, where megatron keeps none (the non-distributed optimizer), the bf16 model weights move
 into flat buffers with the same layout, so one elementwise kernel per contiguous range reads
