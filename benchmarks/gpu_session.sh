@@ -179,7 +179,7 @@ case "$phase" in
       --out "$out/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py tests/test_ema.py 2>&1 \
       | tee "$out/tests_flat_adam.txt" | tail -n 5 || true
-    timeout 50 python3 benchmarks/optimizer_step.py --repeats 5 --iters 5 --out "$out/optimizer_step.json" 2>&1 \
+    timeout 50 python3 benchmarks/optimizer_step.py --layers 4 --repeats 5 --iters 5 --out "$out/optimizer_step.json" 2>&1 \
       | grep -v -i warn | tail -n 5 || true ;;
   optimizer)
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py tests/test_ema.py 2>&1 \

@@ -12,9 +12,9 @@ import time
 import torch
 
 # First match wins; the order puts the specific names before the generic ones. "optimizer" holds every
-# multi-tensor (foreach) kernel: the Adam update, and the gradient norm and zeroing too; and the flat
-# AdamW's generated kernel (optim.adam_impl=flat: a Triton kernel named after its ops, lerp among them,
-# which no model kernel uses).
+# multi-tensor (foreach) kernel: the Adam update, the gradient norm, zeroing and the eager EMA lerp; and
+# the per-parameter Triton kernels generated for the flat AdamW (optim.adam_impl=flat) and the EMA's
+# compiled fold, named after their ops, lerp among them (no model kernel uses lerp).
 KINDS = (
     ("optimizer", r"adam|multi_tensor_apply|foreach|_fused_sgd|^triton_\w*_lerp_"),
     ("attention", r"flash|fmha|sdpa|attention|attn"),

@@ -47,14 +47,14 @@ from dit_mcore.training.optim import build_optimizer  # noqa: E402
 BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33}
 
 
-def ema_fold_traffic(sizes=(1 << 18, 3 << 18, 1 << 16)) -> list:
-    """The same for the EMA's compiled fold over bf16 parameters of ``sizes`` into an fp32 shadow."""
+def ema_fold_traffic(n: int = 1 << 20) -> list:
+    """The same for the EMA's compiled fold of a bf16 parameter of ``n`` elements into its fp32 shadow."""
     from fusion_traffic import TrafficRecorder
     from dit_mcore.training.ema import fold
     recorder = TrafficRecorder()
     step = torch.compile(fold, backend=recorder.backend, fullgraph=True, dynamic=False)
-    step([torch.zeros(n) for n in sizes], [torch.zeros(n, dtype=torch.bfloat16) for n in sizes], torch.tensor(0.1))
-    return [(k.fused, k.bytes / n) for k, n in zip(recorder.kernels, sizes)]
+    step(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.tensor(0.1))
+    return [(k.fused, k.bytes / n) for k in recorder.kernels]
 
 
 def flat_step_traffic(n: int = 1 << 20) -> list:
@@ -112,8 +112,14 @@ def ema_side_by_side(module, args, device) -> dict:
     params = [p.detach() for p in module.parameters()]
     shadows = {name: [p.float() for p in params] for name in ("eager", "compiled")}
     weight = torch.tensor(1e-4, device=device)
+    step_fold = compiled_fold()
+
+    def compiled():  # as EMA.update calls it on CUDA: a call per tensor, flat
+        for s, p in zip(shadows["compiled"], params):
+            step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)
+
     candidates = {"eager": lambda: torch._foreach_lerp_(shadows["eager"], [p.float() for p in params], 1e-4),
-                  "compiled": lambda: compiled_fold()(shadows["compiled"], params, weight)}
+                  "compiled": compiled}
     for fn in candidates.values():
         for _ in range(3):
             fn()

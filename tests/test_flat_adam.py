@@ -6,7 +6,7 @@ import torch
 from dit_mcore.training import flat_adam
 from dit_mcore.training.flat_adam import FlatAdamW
 from dit_mcore.training.trainer import Trainer
-from test_training import losses, tiny_run
+from test_training import _run_with_clipping_and_a_bad_step, losses, tiny_run
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -65,9 +65,10 @@ def _inners(trainer):
     return [part.optimizer for part in trainer.optimizer.chained_optimizers]
 
 
-def _run(tmp_path, impl, *, bf16=False, distopt=False, steps=2):
+def _run(tmp_path, impl, *, bf16=False, distopt=False, steps=2, overlap=False):
     cfg = tiny_run(tmp_path, distopt=distopt)
     cfg.trainer.bf16, cfg.optim.adam_impl, cfg.optim.weight_decay = bf16, impl, 0.1
+    cfg.parallel.overlap_grad_reduce = overlap  # megatron buckets only then
     trainer = Trainer(cfg)
     _perturb(trainer)
     history = [trainer.train_step() for _ in range(steps)]
@@ -98,7 +99,7 @@ def test_trainer_steps_flat_as_torchs_fused_adamw(tmp_path, bf16, distopt):
         for r in inner.ranges:
             for slot in r.members:
                 main, state = slot.main, inner.state[slot.main]
-                assert main.data_ptr() == r.master[slot.start:].data_ptr()
+                assert main.data_ptr() == r.main[slot.start:].data_ptr()
                 assert state["exp_avg"].data_ptr() == r.exp_avg[slot.start:].data_ptr()
                 assert float(state["step"]) == 2.0
                 if bf16:
@@ -146,6 +147,59 @@ def test_flat_resume_is_bit_identical_and_reads_a_fused_checkpoint(tmp_path, dis
         sorted(float(t.abs().sum()) for t in moments.values()), rel=1e-6)
     rest = losses(into_flat.fit())
     assert len(rest) == 2 and all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(rest, full[2:]))
+
+
+def test_a_step_skipped_on_the_device_changes_and_counts_nothing(tmp_path):
+    """Clipped through the kernel's gradient scale, a non-finite step 2 skipped through its skip
+    flag, pipelined: the same losses, weights and EMA as torch's fused AdamW decided on the host, and
+    every parameter's Adam step count says 4 updates, not 5."""
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, pipelined=False)
+    flat = _run_with_clipping_and_a_bad_step(tmp_path / "flat", on_device=True, pipelined=True, adam_impl="flat")
+    assert [h["skipped"] for h in flat[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and flat[3] == 4
+    inner = _inners(flat[4])[0]
+    assert isinstance(inner, FlatAdamW) and {float(s["step"]) for s in inner.state.values()} == {4.0}
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in flat[0]]), torch.tensor([h["loss"] for h in host[0]]),
+                               rtol=1e-5, atol=1e-7)
+    for got, ref in zip(flat[1] + flat[2], host[1] + host[2]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_states_stay_in_their_slots_across_loads_and_buckets(tmp_path, monkeypatch):
+    """Under the distributed optimizer with several buckets (overlapped reduction: one flat range per
+    bucket): the weights
+    equal torch's fused AdamW's; after a round trip through ``load_state_dict`` (torch's load assigns
+    new state tensors) the next step puts every state back into its slot and steps from the loaded
+    values; megatron's main-to-model copy never runs after a flat step."""
+    import functools
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from dit_mcore.training import optim
+    monkeypatch.setattr(optim, "DistributedDataParallelConfig",
+                        functools.partial(optim.DistributedDataParallelConfig, bucket_size=4000))
+    copies = []
+    original = DistributedOptimizer._copy_main_params_to_model_params
+    monkeypatch.setattr(DistributedOptimizer, "_copy_main_params_to_model_params",
+                        lambda self: (copies.append(1), original(self))[1])
+    fused, _ = _run(tmp_path / "fused", "fused", bf16=True, distopt=True, overlap=True)
+    assert copies and fused.ddp_chunks[0].buffers[0].buckets[1:]  # several buckets
+    copies.clear()
+    flat, _ = _run(tmp_path / "flat", "flat", bf16=True, distopt=True, overlap=True)
+    inner = _inners(flat)[0]
+    assert len(inner.ranges) == len(flat.ddp_chunks[0].buffers[0].buckets) > 1 and not copies
+    for a, b in zip(fused.model.parameters(), flat.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=8e-3)
+    import copy
+    saved = copy.deepcopy(inner.state_dict())
+    inner.load_state_dict(saved)
+    assert any(inner.state[slot.main]["exp_avg"].data_ptr() != inner.ranges[0].exp_avg[slot.start:].data_ptr()
+               for slot in inner.ranges[0].members)  # torch's load replaced them
+    flat.train_step()
+    assert not copies
+    for r in inner.ranges:
+        for slot in r.members:
+            state = inner.state[slot.main]
+            assert state["exp_avg"].data_ptr() == r.exp_avg[slot.start:].data_ptr()
+            assert state["exp_avg_sq"].data_ptr() == r.exp_avg_sq[slot.start:].data_ptr()
+    assert {float(s["step"]) for s in inner.state.values()} == {3.0}
 
 
 def test_a_weight_moved_off_its_slot_falls_back_to_megatrons_copy(tmp_path):

@@ -164,7 +164,8 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
     replicated = torch.cat([_whole(next(m.parameters())).flatten()
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "replicated": replicated, "init": init, "ema_samples": samples}
+            "replicated": replicated, "init": init, "ema_samples": samples,
+            "optimizers": [type(part.optimizer).__name__ for part in trainer.optimizer.chained_optimizers]}
 
 
 def _layouts_worker(rank, world, run_dir, cases):
@@ -348,6 +349,8 @@ def test_layout_equals_one_process(world_results, text_results, tmp_path_factory
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]), rtol=1e-4,
                                    atol=1e-7, msg=lambda m: f"{name} rank {rank} grad norm: {m}")
         assert all(torch.equal(w, ref["init"][0]) for w in got["init"]), f"{name}: rank {rank} init differs"
+        if "flat_adam" in name:  # every part stepped flat (not torch's AdamW after a refused install)
+            assert set(got["optimizers"]) == {"FlatAdamW"}, got["optimizers"]
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
         if got["ema_samples"] is not None:  # FSDP: the sharded EMA shadow samples as the one-process one

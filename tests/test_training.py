@@ -199,9 +199,10 @@ def test_a_training_step_reads_nothing_to_the_host_while_it_is_queued(tmp_path, 
     assert batches[0].to("meta").grids.device.type == "cpu"
 
 
-def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, pipelined: bool):
+def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, pipelined: bool, adam_impl: str = "fused"):
     cfg = tiny_run(run_dir, max_steps=5)
     cfg.optim.clip_grad, cfg.optim.warmup_steps = 1e-3, 3  # every step clipped; the LR moves each step
+    cfg.optim.adam_impl = adam_impl
     trainer = Trainer(cfg)
     trainer.steps_on_device = on_device
     loss = trainer.objective.loss
@@ -209,7 +210,7 @@ def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, pipelined: bo
     history = trainer.train_steps(5) if pipelined else [trainer.train_step() for _ in range(5)]
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     ema = [p.detach().clone() for p in trainer.ema.module.parameters()]
-    return history, weights, ema, trainer.scheduler.num_steps
+    return history, weights, ema, trainer.scheduler.num_steps, trainer
 
 
 def test_a_step_decided_on_the_device_equals_one_decided_on_the_host(tmp_path):

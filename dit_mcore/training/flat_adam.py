@@ -91,12 +91,12 @@ class Slot(NamedTuple):
 class FlatRange:
     """A contiguous range of one megatron gradient buffer and the flat tensors aligned with it."""
     grad: torch.Tensor                  # a view of megatron's grad_data
-    master: torch.Tensor                # fp32 main weights
+    main: torch.Tensor                  # fp32 main weights
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     group: torch.Tensor                 # uint8: each element's parameter group
     out: Optional[torch.Tensor]         # model weights of a lower precision (bf16), else None
-    members: list = field(default_factory=list)  # Slots, start/end relative to the range
+    members: list = field(default_factory=list)  # Slots, their start/end rebased to the range
 
 
 class FlatAdamW(torch.optim.AdamW):
@@ -153,7 +153,7 @@ class FlatAdamW(torch.optim.AdamW):
         """(gradients and main weights still views of their slots, model weights too)."""
         mains = models = True
         for r in self.ranges:
-            gbase, mbase, size = r.grad.data_ptr(), r.master.data_ptr(), r.master.element_size()
+            gbase, mbase, size = r.grad.data_ptr(), r.main.data_ptr(), r.main.element_size()
             obase = r.out.data_ptr() if r.out is not None else None
             for m in r.members:
                 grad = m.main.grad
@@ -184,7 +184,7 @@ class FlatAdamW(torch.optim.AdamW):
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         self._steps.add_(1.0)
         for r in self.ranges:
-            self._kernel(r.master, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
+            self._kernel(r.main, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
                          found_inf, r.out if models else None, beta1=beta1, beta2=beta2, eps=eps)
         if found_inf is not None:  # a skipped step leaves the counts too (torch's fused kernel does so)
             self._steps.sub_(found_inf)
@@ -227,6 +227,7 @@ def _unfit(part, ddp_chunks) -> Optional[str]:
     """Why a megatron optimizer part cannot step flat (None when it can)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.fp8_utils import is_float8tensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from torch.distributed.tensor import DTensor
     inner = getattr(part, "optimizer", None)
     if type(inner) is not torch.optim.AdamW:
@@ -240,6 +241,8 @@ def _unfit(part, ddp_chunks) -> Optional[str]:
                                 or (g["betas"], g["eps"]) != (groups[0]["betas"], groups[0]["eps"]) for g in groups):
         return "its parameter groups differ in betas/eps or use amsgrad/maximize/capturable"
     params = [p for g in groups for p in g["params"]]
+    if not params:
+        return "it holds no parameters"
     if any(isinstance(p, DTensor) or is_float8tensor(p) for p in params):
         return "it holds DTensor or float8 parameters"
     members = _members(part, ddp_chunks)
@@ -247,6 +250,8 @@ def _unfit(part, ddp_chunks) -> Optional[str]:
         return "some of its parameters are not in a megatron gradient buffer"
     if any(slot.buffer.grad_dtype != torch.float32 for slot in members):
         return "its gradient buffer is not fp32 (ddp grad_reduce_in_fp32)"
+    if isinstance(part, DistributedOptimizer) and any(slot.buffer.param_data is None for slot in members):
+        return "its distributed optimizer keeps no parameter buffer (the shards' bf16 weights have no flat home)"
     return None
 
 
@@ -310,10 +315,10 @@ def _ranges(part, ddp_chunks) -> list:
         device = buffer.grad_data.device
         fp32_model = buffer.param_dtype == torch.float32
         if fp32_model and buffer.param_data is not None:  # main weights are views of megatron's fp32 buffer
-            master = buffer.param_data[lo:hi]
+            main = buffer.param_data[lo:hi]
         else:
-            master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-            _repoint([(m.main, m.start, m.end) for m in members], master, lo)
+            main = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+            _repoint([(m.main, m.start, m.end) for m in members], main, lo)
         out = None
         if not fp32_model:
             if buffer.param_data is not None:
@@ -324,8 +329,8 @@ def _ranges(part, ddp_chunks) -> list:
         group = torch.zeros(hi - lo, dtype=torch.uint8, device=device)
         for m in members:
             group[m.start - lo:m.end - lo] = group_of[m.main]
-        ranges.append(FlatRange(grad=buffer.grad_data[lo:hi], master=master,
-                                exp_avg=torch.zeros_like(master, dtype=torch.float32),
-                                exp_avg_sq=torch.zeros_like(master, dtype=torch.float32), group=group, out=out,
+        ranges.append(FlatRange(grad=buffer.grad_data[lo:hi], main=main,
+                                exp_avg=torch.zeros_like(main, dtype=torch.float32),
+                                exp_avg_sq=torch.zeros_like(main, dtype=torch.float32), group=group, out=out,
                                 members=[m._replace(start=m.start - lo, end=m.end - lo) for m in members]))
     return ranges

@@ -114,9 +114,10 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    if optim.adam_impl == "flat":
-        flat_adam.install(optimizer, ddp_chunks)
-    torch_optimizer.set_adam_impl(optimizer, "fused" if optim.adam_impl == "flat" else optim.adam_impl)
+    if optim.adam_impl == "flat" and not flat_adam.install(optimizer, ddp_chunks):
+        log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
+                    "every part steps torch's fused AdamW")
+    torch_optimizer.set_adam_impl(optimizer, optim.adam_impl)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,

@@ -108,15 +108,18 @@ def init_adam_state(optimizer) -> None:
 
 
 def set_adam_impl(optimizer, impl: str) -> None:
-    """Step megatron's torch AdamW with ``impl``: "fused" (torch's fused kernel) or "foreach", now
-    and after every ``load_state_dict`` (which takes the flags of the checkpoint's groups). No-op
-    where megatron uses apex's or TE's FusedAdam."""
-    if impl not in ("fused", "foreach"):
-        raise ValueError(f"optim.adam_impl={impl!r}: use 'fused' or 'foreach'")
+    """Step megatron's torch AdamW with ``impl``: "fused" (torch's fused kernel), "flat" (the parts
+    :func:`dit_mcore.training.flat_adam.install` flattened step flat, every part is flagged fused:
+    the flat optimizer is torch's fused AdamW where its layout does not hold) or "foreach", now and
+    after every ``load_state_dict`` (which takes the flags of the checkpoint's groups). No-op where
+    megatron uses apex's or TE's FusedAdam."""
+    if impl not in ("flat", "fused", "foreach"):
+        raise ValueError(f"optim.adam_impl={impl!r}: use 'flat', 'fused' or 'foreach'")
+    fused = impl != "foreach"
 
     def apply(inner, *_):
         for group in inner.param_groups:
-            group["fused"], group["foreach"] = impl == "fused", impl == "foreach"
+            group["fused"], group["foreach"] = fused, not fused
         place_steps(inner)
 
     for inner in torch_adams(optimizer):
