@@ -165,7 +165,8 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "replicated": replicated, "init": init, "ema_samples": samples,
-            "optimizers": [type(part.optimizer).__name__ for part in trainer.optimizer.chained_optimizers]}
+            "optimizers": [type(part.optimizer).__name__
+                           for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]}
 
 
 def _layouts_worker(rank, world, run_dir, cases):
