@@ -252,7 +252,21 @@ def _unfit(part, ddp_chunks) -> Optional[str]:
         return "its gradient buffer is not fp32 (ddp grad_reduce_in_fp32)"
     if isinstance(part, DistributedOptimizer) and any(slot.buffer.param_data is None for slot in members):
         return "its distributed optimizer keeps no parameter buffer (the shards' bf16 weights have no flat home)"
+    for ranged in _by_range(members).values():  # a range's kernel writes all of it: only this part's weights
+        lo, hi = min(m.start for m in ranged), max(m.end for m in ranged)
+        mine = {id(m.model) for m in ranged}
+        buffer = ranged[0].buffer
+        if any(start < hi and end > lo and id(p) not in mine for p, (start, end, _) in buffer.param_index_map.items()):
+            return "another optimizer part's weights lie between its own in a gradient buffer"
     return None
+
+
+def _by_range(members: list) -> dict:
+    """The :class:`Slot` s grouped by the flat range they belong to."""
+    by_key = {}
+    for slot in members:
+        by_key.setdefault(slot.key, []).append(slot)
+    return by_key
 
 
 def _members(part, ddp_chunks) -> Optional[list]:
@@ -305,11 +319,8 @@ def _ranges(part, ddp_chunks) -> list:
     """The :class:`FlatRange` of each contiguous range of ``part``'s main weights; moves main (and,
     without a megatron parameter buffer, model) weights into flat buffers."""
     group_of = {p: i for i, g in enumerate(part.optimizer.param_groups) for p in g["params"]}
-    by_key = {}
-    for slot in _members(part, ddp_chunks):
-        by_key.setdefault(slot.key, []).append(slot)
     ranges = []
-    for members in by_key.values():
+    for members in _by_range(_members(part, ddp_chunks)).values():
         buffer = members[0].buffer
         lo, hi = min(m.start for m in members), max(m.end for m in members)
         device = buffer.grad_data.device
