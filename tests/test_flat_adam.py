@@ -253,3 +253,14 @@ def test_on_an_h100_the_flat_step_is_one_triton_kernel():
     kernels = flat_step_traffic(1 << 16)
     assert len(kernels) == 1 and kernels[0][0], kernels
     assert kernels[0][1] == pytest.approx(33, abs=0.01)
+
+
+def test_a_range_holding_another_parts_weights_is_refused(tmp_path):
+    """The kernel writes its whole range; a part whose weights have another part's between them in a
+    gradient buffer (here: one weight taken out of the part) would overwrite those: refused."""
+    trainer, _ = _run(tmp_path, "fused", steps=1)
+    part = trainer.optimizer.chained_optimizers[0]
+    assert flat_adam._unfit(part, trainer.ddp_chunks) is None
+    group = part.optimizer.param_groups[0]
+    group["params"] = group["params"][:3] + group["params"][4:]
+    assert "another optimizer part's weights" in flat_adam._unfit(part, trainer.ddp_chunks)
