@@ -20,6 +20,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("trainer", "max_steps", -5, "trainer.max_steps=-5: must be >= 1"),
     ("trainer", "save_interval", 0, "trainer.save_interval=0: must be >= 1"),
     ("trainer", "ema_decay", 1.0, "trainer.ema_decay=1.0: must be in [0, 1)"),
+    ("trainer", "ema_every", 0, "trainer.ema_every=0: must be >= 1"),
     ("trainer", "keep_checkpoints", -1, "trainer.keep_checkpoints=-1: must be >= 0 (0: keep all)"),
     ("trainer", "max_skipped_steps", 0, "trainer.max_skipped_steps=0: must be >= 1"),
     ("trainer", "bf16", "yes", "trainer.bf16='yes': must be of type bool"),

@@ -28,6 +28,33 @@ def test_update_matches_per_parameter_lerp(dtype):
             assert torch.equal(r, e)
 
 
+def test_folding_every_k_steps_equals_every_step_while_the_weights_hold_still():
+    """``trainer.ema_every``: k steps noted, then one fold with the product of their decays, is the
+    per-step average exactly when the weights did not move in between (float64 reference, through
+    the warm-up); a fold with nothing noted changes nothing."""
+    model, every_step = _net(), _net(seed=1)
+    ema = EMA(model, _net(seed=2), decay=0.9)
+    reference = [p.detach().double().clone() for p in model.parameters()]
+    ema.fold(every_step)  # nothing noted: a no-op even with other weights
+    assert all(torch.equal(r.float(), e) for r, e in zip(reference, ema.module.parameters()))
+    k = 3
+    for step in range(4 * k):
+        if step % k == 0:  # the weights move once per block of k steps
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+        ema.note(step)
+        if (step + 1) % k == 0:
+            ema.fold(model)
+            assert ema.keep == 1.0
+        decay = min(0.9, (1.0 + step) / (10.0 + step))
+        for r, p in zip(reference, model.parameters()):
+            r.mul_(decay).add_(p.detach().double(), alpha=1.0 - decay)
+    for r, e in zip(reference, ema.module.parameters()):
+        torch.testing.assert_close(e, r.float(), rtol=1e-6, atol=1e-6)
+    assert max((r.float() - p.detach()).abs().max() for r, p in zip(reference, model.parameters())) > 0.1
+
+
 def test_update_refuses_another_model():
     ema = EMA(_net(), _net(seed=1), decay=0.9)
     with pytest.raises(ValueError, match="model has 2 parameters but the EMA shadow 4"):

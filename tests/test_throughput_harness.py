@@ -29,6 +29,15 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["command"].startswith("python benchmarks/throughput.py")
 
 
+def test_ema_every_axis_reaches_the_trainer_config(tmp_path):
+    out = tmp_path / "tp.jsonl"
+    throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2", "--ema-every", "1,3",
+                     "--steps", "3", "--warmup", "1", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["ema_every"] for r in rows] == [1, 3]
+    assert throughput.run_config(rows[1], str(tmp_path)).trainer.ema_every == 3
+
+
 def test_compile_option_alternatives_parse_into_option_dicts():
     assert throughput.compile_option_sets("none;triton.multi_kernel=1,coordinate_descent_tuning=True;"
                                           "max_autotune_gemm_backends=TRITON") == [

@@ -44,6 +44,36 @@ def test_resume_is_bit_identical(tmp_path, objective, distopt):
     assert first + rest == full  # exact float equality: same data, noise, weights and optimizer state
 
 
+def test_ema_every_k_steps_resumes_exactly(tmp_path):
+    """``trainer.ema_every=3`` over 5 steps folds after steps 3 and 5 (the last); a checkpoint at
+    step 2 carries the two decays not yet folded, so the resumed run's EMA equals the uninterrupted
+    one bit for bit (without ``ema_keep`` in the checkpoint the fold at step 3 would weigh one step)."""
+    def run(name):
+        cfg = tiny_run(tmp_path / name, max_steps=5)
+        cfg.trainer.ema_every = 3
+        return cfg
+
+    full = Trainer(run("full"))
+    folds = []
+    fold = full.ema.fold
+    full.ema.fold = lambda model: (folds.append((full.step, full.ema.keep < 1.0)), fold(model))
+    full.fit()
+    assert [step for step, noted in folds if noted] == [3, 5]
+    cut = Trainer(run("cut"))
+    for _ in range(2):
+        cut.train_step()
+    assert cut.ema.keep < 1.0
+    cut.save()
+    resumed = Trainer(run("cut"))
+    assert resumed.ema.keep == cut.ema.keep
+    resumed.fit()
+    for (name, a), b in zip(full.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), name
+    key = "0.final_layer.linear.weight"
+    assert not full.ema.module.state_dict()[key].equal(cut.ema.module.state_dict()[key])  # it did fold
+
+
 def test_checkpoint_restores_model_ema_optimizer(tmp_path):
     trainer = Trainer(tiny_run(tmp_path, max_steps=3))
     for _ in range(2):

@@ -216,7 +216,13 @@ class TrainerConfig:
     """bf16 mixed precision: bf16 parameters and compute, fp32 main weights in the optimizer and
     fp32 gradient reduction (megatron's mixed-precision optimizer). Meant for GPUs."""
     ema_decay: float = 0.9999
-    """EMA decay of the weights used for sampling."""
+    """EMA decay of the weights used for sampling (per optimizer step)."""
+    ema_every: int = 1
+    """Optimizer steps between the EMA's passes over the weights. k > 1 folds k steps' decay in at
+    once (``keep = decay^k``: the same average when the weights change little in k steps), so the
+    per-parameter pass (10 bytes per parameter, on every data-parallel rank) runs once every k steps;
+    it also runs at preview steps and the last step. Checkpoints in between hold the EMA as of the
+    last pass and the decay still to fold (resume stays exact)."""
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2

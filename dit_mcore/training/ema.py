@@ -29,8 +29,10 @@ def compiled_fold():
 
 
 class EMA:
-    """``ema = decay * ema + (1 - decay) * param`` after every optimizer step. The shadow is a full
-    module (same tensor-parallel shards as the model), so it samples and checkpoints like one.
+    """``ema = decay * ema + (1 - decay) * param`` after every optimizer step (or, with
+    ``trainer.ema_every`` k, the same decay per step folded in every k steps: :meth:`note`,
+    :meth:`fold`). The shadow is a full module (same tensor-parallel shards as the model), so it
+    samples and checkpoints like one.
 
     ``shadow`` is a freshly built module of the same architecture (megatron modules hold process
     groups and cannot be deep-copied); it starts as a copy of ``model``'s weights.
@@ -40,6 +42,8 @@ class EMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"trainer.ema_decay must be in [0, 1), got {decay}")
         self.decay = decay
+        self.keep = 1.0
+        """Product of the decays of the steps noted since the last fold (1.0: none); checkpointed."""
         to_shards((model, shadow))
         shadow.load_state_dict(model.state_dict())
         publish_weights(shadow)
@@ -55,21 +59,37 @@ class EMA:
         steps, which matters for short runs and changes nothing for long ones."""
         return min(self.decay, (1.0 + step) / (10.0 + step))
 
-    @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
-        """Fold in the weights after optimizer step ``step`` (0-based), in fp32: on CUDA through the
+        """Average in the weights after optimizer step ``step`` (0-based): :meth:`note` it, then
+        :meth:`fold`."""
+        self.note(step)
+        self.fold(model)
+
+    def note(self, step: int) -> None:
+        """Count optimizer step ``step`` (0-based) without reading the weights: its decay joins
+        :attr:`keep`, and the next :meth:`fold` averages the weights of that moment in for every step
+        noted since the last one. That is per-step averaging exactly when the weights did not change
+        in between, and close to it when they changed little (``trainer.ema_every``)."""
+        self.keep *= self.decay_at(step)
+
+    @torch.no_grad()
+    def fold(self, model: torch.nn.Module) -> None:
+        """``shadow = keep * shadow + (1 - keep) * weights`` for the steps noted since the last fold
+        (none noted: nothing to do), in fp32: on CUDA through the
         compiled :func:`fold`, a call per tensor (the weight a device tensor, so the warm-up's changing
         decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
         parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
         parameters cast to fp32 (the CPU would compile again for each new model).
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
+        if self.keep == 1.0:
+            return
         shadow = sharded_parameters(self.module)
         params = [p.detach() for p in sharded_parameters(model)]
         if len(params) != len(shadow):
-            raise ValueError(f"EMA.update: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
+            raise ValueError(f"EMA.fold: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")
-        weight = 1.0 - self.decay_at(step)
+        weight, self.keep = 1.0 - self.keep, 1.0
         if shadow and shadow[0].is_cuda and all(t.is_contiguous() for t in (*shadow, *params)):
             step_fold, weight = compiled_fold(), to_device(weight, shadow[0].device, torch.float32)
             for s, p in zip(shadow, params):  # a call per tensor, flat (aliases without a view base,

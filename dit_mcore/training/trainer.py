@@ -183,7 +183,7 @@ class Trainer:
     def _common_state(self) -> dict:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
                  "skipped_samples": self.skipped_samples, "model_arch": self._architecture(),
-                 "divergence": self.divergence.state_dict()}
+                 "divergence": self.divergence.state_dict(), "ema_keep": self.ema.keep}
         if self._data_per_rank():
             state["data_layout"] = self.loader.layout()
         else:
@@ -237,6 +237,7 @@ class Trainer:
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])
         self.divergence.load_state_dict(state["divergence"])
+        self.ema.keep = float(state.get("ema_keep", 1.0))  # (checkpoints before trainer.ema_every: 1.0)
         self.last_saved = path.name
         self.scheduler.load_state_dict(state["scheduler"])
         if "data" in loaded["per_rank"]:
@@ -392,7 +393,9 @@ class Trainer:
             self.scheduler.step(increment=1)
             if sync_params:
                 self._sync_params()
-            self.ema.update(self.model, step.index - 1)
+            self.ema.note(step.index - 1)
+        if self._ema_folds_after(step.index):
+            self.ema.fold(self.model)
         self.divergence.record(ok, step.index, self.last_saved)
         self.skipped_samples += int(skipped_samples)
         step.metrics = {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
@@ -485,6 +488,15 @@ class Trainer:
         finally:
             logger.close()
         return history
+
+    def _ema_folds_after(self, step: int) -> bool:
+        """Whether the EMA averages the weights in after ``step`` (1-based): every
+        ``trainer.ema_every`` steps and where the average is read (a preview, the end of the run).
+        Fixed step numbers, so a resumed run folds where an uninterrupted one does; a checkpoint in
+        between carries the steps not yet folded (``ema_keep``)."""
+        cfg = self.cfg
+        return (step % cfg.trainer.ema_every == 0 or step == cfg.trainer.max_steps
+                or bool(cfg.log.sample_interval and step % cfg.log.sample_interval == 0))
 
     def _state_needed_after(self, step: int) -> bool:
         """Whether :meth:`fit` reads ``step`` at once (else while the next step runs): when the step

@@ -192,6 +192,8 @@ def _trainer_rules(r: _Rules, t) -> None:
     r.need(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0")
     r.need(_finite(t.ema_decay) and 0 <= t.ema_decay < 1, "trainer.ema_decay", t.ema_decay,
            "must be in [0, 1); e.g. 0.9999")
+    r.need(t.ema_every >= 1, "trainer.ema_every", t.ema_every,
+           "must be >= 1 (optimizer steps between the EMA's passes over the weights; 1: every step)")
     r.need(t.save_interval >= 1, "trainer.save_interval", t.save_interval,
            "must be >= 1 (steps between checkpoints; a final one is always written)")
     r.need(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0: keep all)")
