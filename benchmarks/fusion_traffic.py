@@ -29,6 +29,7 @@ dense path, but the CPU's SDPA op stands in for cuDNN's; the count is a byte mod
     python benchmarks/fusion_traffic.py --family llama --preset MovieGen-3B --packed-lens 1024,2048
                                                               # one layer through the trainer, packed
     python benchmarks/fusion_traffic.py --models ours --compile-options triton.multi_kernel=1
+    python benchmarks/fusion_traffic.py --models ours,ours_fp8_tensorwise   # what FP8's casts add
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # model.fp8 (dit_mcore.models.float8.RECIPES)
 
 H100 = types.SimpleNamespace(
     name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, max_threads_per_multi_processor=2048,
@@ -248,7 +251,7 @@ def _on_cuda(gm):
 
 def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     """Fused-kernel bytes of one layer's forward and backward: ``which`` is ``ours`` (aten linears),
-    ``ours_megatron_linears`` or ``diffusers``."""
+    ``ours_megatron_linears``, ``ours_fp8_<recipe>`` (torchao's float8 linears) or ``diffusers``."""
     from train_step import build_pair, make_steps
 
     from dit_mcore.models.dit import build_model
@@ -256,10 +259,12 @@ def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     torch.compiler.reset()
     torch.manual_seed(0)
     ours, theirs = build_pair(preset_name, torch.device("cpu"), torch.bfloat16)
-    if which == "ours_megatron_linears":
-        megatron = build_model(dataclasses.replace(ours.config, aten_linears=False))
-        megatron.load_state_dict(ours.state_dict())
-        ours = megatron.to(torch.bfloat16).train()
+    variants = {"ours_megatron_linears": {"aten_linears": False},
+                **{f"ours_fp8_{recipe}": {"float8_recipe": recipe} for recipe in FP8_RECIPES}}
+    if which in variants:
+        other = build_model(dataclasses.replace(ours.config, **variants[which]))
+        other.load_state_dict(ours.state_dict())
+        ours = other.to(torch.bfloat16).train()
     del ours.layers[1:]
     theirs.transformer_blocks = theirs.transformer_blocks[:1]
     recorder = TrafficRecorder()
@@ -295,7 +300,8 @@ def packed_traffic(which: str, family: str, preset_name: str, packed_len: int) -
     torch.manual_seed(0)
     recorder = TrafficRecorder()
     point = {"family": family, "preset": preset_name, "image_size": 32, "packed_len": packed_len, "batch": 1,
-             "recompute": "none", "compile": True, "dtype": "bf16", "aten_linears": which == "ours"}
+             "recompute": "none", "compile": True, "dtype": "bf16", "aten_linears": which != "ours_megatron_linears",
+             "fp8": which.removeprefix("ours_fp8_") if which.startswith("ours_fp8_") else None}
     original = torch.nn.Module.compile
     torch.nn.Module.compile = lambda module, **kw: original(module, backend=recorder.backend, dynamic=False)
     try:
@@ -323,7 +329,9 @@ def main(argv=None) -> dict:
                    "through the trainer on packed mock data instead of the dense pair against diffusers")
     p.add_argument("--size", type=int, default=32, help="latent side (32 = 256px images)")
     p.add_argument("--batches", default="2,4", help="two batch sizes; the per-token figure is their difference")
-    p.add_argument("--models", default="ours,ours_megatron_linears,diffusers")
+    p.add_argument("--models", default="ours,ours_megatron_linears,diffusers",
+                   help="any of ours, ours_megatron_linears, diffusers, ours_fp8_<recipe> (model.fp8: "
+                   + ", ".join(FP8_RECIPES) + ")")
     p.add_argument("--compile-options", default="none", help="Inductor options to schedule under, as "
                    "model.compile_options takes them (throughput.py's syntax), e.g. triton.multi_kernel=1")
     p.add_argument("--out", default=None)
@@ -351,6 +359,10 @@ def main(argv=None) -> dict:
     if "ours" in rows and "ours_megatron_linears" in rows:
         ratios["aten_over_megatron_linears"] = rows["ours"]["bytes_per_token"]["total_bytes"] / \
             rows["ours_megatron_linears"]["bytes_per_token"]["total_bytes"]
+    for which in rows:
+        if which.startswith("ours_fp8_") and "ours" in rows:  # the float8 casts' traffic over bf16's
+            ratios[f"{which}_over_bf16"] = rows[which]["bytes_per_token"]["total_bytes"] / \
+                rows["ours"]["bytes_per_token"]["total_bytes"]
     for name, value in ratios.items():
         print(f"{name}: {value:.3f}")
     result = {"device": "H100 (Inductor scheduling, no GPU)", "torch": torch.__version__,

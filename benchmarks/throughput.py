@@ -230,7 +230,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compile", default="0", help="0, 1 or 0,1")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
-                   "none,tensorwise,rowwise (MFU stays against the --dtype peak)")
+                   "none,tensorwise,rowwise,rowwise_with_gw_hp (MFU stays against the --dtype peak)")
     p.add_argument("--adam", default="fused", help="optim.adam_impl: any of fused,flat,foreach")
     p.add_argument("--step", default="auto",
                    help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "

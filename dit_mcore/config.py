@@ -123,7 +123,7 @@ class DiTConfig(TransformerConfig):
 
     float8_recipe: Optional[str] = None
     """FP8 training of the attention and MLP linears with torchao's dynamic scaling: ``"tensorwise"``
-    or ``"rowwise"`` (see ``dit_mcore.models.float8``); None: off. (megatron's own ``fp8`` fields
+    ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (see ``dit_mcore.models.float8``); None: off. (megatron's own ``fp8`` fields
     belong to Transformer Engine and stay unset.)"""
 
     aten_linears: bool = True

@@ -49,7 +49,7 @@ def test_only_the_transformer_linears_run_in_float8_and_checkpoints_keep_their_k
     fp8.load_state_dict(a)  # a full-precision checkpoint loads into the FP8 model
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_float8_forward_and_backward_stay_within_float8_error_of_full_precision(world, recipe):
     """Random weights (so every layer shows): the FP8 model's output and gradients differ from the
     same weights in fp32 by float8's rounding -- more than fp32 noise (it really quantises), far less

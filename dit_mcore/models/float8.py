@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region)
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 ALIGNMENT = 16
 """float8 GEMMs on the GPU need both dims of every weight divisible by this."""
 
@@ -66,7 +66,9 @@ class Float8LocalMatmul:
 @functools.lru_cache(maxsize=None)
 def float8_linears(recipe: str) -> tuple[type, type]:
     """``(column_parallel, row_parallel)`` classes whose local matmul runs in float8 with torchao's
-    ``recipe`` ("tensorwise": one scale per tensor; "rowwise": one per row, more accurate)."""
+    ``recipe`` ("tensorwise": one scale per tensor; "rowwise": one per row, more accurate;
+    "rowwise_with_gw_hp": rowwise, the weight gradient in the run's precision -- none of the
+    column-wise casts its float8 GEMM needs)."""
     if recipe not in RECIPES:
         raise ValueError(f"model.fp8={recipe!r} is unknown; use one of {RECIPES}")
     from torchao.float8.config import Float8LinearConfig

@@ -83,7 +83,8 @@ class ModelConfig:
     """Run the local experts as one grouped GEMM (Transformer Engine on GPU)."""
     fp8: Optional[str] = None
     """FP8 training of the attention and MLP linears with torchao's dynamic float8 scaling:
-    "tensorwise" (one scale per tensor) or "rowwise" (one per row, more accurate); the adaLN
+    "tensorwise" (one scale per tensor), "rowwise" (one per row, more accurate) or
+    "rowwise_with_gw_hp" (rowwise, weight gradients in the run's precision: fewer casts); the adaLN
     modulation, embedders, norms, final layer and MoE experts keep the run's precision. Pays off
     with ``compile=True`` on GPUs with float8 tensor cores (H100 and newer); None: off."""
     attention_backend: Optional[str] = None
