@@ -22,6 +22,8 @@ bytes per token of fused-kernel traffic, forward and backward (per-step constant
 per-block label-embedding gradients cancel out). Caveats: AOTAutograd's partition runs on the CPU
 (its recompute choices are device-independent rules), attention runs in the graph as on the GPU's
 dense path, but the CPU's SDPA op stands in for cuDNN's; the count is a byte model, not a time.
+``--packed-lens`` needs torch >= 2.14 (2.13's re-inplacing pass fails on a zero-width slice scatter in
+the packed layer's backward graph on fake CUDA tensors).
 
     python benchmarks/fusion_traffic.py                       # DiT-XL/2: ours (aten linears), ours
                                                               # (megatron's linears), diffusers
