@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # model.fp8 (dit_mcore.models.float8.RECIPES)
+from dit_mcore.models.float8 import RECIPES as FP8_RECIPES  # noqa: E402  (model.fp8)
 
 H100 = types.SimpleNamespace(
     name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, max_threads_per_multi_processor=2048,
@@ -373,6 +373,9 @@ def main(argv=None) -> dict:
               "compile_options": options,
               "ratios": ratios, "models": rows}
     shape = (f"_packed{large}" if packed else "") + "".join(f"_{k}{v}" for k, v in options.items())
+    recipes = [m.removeprefix("ours_fp8_") for m in models if m.startswith("ours_fp8_")]
+    if recipes:  # FP8 layers: a file of their own, never the bf16 baseline's
+        shape += "_fp8_" + "_".join(recipes)
     default = RESULTS / f"fusion_traffic_{args.preset.replace('/', '')}{shape}_torch{torch.__version__.split('+')[0]}.json"
     print("wrote", write_result("fusion_traffic", result, args.out or str(default)))
     return result

@@ -15,8 +15,9 @@
 #           fused AdamW + megatron's copy; the EMA compiled vs eager)
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
-#   fp8     DiT-XL/2 256px, batch 128, compiled, bf16 vs FP8 rowwise / tensorwise / rowwise_with_gw_hp, profiled
-#           (goal: >= 1.65x; fusion_traffic.py counts the casts at +86 to +141 kB/token/layer over bf16's 152)
+#   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
+#           compiled, bf16 vs tensorwise vs rowwise_with_gw_hp (goal: >= 1.65x; fusion_traffic.py counts the casts at
+#           +85 to +141 kB/token/layer over bf16's 152 on DiT-XL/2, +171 to +337 over 290 on the 3B layer)
 #   grid    DiT-XL/2 throughput grid with --autotune and diffusers side by side (goals: 2x, 50% MFU)
 #   packed  a ~3B text-conditioned DiT on 8k-token packed video latents (goal: 55% MFU)
 #   stall   checkpoint stall per save, synchronous vs asynchronous, at DiT-XL/2 size
@@ -71,9 +72,12 @@ case "$phase" in
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_training.py tests/test_fp8.py \
       tests/test_compile.py 2>&1 | tee "$out/tests.txt" | tail -n 30 ;;
   fp8)
-    python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 --dtype bf16 \
-      --fp8 none,rowwise,tensorwise,rowwise_with_gw_hp --profile --warmup 8 --steps 20 \
-      --out "$out/throughput_fp8.jsonl" ;;
+    timeout 270 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --fp8 none,tensorwise,rowwise_with_gw_hp --profile \
+      --warmup 3 --steps 5 --out "$out/throughput_3b_fp8.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
+    timeout 250 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
+      --dtype bf16 --fp8 none,tensorwise,rowwise_with_gw_hp --profile --warmup 4 --steps 8 \
+      --out "$out/throughput_xl_fp8.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true ;;
   grid)
     python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 64,128 --compile 0,1 \
       --recompute none,selective --dtype bf16 --diffusers --autotune --warmup 5 --steps 15 \

@@ -19,7 +19,7 @@ EMA fold on an H100: their Triton kernels and bytes per parameter.
 Then the EMA update over the same weights (the trainer's next per-parameter pass): eager, as on the
 CPU (a casting copy per bf16 parameter, then torch's foreach lerp: 18 bytes per parameter; the H200
 profile of the 3B step: the casts 10.7 ms in 260 unvectorized copy kernels, ~1.7 TB/s), against the
-compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold``: 10).
+compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold_tensor``: 10).
 
 Each repeat times the candidates back to back (interleaved); prints median ms, the bytes per second
 each reaches at the bytes per parameter above, and the ratios; writes
@@ -50,9 +50,9 @@ BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33}
 def ema_fold_traffic(n: int = 1 << 20) -> list:
     """The same for the EMA's compiled fold of a bf16 parameter of ``n`` elements into its fp32 shadow."""
     from fusion_traffic import TrafficRecorder
-    from dit_mcore.training.ema import fold
+    from dit_mcore.training.ema import fold_tensor
     recorder = TrafficRecorder()
-    step = torch.compile(fold, backend=recorder.backend, fullgraph=True, dynamic=False)
+    step = torch.compile(fold_tensor, backend=recorder.backend, fullgraph=True, dynamic=False)
     step(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.tensor(0.1))
     return [(k.fused, k.bytes / n) for k in recorder.kernels]
 

@@ -220,6 +220,8 @@ def compile_option_sets(text: str) -> list:
 
 
 def main(argv=None) -> list[dict]:
+    from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="dit", help="model family of the presets (dit, dit_xattn, llama, stdit)")
     p.add_argument("--presets", default="DiT-XL/2")
@@ -230,7 +232,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compile", default="0", help="0, 1 or 0,1")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
-                   "none,tensorwise,rowwise,rowwise_with_gw_hp (MFU stays against the --dtype peak)")
+                   f"none,{','.join(FLOAT8_RECIPES)} (MFU stays against the --dtype peak)")
     p.add_argument("--adam", default="fused", help="optim.adam_impl: any of fused,flat,foreach")
     p.add_argument("--step", default="auto",
                    help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "

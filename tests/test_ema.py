@@ -46,7 +46,7 @@ def test_folding_every_k_steps_equals_every_step_while_the_weights_hold_still():
         ema.note(step)
         if (step + 1) % k == 0:
             ema.fold(model)
-            assert ema.keep == 1.0
+            assert ema.unfolded_decay == 1.0
         decay = min(0.9, (1.0 + step) / (10.0 + step))
         for r, p in zip(reference, model.parameters()):
             r.mul_(decay).add_(p.detach().double(), alpha=1.0 - decay)

@@ -77,6 +77,28 @@ def test_float8_forward_and_backward_stay_within_float8_error_of_full_precision(
     assert _rel(grads[1]["final_layer.linear.weight"], grads[0]["final_layer.linear.weight"]) < 0.05
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_weight_gradients_stay_in_high_precision_only_in_the_gw_hp_recipe(recipe):
+    """The float8 matmul of our linears (their torchao configs): ``rowwise_with_gw_hp`` computes the
+    weight gradient from the unquantised input and output gradient, ``rowwise`` from float8 casts."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    from dit_mcore.models.float8 import float8_linears
+
+    column = float8_linears(recipe)[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g, requires_grad=True)
+    w = torch.randn(48, 32, generator=g, requires_grad=True)
+    grad = torch.randn(64, 48, generator=g)
+    matmul_with_hp_or_float8_args.apply(x, w.t(), column.float8_mm_config, column.float8_config).backward(grad)
+    error = _rel(w.grad, grad.t() @ x.detach())  # the weight gradient in full precision
+    if recipe == "rowwise_with_gw_hp":
+        assert error < 1e-6
+    else:
+        assert error > 1e-3
+    assert _rel(x.grad, grad @ w.detach()) > 1e-3  # the input gradient is float8 in both
+
+
 def _fit(run_dir, max_steps, **model):
     """Losses of a tiny run from random weights (adaLN-Zero's zero gates would hide the layers from
     the loss for the first steps, float8 or not)."""

@@ -47,7 +47,7 @@ def test_resume_is_bit_identical(tmp_path, objective, distopt):
 def test_ema_every_k_steps_resumes_exactly(tmp_path):
     """``trainer.ema_every=3`` over 5 steps folds after steps 3 and 5 (the last); a checkpoint at
     step 2 carries the two decays not yet folded, so the resumed run's EMA equals the uninterrupted
-    one bit for bit (without ``ema_keep`` in the checkpoint the fold at step 3 would weigh one step)."""
+    one bit for bit (without ``ema_unfolded_decay`` in the checkpoint the fold at step 3 would weigh one step)."""
     def run(name):
         cfg = tiny_run(tmp_path / name, max_steps=5)
         cfg.trainer.ema_every = 3
@@ -56,22 +56,44 @@ def test_ema_every_k_steps_resumes_exactly(tmp_path):
     full = Trainer(run("full"))
     folds = []
     fold = full.ema.fold
-    full.ema.fold = lambda model: (folds.append((full.step, full.ema.keep < 1.0)), fold(model))
+    full.ema.fold = lambda model: (folds.append((full.step, full.ema.unfolded_decay < 1.0)), fold(model))
     full.fit()
     assert [step for step, noted in folds if noted] == [3, 5]
     cut = Trainer(run("cut"))
     for _ in range(2):
         cut.train_step()
-    assert cut.ema.keep < 1.0
+    assert cut.ema.unfolded_decay < 1.0
     cut.save()
     resumed = Trainer(run("cut"))
-    assert resumed.ema.keep == cut.ema.keep
+    assert resumed.ema.unfolded_decay == cut.ema.unfolded_decay
     resumed.fit()
     for (name, a), b in zip(full.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
     key = "0.final_layer.linear.weight"
     assert not full.ema.module.state_dict()[key].equal(cut.ema.module.state_dict()[key])  # it did fold
+
+
+def test_ema_every_k_steps_skips_a_non_finite_step_and_still_folds_on_schedule(tmp_path):
+    """``trainer.ema_every=2`` over 5 steps with step 2 non-finite (skipped): the fold after step 2
+    weighs only step 1's decay, the one after step 4 steps 3 and 4, the last one step 5 -- against a
+    float64 replay of that rule on the weights seen after each fold step."""
+    cfg = tiny_run(tmp_path, max_steps=5)
+    cfg.trainer.ema_every = 2
+    trainer = Trainer(cfg)
+    loss = trainer.objective.loss
+    trainer.objective.loss = lambda pred, inputs: loss(pred, inputs) * (float("inf") if trainer.step == 1 else 1.0)
+    want = [p.detach().double().clone() for p in trainer.ema.module.parameters()]
+    decay = trainer.ema.decay_at
+    for step, applied in zip(range(1, 6), (1, 0, 1, 1, 1)):
+        assert trainer.train_step()["skipped"] == (0.0 if applied else 1.0)
+        keep = {2: decay(0), 4: decay(2) * decay(3), 5: decay(4)}.get(step)
+        if keep is not None:
+            for w, p in zip(want, trainer.model.parameters()):
+                w.mul_(keep).add_(p.detach().double(), alpha=1.0 - keep)
+    for w, e in zip(want, trainer.ema.module.parameters()):
+        torch.testing.assert_close(e, w.float(), rtol=1e-6, atol=1e-7)
+    assert trainer.ema.unfolded_decay == 1.0
 
 
 def test_checkpoint_restores_model_ema_optimizer(tmp_path):

@@ -220,10 +220,11 @@ class TrainerConfig:
     """EMA decay of the weights used for sampling (per optimizer step)."""
     ema_every: int = 1
     """Optimizer steps between the EMA's passes over the weights. k > 1 folds k steps' decay in at
-    once (``keep = decay^k``: the same average when the weights change little in k steps), so the
-    per-parameter pass (10 bytes per parameter, on every data-parallel rank) runs once every k steps;
-    it also runs at preview steps and the last step. Checkpoints in between hold the EMA as of the
-    last pass and the decay still to fold (resume stays exact)."""
+    once (``decay^k``: the same average when the weights change little in k steps), so the
+    per-parameter pass (10 bytes per parameter; under megatron DDP on every data-parallel rank, under
+    FSDP on each rank's shards) runs once every k steps; it also runs at preview steps, periodic
+    saves and the last step. A preemption's checkpoint in between holds the EMA as of the last pass
+    and the decay still to fold (resume stays exact)."""
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2

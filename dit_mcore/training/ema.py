@@ -7,7 +7,7 @@ from dit_mcore.parallel.fsdp import publish_weights, sharded_parameters, to_shar
 from kernels.host_copy import to_device
 
 
-def fold(shadow: torch.Tensor, param: torch.Tensor, weight: torch.Tensor) -> None:
+def fold_tensor(shadow: torch.Tensor, param: torch.Tensor, weight: torch.Tensor) -> None:
     """``shadow += weight * (param - shadow)``, the parameter read in its own dtype. Compiled
     (:func:`compiled_fold`): one generated kernel that reads a bf16 parameter and the fp32 shadow and
     writes the shadow (10 bytes per parameter); eagerly torch's lerp wants one dtype, so a bf16 model
@@ -19,12 +19,12 @@ _compiled = None
 
 
 def compiled_fold():
-    """:func:`fold` compiled once per process for flat (1-D) tensors of any length: the graphs differ
+    """:func:`fold_tensor` compiled once per process for flat (1-D) tensors of any length: the graphs differ
     only by dtype (and torch's specialisation of length 1), so a new model compiles nothing and no
     process reaches dynamo's recompile limit (if one did, the call would run eagerly)."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(fold, dynamic=True)
+        _compiled = torch.compile(fold_tensor, dynamic=True)
     return _compiled
 
 
@@ -42,7 +42,7 @@ class EMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"trainer.ema_decay must be in [0, 1), got {decay}")
         self.decay = decay
-        self.keep = 1.0
+        self.unfolded_decay = 1.0
         """Product of the decays of the steps noted since the last fold (1.0: none); checkpointed."""
         to_shards((model, shadow))
         shadow.load_state_dict(model.state_dict())
@@ -67,29 +67,30 @@ class EMA:
 
     def note(self, step: int) -> None:
         """Count optimizer step ``step`` (0-based) without reading the weights: its decay joins
-        :attr:`keep`, and the next :meth:`fold` averages the weights of that moment in for every step
+        :attr:`unfolded_decay`, and the next :meth:`fold` averages the weights of that moment in for every step
         noted since the last one. That is per-step averaging exactly when the weights did not change
         in between, and close to it when they changed little (``trainer.ema_every``)."""
-        self.keep *= self.decay_at(step)
+        self.unfolded_decay *= self.decay_at(step)
 
     @torch.no_grad()
     def fold(self, model: torch.nn.Module) -> None:
-        """``shadow = keep * shadow + (1 - keep) * weights`` for the steps noted since the last fold
+        """``shadow = d * shadow + (1 - d) * weights``, ``d`` the :attr:`unfolded_decay` of the steps noted
+        since the last fold
         (none noted: nothing to do), in fp32: on CUDA through the
-        compiled :func:`fold`, a call per tensor (the weight a device tensor, so the warm-up's changing
+        compiled :func:`fold_tensor`, a call per tensor (the weight a device tensor, so the warm-up's changing
         decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
         parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
         parameters cast to fp32 (the CPU would compile again for each new model).
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
-        if self.keep == 1.0:
+        if self.unfolded_decay == 1.0:
             return
         shadow = sharded_parameters(self.module)
         params = [p.detach() for p in sharded_parameters(model)]
         if len(params) != len(shadow):
             raise ValueError(f"EMA.fold: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")
-        weight, self.keep = 1.0 - self.keep, 1.0
+        weight, self.unfolded_decay = 1.0 - self.unfolded_decay, 1.0
         if shadow and shadow[0].is_cuda and all(t.is_contiguous() for t in (*shadow, *params)):
             step_fold, weight = compiled_fold(), to_device(weight, shadow[0].device, torch.float32)
             for s, p in zip(shadow, params):  # a call per tensor, flat (aliases without a view base,

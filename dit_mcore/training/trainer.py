@@ -183,7 +183,7 @@ class Trainer:
     def _common_state(self) -> dict:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
                  "skipped_samples": self.skipped_samples, "model_arch": self._architecture(),
-                 "divergence": self.divergence.state_dict(), "ema_keep": self.ema.keep}
+                 "divergence": self.divergence.state_dict(), "ema_unfolded_decay": self.ema.unfolded_decay}
         if self._data_per_rank():
             state["data_layout"] = self.loader.layout()
         else:
@@ -237,7 +237,7 @@ class Trainer:
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])
         self.divergence.load_state_dict(state["divergence"])
-        self.ema.keep = float(state.get("ema_keep", 1.0))  # (checkpoints before trainer.ema_every: 1.0)
+        self.ema.unfolded_decay = float(state.get("ema_unfolded_decay", 1.0))  # (older checkpoints: 1.0)
         self.last_saved = path.name
         self.scheduler.load_state_dict(state["scheduler"])
         if "data" in loaded["per_rank"]:
@@ -480,7 +480,7 @@ class Trainer:
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
                 self.save()
             self.finish_saves()
-            if not cfg.log.sample_interval or self.step % cfg.log.sample_interval:
+            if not self._previews_after(self.step):
                 self.preview()
         except DivergenceError:
             self.finish_saves()  # a save in flight holds weights from before the divergence
@@ -489,14 +489,18 @@ class Trainer:
             logger.close()
         return history
 
+    def _previews_after(self, step: int) -> bool:
+        """Whether ``log.sample_interval`` draws a preview after ``step``."""
+        return bool(self.cfg.log.sample_interval and step % self.cfg.log.sample_interval == 0)
+
     def _ema_folds_after(self, step: int) -> bool:
         """Whether the EMA averages the weights in after ``step`` (1-based): every
-        ``trainer.ema_every`` steps and where the average is read (a preview, the end of the run).
-        Fixed step numbers, so a resumed run folds where an uninterrupted one does; a checkpoint in
-        between carries the steps not yet folded (``ema_keep``)."""
+        ``trainer.ema_every`` steps and where the average is read (a preview, a periodic save, the
+        end of the run). Fixed step numbers, so a resumed run folds where an uninterrupted one does;
+        a checkpoint in between (a preemption's) carries the steps not yet folded (``ema_unfolded_decay``)."""
         cfg = self.cfg
         return (step % cfg.trainer.ema_every == 0 or step == cfg.trainer.max_steps
-                or bool(cfg.log.sample_interval and step % cfg.log.sample_interval == 0))
+                or step % cfg.trainer.save_interval == 0 or self._previews_after(step))
 
     def _state_needed_after(self, step: int) -> bool:
         """Whether :meth:`fit` reads ``step`` at once (else while the next step runs): when the step
@@ -504,8 +508,7 @@ class Trainer:
         preview, the end of the run, an agreed preemption)."""
         cfg = self.cfg
         return (not self.steps_on_device or step == cfg.trainer.max_steps or step % cfg.trainer.save_interval == 0
-                or bool(cfg.log.sample_interval and step % cfg.log.sample_interval == 0)
-                or self.signals.agreed is not None)
+                or self._previews_after(step) or self.signals.agreed is not None)
 
     def _publish_saves(self) -> None:
         """Publish a finished asynchronous save (never waits)."""
@@ -525,7 +528,7 @@ class Trainer:
             self.finish_saves()
             requeue_if_slurm(signum)
             raise Preempted(self.step, signal.Signals(signum).name, path)
-        if cfg.log.sample_interval and self.step % cfg.log.sample_interval == 0:
+        if self._previews_after(self.step):
             self.preview()
         if (self.step % cfg.trainer.save_interval == 0 and self.step < cfg.trainer.max_steps
                 and not self.divergence.consecutive):
@@ -546,6 +549,7 @@ class Trainer:
         return encode, prompts
 
     def preview(self) -> Optional[Path]:
+        self.ema.fold(self.model)  # steps noted since the last fold (trainer.ema_every; none: nothing to do)
         with forward_view(self.ema.module):  # Megatron-FSDP: the shadow is called without its wrapper
             return self._draw_preview()
 
