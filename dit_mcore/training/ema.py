@@ -67,17 +67,16 @@ class EMA:
 
     def note(self, step: int) -> None:
         """Count optimizer step ``step`` (0-based) without reading the weights: its decay joins
-        :attr:`unfolded_decay`, and the next :meth:`fold` averages the weights of that moment in for every step
-        noted since the last one. That is per-step averaging exactly when the weights did not change
+        :attr:`unfolded_decay`, and the next :meth:`fold` averages the weights of that moment in for
+        every step noted since the last one. That is per-step averaging exactly when the weights did not change
         in between, and close to it when they changed little (``trainer.ema_every``)."""
         self.unfolded_decay *= self.decay_at(step)
 
     @torch.no_grad()
     def fold(self, model: torch.nn.Module) -> None:
-        """``shadow = d * shadow + (1 - d) * weights``, ``d`` the :attr:`unfolded_decay` of the steps noted
-        since the last fold
-        (none noted: nothing to do), in fp32: on CUDA through the
-        compiled :func:`fold_tensor`, a call per tensor (the weight a device tensor, so the warm-up's changing
+        """``shadow = d * shadow + (1 - d) * weights``, ``d`` the :attr:`unfolded_decay` of the steps
+        noted since the last fold (none noted: nothing to do), in fp32: on CUDA through the compiled
+        :func:`fold_tensor`, a call per tensor (the weight a device tensor, so the warm-up's changing
         decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
         parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
         parameters cast to fp32 (the CPU would compile again for each new model).
