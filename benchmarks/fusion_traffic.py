@@ -49,6 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_mcore.models.float8 import RECIPES as FP8_RECIPES  # noqa: E402  (model.fp8)
 
+MODELS = ("ours", "ours_megatron_linears", "diffusers", *(f"ours_fp8_{recipe}" for recipe in FP8_RECIPES))
+
+
+def fp8_recipe(which: str):
+    """The ``model.fp8`` recipe of model ``which`` (``ours_fp8_<recipe>``), else None."""
+    return which.removeprefix("ours_fp8_") if which.startswith("ours_fp8_") else None
+
 H100 = types.SimpleNamespace(
     name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, max_threads_per_multi_processor=2048,
     warp_size=32, regs_per_multiprocessor=65536, shared_memory_per_block_optin=232448,
@@ -261,10 +268,11 @@ def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     torch.compiler.reset()
     torch.manual_seed(0)
     ours, theirs = build_pair(preset_name, torch.device("cpu"), torch.bfloat16)
-    variants = {"ours_megatron_linears": {"aten_linears": False},
-                **{f"ours_fp8_{recipe}": {"float8_recipe": recipe} for recipe in FP8_RECIPES}}
-    if which in variants:
-        other = build_model(dataclasses.replace(ours.config, **variants[which]))
+    variant = {"aten_linears": False} if which == "ours_megatron_linears" else {}
+    if fp8_recipe(which):
+        variant = {"float8_recipe": fp8_recipe(which)}
+    if variant:
+        other = build_model(dataclasses.replace(ours.config, **variant))
         other.load_state_dict(ours.state_dict())
         ours = other.to(torch.bfloat16).train()
     del ours.layers[1:]
@@ -303,7 +311,7 @@ def packed_traffic(which: str, family: str, preset_name: str, packed_len: int) -
     recorder = TrafficRecorder()
     point = {"family": family, "preset": preset_name, "image_size": 32, "packed_len": packed_len, "batch": 1,
              "recompute": "none", "compile": True, "dtype": "bf16", "aten_linears": which != "ours_megatron_linears",
-             "fp8": which.removeprefix("ours_fp8_") if which.startswith("ours_fp8_") else None}
+             "fp8": fp8_recipe(which)}
     original = torch.nn.Module.compile
     torch.nn.Module.compile = lambda module, **kw: original(module, backend=recorder.backend, dynamic=False)
     try:
@@ -332,8 +340,7 @@ def main(argv=None) -> dict:
     p.add_argument("--size", type=int, default=32, help="latent side (32 = 256px images)")
     p.add_argument("--batches", default="2,4", help="two batch sizes; the per-token figure is their difference")
     p.add_argument("--models", default="ours,ours_megatron_linears,diffusers",
-                   help="any of ours, ours_megatron_linears, diffusers, ours_fp8_<recipe> (model.fp8: "
-                   + ", ".join(FP8_RECIPES) + ")")
+                   help="any of " + ",".join(MODELS))
     p.add_argument("--compile-options", default="none", help="Inductor options to schedule under, as "
                    "model.compile_options takes them (throughput.py's syntax), e.g. triton.multi_kernel=1")
     p.add_argument("--out", default=None)
@@ -341,6 +348,9 @@ def main(argv=None) -> dict:
     packed = bool(args.packed_lens)
     small, large = (int(b) for b in (args.packed_lens or args.batches).split(","))
     models = [m for m in args.models.split(",") if not (packed and m == "diffusers")]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"--models: {','.join(unknown)} unknown; use any of {','.join(MODELS)}")
     options = compile_option_sets(args.compile_options)[0] or {}
     rows = {}
     for which in models:
@@ -362,7 +372,7 @@ def main(argv=None) -> dict:
         ratios["aten_over_megatron_linears"] = rows["ours"]["bytes_per_token"]["total_bytes"] / \
             rows["ours_megatron_linears"]["bytes_per_token"]["total_bytes"]
     for which in rows:
-        if which.startswith("ours_fp8_") and "ours" in rows:  # the float8 casts' traffic over bf16's
+        if fp8_recipe(which) and "ours" in rows:  # the float8 casts' traffic over bf16's
             ratios[f"{which}_over_bf16"] = rows[which]["bytes_per_token"]["total_bytes"] / \
                 rows["ours"]["bytes_per_token"]["total_bytes"]
     for name, value in ratios.items():
@@ -373,7 +383,7 @@ def main(argv=None) -> dict:
               "compile_options": options,
               "ratios": ratios, "models": rows}
     shape = (f"_packed{large}" if packed else "") + "".join(f"_{k}{v}" for k, v in options.items())
-    recipes = [m.removeprefix("ours_fp8_") for m in models if m.startswith("ours_fp8_")]
+    recipes = [fp8_recipe(m) for m in models if fp8_recipe(m)]
     if recipes:  # FP8 layers: a file of their own, never the bf16 baseline's
         shape += "_fp8_" + "_".join(recipes)
     default = RESULTS / f"fusion_traffic_{args.preset.replace('/', '')}{shape}_torch{torch.__version__.split('+')[0]}.json"

@@ -493,22 +493,24 @@ class Trainer:
         """Whether ``log.sample_interval`` draws a preview after ``step``."""
         return bool(self.cfg.log.sample_interval and step % self.cfg.log.sample_interval == 0)
 
+    def _scheduled_read_after(self, step: int) -> bool:
+        """Whether the state after ``step`` is read at a step number fixed by the config: a periodic
+        save, a preview, the end of the run."""
+        cfg = self.cfg
+        return step == cfg.trainer.max_steps or step % cfg.trainer.save_interval == 0 or self._previews_after(step)
+
     def _ema_folds_after(self, step: int) -> bool:
         """Whether the EMA averages the weights in after ``step`` (1-based): every
-        ``trainer.ema_every`` steps and where the average is read (a preview, a periodic save, the
-        end of the run). Fixed step numbers, so a resumed run folds where an uninterrupted one does;
+        ``trainer.ema_every`` steps and where the state is read (:meth:`_scheduled_read_after`).
+        Fixed step numbers, so a resumed run folds where an uninterrupted one does;
         a checkpoint in between (a preemption's) carries the steps not yet folded (``ema_unfolded_decay``)."""
-        cfg = self.cfg
-        return (step % cfg.trainer.ema_every == 0 or step == cfg.trainer.max_steps
-                or step % cfg.trainer.save_interval == 0 or self._previews_after(step))
+        return step % self.cfg.trainer.ema_every == 0 or self._scheduled_read_after(step)
 
     def _state_needed_after(self, step: int) -> bool:
         """Whether :meth:`fit` reads ``step`` at once (else while the next step runs): when the step
         is decided on the host anyway, or something needs the state right after it (a save, a
         preview, the end of the run, an agreed preemption)."""
-        cfg = self.cfg
-        return (not self.steps_on_device or step == cfg.trainer.max_steps or step % cfg.trainer.save_interval == 0
-                or self._previews_after(step) or self.signals.agreed is not None)
+        return (not self.steps_on_device or self._scheduled_read_after(step) or self.signals.agreed is not None)
 
     def _publish_saves(self) -> None:
         """Publish a finished asynchronous save (never waits)."""
@@ -549,7 +551,8 @@ class Trainer:
         return encode, prompts
 
     def preview(self) -> Optional[Path]:
-        self.ema.fold(self.model)  # steps noted since the last fold (trainer.ema_every; none: nothing to do)
+        # (fit folds at its preview steps already; this covers other callers -- none noted: a no-op)
+        self.ema.fold(self.model)
         with forward_view(self.ema.module):  # Megatron-FSDP: the shadow is called without its wrapper
             return self._draw_preview()
 
