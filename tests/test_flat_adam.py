@@ -89,7 +89,7 @@ def _perturb(trainer):
     way in every run, and tell the optimizer (its fp32 main weights are copies)."""
     gen = torch.Generator().manual_seed(1)
     for p in trainer.model.parameters():
-        p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.05)
+        p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.05)
     trainer.optimizer.reload_model_params()
 
 
