@@ -67,7 +67,7 @@ def run_config(point: dict, run_dir: str):
                           fuse_wgrad_accumulation=point.get("wgrad_fusion"),
                           **RECOMPUTE[point["recompute"]]),
         data=data,
-        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "fused")),
+        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "auto")),
         diffusion=DiffusionConfig(objective="flow"),
         trainer=TrainerConfig(max_steps=10 ** 6, bf16=point["dtype"] == "bf16", save_interval=10 ** 6,
                               ema_every=point.get("ema_every", 1)),
@@ -88,16 +88,20 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         if point.get("step") == "host":
             trainer.steps_on_device = False
         cuda = trainer.device.type == "cuda"
-        for _ in range(warmup):
-            trainer.train_step()
+        warmed = warm_up(trainer.train_step, warmup)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        graphs, retries = compiled_graphs(), alloc_retries()
         start = time.perf_counter()
         history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
         if cuda:  # the last read is before the last update: count that update too
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        graphs, retries = compiled_graphs() - graphs, alloc_retries() - retries
+        if graphs:
+            print(f"warning: {point['preset']}: {graphs} graph(s) compiled while timed: not the steady state's "
+                  "speed (raise --warmup)", file=sys.stderr)
         world = torch.distributed.get_world_size()
         samples, tokens = sum(h["samples"] for h in history), sum(h["tokens"] for h in history)
         tflops = sum(h["model_flops"] for h in history) / elapsed / world / 1e12
@@ -106,13 +110,39 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "images_per_s": samples / elapsed, "tokens_per_s_per_gpu": tokens / elapsed / world,
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-                  "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None)}
+                  "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None),
+                  "warmup_steps": warmed, "graphs_compiled_while_timed": graphs, "alloc_retries_while_timed": retries}
         if profile:
             result["profile"] = profile_steps(trainer.train_steps, trainer.device)
         del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompile for a new shape counts)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def alloc_retries() -> int:
+    """Times the CUDA caching allocator found no free block, freed its cache and retried (each a device
+    sync and a flush: a step near the memory limit that does this is slow for it); 0 off CUDA."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+
+def warm_up(step, steps: int, most_extra: int = 10) -> int:
+    """Run ``steps`` steps, then more (up to ``most_extra``) while the last one still compiled a graph:
+    packed batches change shape from step to step, and dynamo compiles a dynamic-shape graph only at
+    the second or third shape it sees (an H100 timed a 3B point at 5.1 s per step with two warm-up
+    steps, the third step's compile inside the timing). Returns the steps run."""
+    run, before = 0, compiled_graphs()
+    while run < steps or (run < steps + most_extra and compiled_graphs() > before):
+        before = compiled_graphs()
+        step()
+        run += 1
+    return run
 
 
 def fits(point: dict) -> bool:
@@ -153,7 +183,7 @@ def diffusers_side_by_side(point: dict, steps: int) -> dict:
 def variant(point: dict) -> str:
     """A point's (or row's) settings that differ from the defaults, beyond preset, shape, batch,
     recompute, compile, precision and FP8: one label for the printout and the plots."""
-    parts = [f"adam={point['adam']}" if point.get("adam", "fused") != "fused" else "",
+    parts = [f"adam={point['adam']}" if point.get("adam", "auto") != "auto" else "",
              f"attention={point['attention']}" if point.get("attention") else "",
              f"step={point['step']}" if point.get("step", "auto") != "auto" else "",
              "" if point.get("aten_linears", True) else "megatron linears",
@@ -233,7 +263,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
                    f"none,{','.join(FLOAT8_RECIPES)} (MFU stays against the --dtype peak)")
-    p.add_argument("--adam", default="fused", help="optim.adam_impl: any of fused,flat,foreach")
+    p.add_argument("--adam", default="auto", help="optim.adam_impl: any of auto,fused,flat,foreach")
     p.add_argument("--step", default="auto",
                    help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "
                         "as with apex/TE Adam, to measure the device-decided step against)")

@@ -41,7 +41,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
      "model.compile_mode='max-autotune-no-cudagraphs': takes effect only with model.compile=True"),
     ("model", "compile_options", {"triton.multi_kernel": 1},
      "model.compile_options={'triton.multi_kernel': 1}: takes effect only with model.compile=True"),
-    ("optim", "adam_impl", "fusd", "optim.adam_impl='fusd': use one of ('flat', 'fused', 'foreach'); did you mean 'fused'?"),
+    ("optim", "adam_impl", "fusd", "optim.adam_impl='fusd': use one of ('auto', 'flat', 'fused', 'foreach'); did you mean 'fused'?"),
     ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
     ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
     ("data", "micro_batch_size", 0, "data.micro_batch_size=0: must be >= 1"),

@@ -240,6 +240,20 @@ def test_parts_it_does_not_fit_keep_torchs_fused_adamw(tmp_path, caplog):
     trainer.train_step()
 
 
+def test_auto_steps_flat_on_a_gpu_and_fused_elsewhere(tmp_path):
+    """The default, optim.adam_impl=auto: the flat step where the weights are on a GPU (measured
+    faster on an H100), torch's fused AdamW on the CPU (where the generated kernel is slower)."""
+    from types import SimpleNamespace
+    from dit_mcore.training.optim import resolve_adam_impl
+    gpu, cpu = (SimpleNamespace(parameters=lambda on=on: [SimpleNamespace(is_cuda=on)]) for on in (True, False))
+    assert resolve_adam_impl("auto", [cpu, gpu]) == "flat" and resolve_adam_impl("auto", [cpu]) == "fused"
+    assert resolve_adam_impl("foreach", [gpu]) == "foreach"
+    trainer = Trainer(tiny_run(tmp_path))
+    assert trainer.cfg.optim.adam_impl == "auto"
+    assert all(type(inner) is torch.optim.AdamW and all(g["fused"] for g in inner.param_groups)
+               for inner in _inners(trainer))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pretends to be an H100 on a machine without one")
 def test_on_an_h100_the_flat_step_is_one_triton_kernel():
     """What Inductor schedules for the step on an H100 (counted on the CPU): one Triton kernel moving

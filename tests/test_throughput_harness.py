@@ -27,6 +27,23 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["tflops_per_gpu"] == pytest.approx(flops / r["step_s"] / 1e12, rel=1e-5)
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5)
         assert r["command"].startswith("python benchmarks/throughput.py")
+        assert r["warmup_steps"] == 1 and r["graphs_compiled_while_timed"] == 0 and r["alloc_retries_while_timed"] == 0
+
+
+def test_warm_up_goes_on_while_steps_still_compile(monkeypatch):
+    """Packed batches change shape each step and dynamo compiles a dynamic graph at the second or third
+    shape: the warm-up runs past its count while the last step compiled a graph (within a cap), so the
+    timed steps compile nothing."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setitem(counters, "stats", counters["stats"].copy())
+    compiles_at = {0: 2, 1: 1, 2: 1}  # step -> graphs it compiles: the third step still compiles
+
+    def step(i=[0]):
+        counters["stats"]["unique_graphs"] += compiles_at.get(i[0], 0)
+        i[0] += 1
+    assert throughput.warm_up(step, 2) == 4  # steps 0-1, then 2 (compiled) and 3 (compiled nothing)
+    assert throughput.warm_up(lambda: counters["stats"].update(unique_graphs=counters["stats"]["unique_graphs"] + 1),
+                              1, most_extra=3) == 4  # a step that always compiles: capped
 
 
 def test_ema_every_axis_reaches_the_trainer_config(tmp_path):

@@ -70,7 +70,7 @@ def _adam_groups(trainer):
 
 
 def test_fused_adam_trains_as_foreach_and_stays_fused_across_a_foreach_checkpoint(tmp_path):
-    """optim.adam_impl=fused (the default) steps torch's fused AdamW kernel: the same weights as the
+    """optim.adam_impl=fused (what the default, auto, picks off a GPU) steps torch's fused AdamW kernel: the same weights as the
     foreach kernel to float rounding, and a checkpoint written by a foreach run (whose groups say
     foreach) loads into a fused run that stays fused (torch's load takes the saved groups' flags)."""
     runs = {}

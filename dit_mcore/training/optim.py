@@ -103,6 +103,17 @@ def shard_fully(chunks, model_config, ddp_config, kind: str) -> list:
     return [shard_module(chunk, model_config, ddp_config, groups) for chunk in chunks]
 
 
+def resolve_adam_impl(impl: str, chunks) -> str:
+    """``optim.adam_impl=auto``: "flat" where the weights are on a GPU (an H100 stepped DiT-XL/2's
+    AdamW and weight copy 1.24x faster flat than fused, the whole step 1.02x:
+    ``benchmarks/results/h100_2026-11-27.md``), "fused" elsewhere (the CPU's generated kernel is
+    half as fast as torch's fused one). Other values are returned as given."""
+    if impl != "auto":
+        return impl
+    on_gpu = any(p.is_cuda for chunk in chunks for p in chunk.parameters())
+    return "flat" if on_gpu else "fused"
+
+
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
     torch_optimizer.apply_fixes()  # megatron's pure-torch fallbacks (no apex/TE), on any device
     config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
@@ -114,10 +125,11 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    if optim.adam_impl == "flat" and not flat_adam.install(optimizer, ddp_chunks):
+    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks)
+    if impl == "flat" and not flat_adam.install(optimizer, ddp_chunks) and optim.adam_impl == "flat":
         log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
                     "every part steps torch's fused AdamW")
-    torch_optimizer.set_adam_impl(optimizer, optim.adam_impl)
+    torch_optimizer.set_adam_impl(optimizer, impl)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,

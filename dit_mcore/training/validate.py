@@ -31,7 +31,7 @@ from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
 
 BACKENDS = ("auto", "local", "te")
 DECAY_STYLES = ("cosine", "linear", "constant")
-ADAM_IMPLS = ("flat", "fused", "foreach")
+ADAM_IMPLS = ("auto", "flat", "fused", "foreach")
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
