@@ -70,7 +70,7 @@ def run_config(point: dict, run_dir: str):
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "auto")),
         diffusion=DiffusionConfig(objective="flow"),
         trainer=TrainerConfig(max_steps=10 ** 6, bf16=point["dtype"] == "bf16", save_interval=10 ** 6,
-                              ema_every=point.get("ema_every", 1)),
+                              ema_every=point.get("ema_every", 1), ema_offload=point.get("ema_offload", False)),
         log=LogConfig(dir=run_dir, log_interval=10 ** 6, sample_interval=0, tensorboard=False, progress_bar=False),
         parallel=ParallelConfig())
 
@@ -190,6 +190,7 @@ def variant(point: dict) -> str:
              "" if point.get("wgrad_fusion", True) else "wgrad via DDP hook",
              f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
              f"ema_every={point['ema_every']}" if point.get("ema_every", 1) != 1 else "",
+             "EMA offloaded" if point.get("ema_offload") else "",
              "options=" + ",".join(f"{k}={v}" for k, v in point["compile_options"].items())
              if point.get("compile_options") else "",
              f"mode={point['compile_mode']}" if point.get("compile_mode") else ""]
@@ -272,6 +273,8 @@ def main(argv=None) -> list[dict]:
                    "(gradient norm, AdamW, weight copies) is shared by that many micro-batches, as in real runs")
     p.add_argument("--ema-every", default="1", help="trainer.ema_every: any of e.g. 1,10 (optimizer steps between the "
                    "EMA's passes over the weights)")
+    p.add_argument("--ema-offload", default="0", help="trainer.ema_offload: any of 0,1 (1: the EMA shadow in host "
+                   "memory, folded there in a thread; 4 bytes per parameter off the GPU)")
     p.add_argument("--compile-mode", default="default", help="model.compile_mode with --compile 1: any of "
                    "default,max-autotune-no-cudagraphs")
     p.add_argument("--compile-options", default="none", help="model.compile_options with --compile 1, alternatives "
@@ -299,12 +302,13 @@ def main(argv=None) -> list[dict]:
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
                "step": step, "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
-               "ema_every": ema, "compile_options": options, "compile_mode": None if mode == "default" else mode}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, ema, options, mode in itertools.product(
+               "ema_every": ema, "ema_offload": bool(int(offload)), "compile_options": options,
+               "compile_mode": None if mode == "default" else mode}
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, ema, offload, options, mode in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
                   _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int),
-                  _list(args.ema_every, int), compile_option_sets(args.compile_options),
+                  _list(args.ema_every, int), _list(args.ema_offload), compile_option_sets(args.compile_options),
                   _list(args.compile_mode))
               if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
               and (int(c) or (mode == "default" and options is None))]  # a compile mode or options need compile

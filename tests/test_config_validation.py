@@ -118,6 +118,15 @@ def test_layernorm_recompute_with_compile_is_refused_before_compute(tmp_path):
 
 
 
+def test_ema_offload_under_fsdp_is_refused_before_compute(tmp_path):
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.ema_offload, cfg.parallel.fsdp = True, "torch"
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "FSDP shards the EMA shadow" in problems[0], problems
+    cfg.parallel.fsdp = "none"
+    assert run_problems(cfg, world_size=1) == []
+
+
 def test_an_unknown_compile_mode_is_refused_before_compute(tmp_path):
     cfg = tiny_run(tmp_path)
     cfg.model.compile, cfg.model.compile_mode = True, "reduce-overhead"

@@ -10,10 +10,12 @@ def _net(dtype=torch.float32, seed=0):
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 3)).to(dtype)
 
 
+@pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_matches_per_parameter_lerp(dtype):
+def test_update_matches_per_parameter_lerp(dtype, offload):
+    """(``offload``: the fold runs on staged host copies in a thread; reading the shadow waits for it.)"""
     model = _net(dtype)
-    ema = EMA(model, _net(dtype, seed=1), decay=0.9)
+    ema = EMA(model, _net(dtype, seed=1), decay=0.9, offload=offload)
     reference = [p.detach().float().clone() for p in model.parameters()]
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in ema.module.parameters())
     for step in range(15):  # through the warm-up (decay_at < decay) and past it
@@ -110,3 +112,60 @@ def test_update_on_the_gpu_matches_per_parameter_lerp():
             r.lerp_(p.detach().float(), weight)
     for r, e in zip(reference, ema.module.parameters()):
         torch.testing.assert_close(e, r, rtol=1e-6, atol=1e-6)
+
+
+def test_an_offloaded_fold_that_fails_is_raised_where_the_shadow_is_read_next(monkeypatch):
+    """The host fold runs in a thread: its error must not vanish with it."""
+    model = _net()
+    ema = EMA(model, _net(seed=1), decay=0.9, offload=True)
+
+    def broken(self, *args):
+        raise ValueError("no lerp today")
+    monkeypatch.setattr(torch.Tensor, "lerp_", broken)
+    ema.update(model, 0)
+    with pytest.raises(RuntimeError, match="host fold failed") as err:
+        ema.module
+    assert isinstance(err.value.__cause__, ValueError)
+    monkeypatch.undo()
+    ema.update(model, 1)  # the EMA goes on after the error was raised
+    assert ema.module is not None
+
+
+def test_a_host_fold_that_outlasts_the_steps_between_folds_is_named_once(monkeypatch, caplog):
+    """When the next fold has to wait for the last host fold, training stalls: say so (once), with the fix."""
+    import time
+    model = _net()
+    ema = EMA(model, _net(seed=1), decay=0.9, offload=True)
+    lerp = torch.Tensor.lerp_
+    monkeypatch.setattr(torch.Tensor, "lerp_", lambda self, *a: (time.sleep(0.05), lerp(self, *a))[1])
+    with caplog.at_level("WARNING", logger="dit_mcore.training.ema"):
+        for step in range(3):
+            ema.update(model, step)
+        ema.wait()
+    assert caplog.text.count("raise trainer.ema_every") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
+    """``trainer.ema_offload`` on a GPU: the shadow lives on the host, folds bf16 weights copied to
+    pinned buffers behind the step that wrote them (the weights change right after each fold here,
+    so a copy not ordered before that change would differ), equals the on-device EMA to fp32
+    rounding, and :meth:`EMA.placed` runs it on the GPU and brings it back."""
+    model = _net(torch.bfloat16).cuda()
+    on_gpu = EMA(model, _net(torch.bfloat16, seed=1).cuda(), decay=0.9)
+    offloaded = EMA(model, _net(torch.bfloat16, seed=1).cuda(), decay=0.9, offload=True)
+    assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
+    for step in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        on_gpu.update(model, step)
+        offloaded.update(model, step)
+    assert all(s.is_pinned() for s in offloaded._staged)
+    for a, b in zip(on_gpu.module.parameters(), offloaded.module.parameters()):
+        torch.testing.assert_close(b, a.cpu(), rtol=1e-6, atol=1e-6)
+    with offloaded.placed(torch.device("cuda")) as shadow:
+        assert all(p.is_cuda for p in shadow.parameters())
+        x = torch.randn(4, 5, device="cuda")
+        torch.testing.assert_close(shadow(x), on_gpu.module(x), rtol=1e-5, atol=1e-5)
+    assert all(p.device.type == "cpu" for p in offloaded.module.parameters())

@@ -50,20 +50,26 @@ def test_pretrain_xl_on_mock_latents_50_steps(tmp_path):
 
 
 def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
-    """Without apex/TE megatron steps with torch's Adam (fused, the default), whose checkpoint load
-    needs the fixes of ``dit_mcore.training.torch_optimizer`` on a GPU as on the CPU (and the fused
-    kernel its ``step`` tensors on the GPU); the resumed run continues the
-    uninterrupted one (CUDA kernels need not be bitwise reproducible: close, not equal)."""
+    """Without apex/TE megatron steps with torch's Adam (here its fused kernel; the default on a GPU
+    is the flat AdamW, a subclass), whose checkpoint load needs the fixes of
+    ``dit_mcore.training.torch_optimizer`` on a GPU as on the CPU (and the fused kernel its ``step``
+    tensors on the GPU); the resumed run continues the uninterrupted one (CUDA kernels need not be
+    bitwise reproducible: close, not equal)."""
     from dit_mcore.training import torch_optimizer
     from dit_mcore.training.trainer import Trainer
     if not torch_optimizer.uses_torch_optimizer():
         pytest.skip("megatron uses apex's or TE's Adam here, not the torch fallback this checks")
-    full = losses(Trainer(tiny_run(tmp_path / "full", max_steps=6, distopt=True)).fit())
-    cut = Trainer(tiny_run(tmp_path / "cut", max_steps=6, distopt=True))
+
+    def fused(name):
+        cfg = tiny_run(tmp_path / name, max_steps=6, distopt=True)
+        cfg.optim.adam_impl = "fused"
+        return cfg
+    full = losses(Trainer(fused("full")).fit())
+    cut = Trainer(fused("cut"))
     for _ in range(3):
         cut.train_step()
     cut.save()
-    resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=6, distopt=True))
+    resumed = Trainer(fused("cut"))
     assert resumed.step == 3
     for inner in torch_optimizer.torch_adams(resumed.optimizer):  # fused AdamW: steps on the device after a load
         assert all(g["fused"] for g in inner.param_groups)
@@ -75,6 +81,30 @@ def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
     for inner in torch_optimizer.torch_adams(foreach.optimizer):
         assert all(g["foreach"] and not g["fused"] for g in inner.param_groups)
         assert all(s["step"].device.type == "cpu" for s in inner.state.values())
+
+
+def test_an_offloaded_ema_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
+    """``trainer.ema_offload`` on CUDA, bf16: the shadow stays in host memory while the model trains
+    on the GPU, equals the EMA kept on the GPU (the same steps: close, CUDA need not be bitwise), is
+    checkpointed from the host and loaded back there, and a preview samples it on the GPU."""
+    from dit_mcore.training.trainer import Trainer
+
+    def run(name, offload):
+        cfg = tiny_run(tmp_path / name, max_steps=4)
+        cfg.trainer.bf16, cfg.trainer.ema_every, cfg.trainer.ema_offload = True, 2, offload
+        return cfg
+    on_gpu, offloaded = Trainer(run("gpu", False)), Trainer(run("host", True))
+    on_gpu.fit()
+    for _ in range(2):
+        offloaded.train_step()
+    offloaded.save()
+    resumed = Trainer(run("host", True))
+    assert all(p.device.type == "cpu" for p in resumed.ema.module.parameters())
+    resumed.fit()
+    for a, b in zip(on_gpu.ema.module.parameters(), resumed.ema.module.parameters()):
+        torch.testing.assert_close(b, a.cpu(), rtol=1e-3, atol=1e-4)
+    assert resumed.preview() is not None
+    assert all(p.device.type == "cpu" for p in resumed.ema.module.parameters())
 
 
 def test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once(tmp_path):

@@ -46,13 +46,14 @@ def test_warm_up_goes_on_while_steps_still_compile(monkeypatch):
                               1, most_extra=3) == 4  # a step that always compiles: capped
 
 
-def test_ema_every_axis_reaches_the_trainer_config(tmp_path):
+def test_ema_axes_reach_the_trainer_config(tmp_path):
     out = tmp_path / "tp.jsonl"
     throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2", "--ema-every", "1,3",
-                     "--steps", "3", "--warmup", "1", "--out", str(out)])
+                     "--ema-offload", "0,1", "--steps", "3", "--warmup", "1", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["ema_every"] for r in rows] == [1, 3]
-    assert throughput.run_config(rows[1], str(tmp_path)).trainer.ema_every == 3
+    assert [(r["ema_every"], r["ema_offload"]) for r in rows] == [(1, False), (1, True), (3, False), (3, True)]
+    trainer = throughput.run_config(rows[3], str(tmp_path)).trainer
+    assert trainer.ema_every == 3 and trainer.ema_offload
 
 
 def test_compile_option_alternatives_parse_into_option_dicts():

@@ -74,6 +74,29 @@ def test_ema_every_k_steps_resumes_exactly(tmp_path):
     assert not full.ema.module.state_dict()[key].equal(cut.ema.module.state_dict()[key])  # it did fold
 
 
+def test_an_offloaded_ema_trains_checkpoints_and_previews_as_the_one_on_the_device(tmp_path):
+    """``trainer.ema_offload`` (host shadow, folded in a thread) with ``ema_every=2`` over 5 steps:
+    the EMA equals the run without offload bit for bit (on the CPU both fold the same fp32 lerp), a
+    checkpoint at step 3 resumes to the same EMA, and a preview samples from it."""
+    def run(name, offload):
+        cfg = tiny_run(tmp_path / name, max_steps=5)
+        cfg.trainer.ema_every, cfg.trainer.ema_offload = 2, offload
+        return cfg
+
+    plain, offloaded = Trainer(run("plain", False)), Trainer(run("offloaded", True))
+    plain.fit()
+    for _ in range(3):
+        offloaded.train_step()
+    offloaded.save()
+    resumed = Trainer(run("offloaded", True))
+    assert resumed.step == 3 and resumed.ema.offload
+    resumed.fit()
+    for (name, a), b in zip(plain.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), name
+    assert resumed.preview() is not None
+
+
 def test_ema_every_k_steps_skips_a_non_finite_step_and_still_folds_on_schedule(tmp_path):
     """``trainer.ema_every=2`` over 5 steps with step 2 non-finite (skipped): the fold after step 2
     weighs only step 1's decay, the one after step 4 steps 3 and 4, the last one step 5 -- against a

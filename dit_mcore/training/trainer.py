@@ -116,7 +116,7 @@ class Trainer:
             self.shadow_chunks = shard_fully(shadow, self.model_config, self.ddp_chunks[0].ddp_config,
                                              cfg.parallel.fsdp)
             self._materialize(parts, shadow)
-        self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay)
+        self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay, offload=cfg.trainer.ema_offload)
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.sample_weight = torch.ones((), device=self.device)  # 1 / the global batch's samples, per step
@@ -553,7 +553,8 @@ class Trainer:
     def preview(self) -> Optional[Path]:
         # (fit folds at its preview steps already; this covers other callers -- none noted: a no-op)
         self.ema.fold(self.model)
-        with forward_view(self.ema.module):  # Megatron-FSDP: the shadow is called without its wrapper
+        # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
+        with self.ema.placed(self.device) as shadow, forward_view(shadow):
             return self._draw_preview()
 
     def _draw_preview(self) -> Optional[Path]:

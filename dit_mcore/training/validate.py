@@ -237,6 +237,9 @@ def run_problems(cfg, world_size: int) -> list[str]:
                               "outputs are not supported on every GPU); set trainer.bf16=True")
         if cfg.parallel.tp_comm_overlap:
             tp_comm_overlap.check_run(cfg.model, cfg.trainer.bf16)
+        if cfg.trainer.ema_offload and cfg.parallel.fsdp != "none":
+            raise ConfigError(f"trainer.ema_offload=True with parallel.fsdp={cfg.parallel.fsdp!r}: FSDP shards the EMA "
+                              "shadow over the data-parallel ranks already; set trainer.ema_offload=False")
         if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                               "(only sharded parameters are gathered)")
