@@ -183,6 +183,25 @@ def _layouts_worker(rank, world, run_dir, cases):
             _randomize(trainer)
             runs.append([h["loss"] for h in steps(trainer)])
         results["overlap_pipelined"] = runs
+        # trainer.ema_every=2 under the overlapped gather: the updated parameters are gathered for the
+        # EMA at fold steps only (the forward gathers them otherwise), and the EMA is the one without it
+        ema_every = {}
+        for name, extra in (("overlap", overlap), ("plain", dict(distopt=True, overlap_grad_reduce=True))):
+            cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
+            cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
+            trainer = Trainer(cfg)
+            _randomize(trainer)
+            forced = []
+            for chunk in trainer.ddp_chunks:
+                def recorded(*args, sync=chunk.start_param_sync, **kwargs):
+                    if kwargs.get("force_sync"):
+                        forced.append(trainer.step)
+                    return sync(*args, **kwargs)
+                chunk.start_param_sync = recorded
+            for _ in range(5):
+                trainer.train_step()
+            ema_every[name] = {"forced": forced, "ema": [p.detach().clone() for p in trainer.ema.module.parameters()]}
+        results["ema_every_overlap"] = ema_every
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
                                      pipeline_model_parallel_size=2))
@@ -377,6 +396,16 @@ def test_pipelined_steps_equal_steps_read_at_once_with_overlapped_parameter_gath
     there made step k+2's forward run on a mix of old and new parameter shards)."""
     at_once, pipelined = world_results(2)[0][0]["overlap_pipelined"]
     torch.testing.assert_close(torch.tensor(pipelined), torch.tensor(at_once), rtol=1e-6, atol=0)
+
+
+def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
+    """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps read at
+    once: the parameters are gathered outside the forward after steps 2 and 4 (the folds) only (it
+    was every step), and the EMA equals the run that gathers synchronously."""
+    runs = world_results(2)[0][0]["ema_every_overlap"]
+    assert runs["overlap"]["forced"] == [2, 4] and runs["plain"]["forced"] == []
+    for a, b in zip(runs["overlap"]["ema"], runs["plain"]["ema"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", RESHARDED)

@@ -123,6 +123,7 @@ class Trainer:
         per_sample_loss_scale(self.ddp_chunks[0].config, self.optimizer, self.sample_weight)
         self.loader = self._build_data()
         self.skipped_samples = 0
+        self._params_gathered = True  # every rank's model weights are whole (overlap_param_gather)
         self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
         self.signals = PreemptionSignals()
         self.last_saved: Optional[str] = None  # the newest checkpoint's name (kept if training diverges)
@@ -248,6 +249,7 @@ class Trainer:
 
     def save(self) -> Path:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
+        self._sync_params()  # the model weights of the last update (overlap_param_gather)
         self.finish_saves()  # one save in flight at a time
         path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.ema.module, self.optimizer,
                                     extra=self._common_state(), per_rank=per_rank,
@@ -381,7 +383,8 @@ class Trainer:
         schedule and the EMA advance only after an update, the divergence guard counts a skip,
         the preemption vote is tallied. ``sync_params=False`` when the next step's forward has
         run already: it gathered the updated parameters (``overlap_param_gather``), and a forced
-        gather now would mark the next gather done before that step's update."""
+        gather now would mark the next gather done before that step's update. Otherwise the
+        updated parameters are gathered only for a reader (an EMA fold here, a save)."""
         if step.metrics is not None:
             return step.metrics
         values = step.values if step.values is not None else step.read.get()
@@ -391,10 +394,10 @@ class Trainer:
         self.signals.settle(ballot, dist.get_world_size(parallel_state.get_data_parallel_group()))
         if ok:
             self.scheduler.step(increment=1)
-            if sync_params:
-                self._sync_params()
+            self._params_gathered = not sync_params
             self.ema.note(step.index - 1)
         if self._ema_folds_after(step.index):
+            self._sync_params()
             self.ema.fold(self.model)
         self.divergence.record(ok, step.index, self.last_saved)
         self.skipped_samples += int(skipped_samples)
@@ -425,10 +428,13 @@ class Trainer:
 
     def _sync_params(self) -> None:
         """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
-        forward; gather them now for readers outside the forward (EMA, checkpoints)."""
-        if self.cfg.parallel.overlap_param_gather:
+        forward; gather them now for a reader outside the forward (an EMA fold, a checkpoint), once
+        per update: with ``trainer.ema_every`` k the steps between folds leave the gather to the
+        next forward, overlapped."""
+        if self.cfg.parallel.overlap_param_gather and not self._params_gathered:
             for chunk in self.ddp_chunks:
                 chunk.start_param_sync(force_sync=True)
+            self._params_gathered = True
 
     def _moe_metrics(self, num_microbatches: int) -> dict:
         """The MoE router losses of this step (mean over layers and micro-batches, all ranks, device
