@@ -35,7 +35,7 @@ from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.fsdp import forward_view, local, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
-from dit_mcore.training import checkpoint as ckpt
+from dit_mcore.training import checkpoint as ckpt, memory
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
@@ -99,6 +99,7 @@ class Trainer:
         parts = []
         with on_each_part(lambda key, owned: parts.append((key, owned))) if self.meta_init else contextlib.nullcontext():
             self.model = self._build_model()
+        self._check_state_fits()  # before the EMA, the optimizer and any compile allocate or take time
         if cfg.model.compile:
             for chunk in self.model:
                 chunk.compile_layers(cfg.model.compile_mode, cfg.model.compile_options)
@@ -425,6 +426,25 @@ class Trainer:
         samples = to_device([float(self._counted(sum(b.num_samples for b in microbatches)))], self.device)
         dist.all_reduce(samples, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.sample_weight.copy_(1.0 / samples.clamp(min=1.0)[0])
+
+    def _check_state_fits(self) -> None:
+        """Count this rank's per-parameter state for the run (:mod:`dit_mcore.training.memory`): fail
+        now, naming the fixes, if it alone exceeds the device; log the room left for activations."""
+        fsdp, offload = self.cfg.parallel.fsdp != "none", self.cfg.trainer.ema_offload
+        memory.check_state_fits(self.state_budget(), memory.device_memory(self.device), ema_offload=offload, fsdp=fsdp)
+
+    def state_budget(self) -> memory.StateBudget:
+        """This rank's per-parameter state for the run, counted from its parameters."""
+        cfg = self.cfg
+        dense = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        if cfg.parallel.fsdp != "none" and cfg.parallel.fsdp_shard_size:
+            dense = min(dense, cfg.parallel.fsdp_shard_size)
+        expert = parallel_state.get_expert_data_parallel_world_size() if self.model_config.num_moe_experts else dense
+        return memory.state_budget(
+            ((p.numel(), dense if getattr(p, "allreduce", True) else expert)
+             for chunk in self.model for p in chunk.parameters()),
+            bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
+            fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload)
 
     def _sync_params(self) -> None:
         """With ``overlap_param_gather`` the updated parameter shards are gathered during the next

@@ -1,0 +1,71 @@
+"""The per-parameter state a rank holds (dit_mcore.training.memory): the arithmetic per layout, the
+count against the tensors megatron and the trainer really allocate, and a run whose state cannot fit
+the device refused before any compute."""
+import pytest
+import torch
+
+from dit_mcore.config import ConfigError
+from dit_mcore.training import memory
+from dit_mcore.training.memory import state_budget
+from dit_mcore.training.torch_optimizer import torch_adams
+from dit_mcore.training.trainer import Trainer
+from test_training import tiny_run
+
+B = 3.31e9  # MovieGen-3B's parameters (tests/test_llama.py)
+
+
+@pytest.mark.parametrize("layout, bytes_per_param", [
+    (dict(bf16=True), 22),                                  # 2 + 4 + 4 + 8 + 4: the H100's 67.8 GiB
+    (dict(bf16=True, ema_offload=True), 18),
+    (dict(bf16=False), 20),                                 # fp32: the optimizer steps the weights themselves
+    (dict(bf16=True, distributed_optimizer=True, shards=8), 2 + 4 + 12 / 8 + 4),
+    (dict(bf16=True, fsdp=True, shards=8), 22 / 8),
+])
+def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
+    shards = layout.pop("shards", 1)
+    kw = dict(bf16=False, distributed_optimizer=False, fsdp=False, ema_offload=False) | layout
+    budget = state_budget([(int(B), shards)], **kw)
+    assert budget.total == pytest.approx(B * bytes_per_param)
+    if kw == dict(bf16=True, distributed_optimizer=False, fsdp=False, ema_offload=False):
+        assert budget.describe().startswith("67.8 GiB (weights 6.2 GiB, gradients 12.3 GiB")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16):
+    """After a step (Adam's moments exist): the model's weights, megatron DDP's gradient buffers, the
+    optimizer's fp32 main weights and moments and the EMA shadow weigh what the budget says."""
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.bf16 = bf16
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    adams = torch_adams(trainer.optimizer)
+    params = [p for inner in adams for g in inner.param_groups for p in g["params"]]
+    real = dict(weights=nbytes(p for chunk in trainer.model for p in chunk.parameters()),
+                gradients=nbytes(b.grad_data for chunk in trainer.ddp_chunks for b in chunk.buffers),
+                main_weights=nbytes(params) if bf16 else 0,
+                adam=nbytes(s[k] for inner in adams for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")),
+                ema=nbytes(trainer.ema.module.parameters()))
+    budget = trainer.state_budget()
+    for kind, value in real.items():
+        if kind == "gradients":  # megatron pads each bucket
+            assert value >= budget.gradients and value == pytest.approx(budget.gradients, rel=0.05), kind
+        else:
+            assert value == getattr(budget, kind), kind
+
+
+def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch):
+    """The device is 'smaller' than the tiny model's state: the trainer stops once the model is built
+    (before the EMA, the optimizer, the data and any compile), naming the settings that shrink the
+    state; offloaded, the EMA is no longer offered; a device with room trains."""
+    monkeypatch.setattr(memory, "device_memory", lambda device: 1024)
+    with pytest.raises(ConfigError, match=r"needs .* KiB \(weights .* but the device has 1.0 KiB, before any "
+                                          r"activation; set trainer.ema_offload=True \(-"):
+        Trainer(tiny_run(tmp_path))
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.ema_offload = True
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert "ema_offload" not in str(err.value) and "optim.use_distributed_optimizer=True" in str(err.value)
+    monkeypatch.setattr(memory, "device_memory", lambda device: 2 ** 30)
+    Trainer(tiny_run(tmp_path)).train_step()
