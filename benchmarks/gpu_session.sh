@@ -63,6 +63,10 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+# The 3B packed point: batch 2 where it fits (the H200's 139 GB: 110 GiB peak); on an 80 GB card batch 1 with the
+# EMA in host memory (22 B/param of state, 67.8 GiB, left less than one 8k-token sample's ~21 GiB of activations)
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+if [ "${mib:-0}" -ge 100000 ]; then B3="--batches 2"; else B3="--batches 1 --ema-offload 1 --ema-every 10"; fi
 python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" | tee -a "$out/device.txt"
 case "$phase" in
   tests)
@@ -70,7 +74,7 @@ case "$phase" in
       tests/test_compile.py 2>&1 | tee "$out/tests.txt" | tail -n 30 ;;
   fp8)
     timeout 270 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --fp8 none,tensorwise,rowwise_with_gw_hp --profile \
+      --packed-lens 8192 $B3 --compile 1 --dtype bf16 --fp8 none,tensorwise,rowwise_with_gw_hp --profile \
       --warmup 3 --steps 5 --out "$out/throughput_3b_fp8.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
     timeout 250 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
       --dtype bf16 --fp8 none,tensorwise,rowwise_with_gw_hp --profile --warmup 4 --steps 8 \
@@ -90,7 +94,7 @@ case "$phase" in
       tests/test_gpu_training.py::test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu \
       2>&1 | tee "$out/tests.txt" | tail -n 15 || true
     timeout 220 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --fp8 none,tensorwise --warmup 6 --steps 8 \
+      --packed-lens 8192 $B3 --compile 1 --dtype bf16 --fp8 none,tensorwise --warmup 6 --steps 8 \
       --out "$work/throughput_packed.jsonl" 2>&1 | grep -v -i warn | tail -n 25 || true
     cp "$work"/throughput_packed.jsonl "$out"/ 2>/dev/null || true
     if [ -z "${SKIP_XL:-}" ]; then
@@ -105,7 +109,7 @@ case "$phase" in
       --dtype bf16 --adam fused,foreach --profile --warmup 6 --steps 12 --out "$out/throughput_xl_profile.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl_profile.txt" | tail -n 70 || true
     timeout 150 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
+      --packed-lens 8192 $B3 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
       --out "$out/throughput_3b_profile.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b_profile.txt" | tail -n 40 || true
     timeout 170 python3 benchmarks/train_step.py --preset DiT-XL/2 --batch 128 --dtype bf16 --compile --rounds 3 \
       --steps 4 --profile --out "$out/train_step_xl_b128_compiled_profile.json" 2>&1 | grep -v -i warn \
@@ -132,7 +136,7 @@ case "$phase" in
       cp "$work/throughput_xl_b$b.jsonl" "$out/" 2>/dev/null || true
     done
     timeout 120 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
+      --packed-lens 8192 $B3 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
       --out "$work/throughput_3b.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
     cp "$work/throughput_3b.jsonl" "$out/" 2>/dev/null || true
     tar czf "$out/plots.tgz" -C "$work" --exclude='*.jsonl' . ;;
@@ -141,7 +145,7 @@ case "$phase" in
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "packed" 2>&1 \
       | tee "$out/tests.txt" | tail -n 15 || true
     timeout 150 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
+      --packed-lens 8192 $B3 --compile 1 --dtype bf16 --profile --warmup 5 --steps 6 \
       --out "$work/throughput_3b_gaps.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 30 || true
     timeout 130 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 256 --compile 1 \
       --dtype bf16 --profile --warmup 4 --steps 8 --out "$work/throughput_xl_b256.jsonl" 2>&1 | grep -v -i warn \
@@ -163,7 +167,7 @@ case "$phase" in
   accumulate)
     work=/tmp/gpu_accumulate; mkdir -p "$work"
     timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --accumulation 1,4 --compile 1 --dtype bf16 --warmup 3 --steps 4 \
+      --packed-lens 8192 $B3 --accumulation 1,4 --compile 1 --dtype bf16 --warmup 3 --steps 4 \
       --out "$work/throughput_3b_accumulation.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b.txt" | tail -n 20 || true
     timeout 200 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --accumulation 4 \
       --compile 1 --dtype bf16 --warmup 2 --steps 4 --out "$work/throughput_xl_accumulation.jsonl" 2>&1 \
@@ -184,7 +188,7 @@ case "$phase" in
     timeout 60 python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v -i warn \
       | tail -n 5 || true
     timeout 230 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --compile 1 --dtype bf16 --adam flat,fused --profile --warmup 3 --steps 5 \
+      --packed-lens 8192 $B3 --compile 1 --dtype bf16 --adam flat,fused --profile --warmup 3 --steps 5 \
       --out "$out/throughput_3b_adam.jsonl" 2>&1 | grep -v -i warn | tail -n 30 || true
     timeout 150 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
       --dtype bf16 --adam flat,fused --profile --warmup 4 --steps 8 --out "$out/throughput_xl_adam.jsonl" 2>&1 \
@@ -194,7 +198,7 @@ case "$phase" in
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py -k "wgrad" 2>&1 \
       | tee "$out/tests.txt" | tail -n 5 || true
     timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 2 --accumulation 2 --wgrad-fusion 1,0 --compile 1 --dtype bf16 --profile \
+      --packed-lens 8192 $B3 --accumulation 2 --wgrad-fusion 1,0 --compile 1 --dtype bf16 --profile \
       --warmup 3 --steps 4 --out "$work/throughput_3b_wgrad_fusion.jsonl" 2>&1 | grep -v -i warn \
       | tee "$out/3b.txt" | tail -n 40 || true
     timeout 150 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
