@@ -110,6 +110,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "images_per_s": samples / elapsed, "tokens_per_s_per_gpu": tokens / elapsed / world,
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+                  "state_gib": trainer.state_budget().total / 2 ** 30,  # weights, gradients, optimizer, EMA
                   "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None),
                   "warmup_steps": warmed, "graphs_compiled_while_timed": graphs, "alloc_retries_while_timed": retries}
         if profile:

@@ -8,10 +8,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import throughput  # noqa: E402
+from family_models import count_params  # noqa: E402
 
 
 def test_grid_writes_one_consistent_line_per_point(tmp_path):
     from dit_mcore.config import preset
+    from dit_mcore.models.registry import get_family
     from dit_mcore.training.flops import dit_flops
 
     out = tmp_path / "tp.jsonl"
@@ -28,6 +30,7 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5)
         assert r["command"].startswith("python benchmarks/throughput.py")
         assert r["warmup_steps"] == 1 and r["graphs_compiled_while_timed"] == 0 and r["alloc_retries_while_timed"] == 0
+        assert r["state_gib"] == pytest.approx(count_params(get_family("dit"), "tiny")[0] * 20 / 2 ** 30)  # fp32: 20 B/param
 
 
 def test_warm_up_goes_on_while_steps_still_compile(monkeypatch):
