@@ -8,8 +8,8 @@
 #   current the code as it stands, first (~9 min): the GPU training and EMA tests (the EMA kept in host memory,
 #           trainer.ema_offload; the flat AdamW, the default on a GPU now), then MovieGen-3B at 8k tokens, batch 1,
 #           on one 80 GB card (its 22 B/param of state did not leave room for one sample's activations on the
-#           H100): the EMA offloaded (4 B/param off the GPU) and folded every 10 steps, with selective and
-#           without recompute, profiled
+#           H100): the EMA offloaded (4 B/param off the GPU) and folded every 10 steps (12 timed steps: a host
+#           fold inside, waited for), with selective and without recompute, profiled
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
@@ -180,7 +180,7 @@ case "$phase" in
     for rc in selective none; do  # separate processes: an out-of-memory point ends its process
       timeout 190 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
         --packed-lens 8192 --batches 1 --compile 1 --dtype bf16 --recompute $rc --ema-offload 1 --ema-every 10 \
-        --profile --warmup 3 --steps 5 --out "$out/throughput_3b_b1_$rc.jsonl" 2>&1 | grep -v -i warn | tail -n 25 || true
+        --profile --warmup 3 --steps 12 --out "$out/throughput_3b_b1_$rc.jsonl" 2>&1 | grep -v -i warn | tail -n 25 || true
     done ;;
   optimizer)
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_flat_adam.py tests/test_ema.py 2>&1 \

@@ -107,10 +107,15 @@ def step(optimizer) -> None:
 
 def ema_side_by_side(module, args, device) -> dict:
     """The EMA update over the same bf16 weights into an fp32 shadow: eager (a casting copy per
-    parameter, then torch's foreach lerp: 18 bytes per parameter) against the compiled fold (10)."""
+    parameter, then torch's foreach lerp: 18 bytes per parameter) against the compiled fold (10);
+    and the fold into a shadow in host memory (``trainer.ema_offload``: the copy to pinned buffers and
+    the host lerp, waited for), as nanoseconds per parameter, to size ``trainer.ema_every`` by."""
     from dit_mcore.training.ema import compiled_fold
+    from dit_mcore.training.host_fold import HostFold
     params = [p.detach() for p in module.parameters()]
     shadows = {name: [p.float() for p in params] for name in ("eager", "compiled")}
+    shadows["host"] = [p.float().cpu() for p in params]
+    host_fold = HostFold(params)
     weight = torch.tensor(1e-4, device=device)
     step_fold = compiled_fold()
 
@@ -118,8 +123,12 @@ def ema_side_by_side(module, args, device) -> dict:
         for s, p in zip(shadows["compiled"], params):
             step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)
 
+    def host():
+        host_fold.start(shadows["host"], params, 1e-4)
+        host_fold.wait()
+
     candidates = {"eager": lambda: torch._foreach_lerp_(shadows["eager"], [p.float() for p in params], 1e-4),
-                  "compiled": compiled}
+                  "compiled": compiled, "host": host}
     for fn in candidates.values():
         for _ in range(3):
             fn()
@@ -133,13 +142,20 @@ def ema_side_by_side(module, args, device) -> dict:
             sync_device(device)
             times[name].append((time.perf_counter() - start) / args.iters)
     n = sum(p.numel() for p in params)
-    result = {"max_abs_diff": max((a - b).abs().max().item() for a, b in zip(*shadows.values()))}
+    result = {"max_abs_diff": max((a - b).abs().max().item() for a, b in zip(shadows["eager"], shadows["compiled"])),
+              "max_abs_diff_host": max((a.cpu() - b).abs().max().item() for a, b in zip(shadows["eager"], shadows["host"])),
+              "host_workers": host_fold.workers}
     for name, t in times.items():
         ms = statistics.median(t) * 1e3
-        result[name] = {"ms_per_update": ms, "gb_per_s": (18 if name == "eager" else 10) * n / (ms * 1e-3) / 1e9}
-        print(f"EMA {name:8s} {ms:8.3f} ms per update  {result[name]['gb_per_s']:8.1f} GB/s")
+        result[name] = {"ms_per_update": ms, "gb_per_s": (18 if name == "eager" else 10) * n / (ms * 1e-3) / 1e9,
+                        "ns_per_parameter": ms * 1e6 / n}
+        print(f"EMA {name:8s} {ms:8.3f} ms per update  {result[name]['gb_per_s']:8.1f} GB/s  "
+              f"{result[name]['ns_per_parameter']:.2f} ns/param")
     result["ratio_eager_over_compiled"] = result["eager"]["ms_per_update"] / result["compiled"]["ms_per_update"]
+    result["ratio_host_over_eager"] = result["host"]["ms_per_update"] / result["eager"]["ms_per_update"]
     print(f"EMA eager / compiled: {result['ratio_eager_over_compiled']:.3f}x   (max |diff| {result['max_abs_diff']:.2e})")
+    print(f"EMA host / eager: {result['ratio_host_over_eager']:.3f}x the time ({host_fold.workers} host threads; max |diff| "
+          f"{result['max_abs_diff_host']:.2e})")
     return result
 
 

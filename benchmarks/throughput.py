@@ -97,6 +97,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
         if cuda:  # the last read is before the last update: count that update too
             torch.cuda.synchronize()
+        trainer.ema.wait()  # and a host fold still running (trainer.ema_offload)
         elapsed = time.perf_counter() - start
         graphs, retries = compiled_graphs() - graphs, alloc_retries() - retries
         if graphs:

@@ -131,6 +131,27 @@ def test_an_offloaded_fold_that_fails_is_raised_where_the_shadow_is_read_next(mo
     assert ema.module is not None
 
 
+def test_the_host_fold_in_chunks_over_a_thread_pool_equals_the_lerp(monkeypatch):
+    """Under torchrun (one intra-op thread per process) the host lerp runs as bounded chunks over a
+    pool of threads: the same values as one lerp per tensor."""
+    from dit_mcore.training import host_fold
+    monkeypatch.setattr(host_fold, "CHUNK", 5)
+    monkeypatch.setattr(host_fold, "host_workers", lambda: 3)
+    model = _net(torch.bfloat16)
+    ema = EMA(model, _net(torch.bfloat16, seed=1), decay=0.9, offload=True)
+    assert ema.host_fold.workers == 3
+    reference = [p.detach().float().clone() for p in model.parameters()]
+    for step in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model, step)
+        for r, p in zip(reference, model.parameters()):
+            r.lerp_(p.detach().float(), 1.0 - min(0.9, (1.0 + step) / (10.0 + step)))
+    for r, e in zip(reference, ema.module.parameters()):
+        assert torch.equal(r, e)
+
+
 def test_a_host_fold_that_outlasts_the_steps_between_folds_is_named_once(monkeypatch, caplog):
     """When the next fold has to wait for the last host fold, training stalls: say so (once), with the fix."""
     import time
@@ -138,7 +159,7 @@ def test_a_host_fold_that_outlasts_the_steps_between_folds_is_named_once(monkeyp
     ema = EMA(model, _net(seed=1), decay=0.9, offload=True)
     lerp = torch.Tensor.lerp_
     monkeypatch.setattr(torch.Tensor, "lerp_", lambda self, *a: (time.sleep(0.05), lerp(self, *a))[1])
-    with caplog.at_level("WARNING", logger="dit_mcore.training.ema"):
+    with caplog.at_level("WARNING", logger="dit_mcore.training.host_fold"):
         for step in range(3):
             ema.update(model, step)
         ema.wait()
@@ -147,13 +168,16 @@ def test_a_host_fold_that_outlasts_the_steps_between_folds_is_named_once(monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
-    """``trainer.ema_offload`` on a GPU: the shadow lives on the host, folds bf16 weights copied to
-    pinned buffers behind the step that wrote them (the weights change right after each fold here,
-    so a copy not ordered before that change would differ), equals the on-device EMA to fp32
-    rounding, and :meth:`EMA.placed` runs it on the GPU and brings it back."""
-    model = _net(torch.bfloat16).cuda()
-    on_gpu = EMA(model, _net(torch.bfloat16, seed=1).cuda(), decay=0.9)
-    offloaded = EMA(model, _net(torch.bfloat16, seed=1).cuda(), decay=0.9, offload=True)
+    """``trainer.ema_offload`` on a GPU: the shadow lives on the host and folds bf16 weights copied to
+    pinned buffers on the stream, with the weights changed on the GPU right after each fold and the
+    host lerp waiting only for the copies' event (a 4096x4096 weight: copies of milliseconds);
+    equal to the on-device EMA to fp32 rounding; :meth:`EMA.placed` runs it on the GPU and back."""
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(5, 4096), torch.nn.Linear(4096, 4096)).to(torch.bfloat16)
+    model = net(0).cuda()
+    on_gpu = EMA(model, net(1).cuda(), decay=0.9)
+    offloaded = EMA(model, net(1).cuda(), decay=0.9, offload=True)
     assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
     for step in range(6):
         with torch.no_grad():
@@ -161,11 +185,11 @@ def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
                 p.add_(torch.randn_like(p))
         on_gpu.update(model, step)
         offloaded.update(model, step)
-    assert all(s.is_pinned() for s in offloaded._staged)
+    assert all(s.is_pinned() for s in offloaded.host_fold.staged)
     for a, b in zip(on_gpu.module.parameters(), offloaded.module.parameters()):
         torch.testing.assert_close(b, a.cpu(), rtol=1e-6, atol=1e-6)
     with offloaded.placed(torch.device("cuda")) as shadow:
         assert all(p.is_cuda for p in shadow.parameters())
         x = torch.randn(4, 5, device="cuda")
-        torch.testing.assert_close(shadow(x), on_gpu.module(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(shadow(x), on_gpu.module(x), rtol=1e-4, atol=1e-4)
     assert all(p.device.type == "cpu" for p in offloaded.module.parameters())

@@ -28,24 +28,30 @@ def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     assert budget.total == pytest.approx(B * bytes_per_param)
     if kw == dict(bf16=True, distributed_optimizer=False, fsdp=False, ema_offload=False):
         assert budget.describe().startswith("67.8 GiB (weights 6.2 GiB, gradients 12.3 GiB")
+    flat = state_budget([(int(B), shards)], **kw, flat_adam=True)  # the flat AdamW's group byte
+    assert flat.total - budget.total == pytest.approx(B / (shards if kw["distributed_optimizer"] or kw["fsdp"] else 1))
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16):
+@pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat")])
+def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
     """After a step (Adam's moments exist): the model's weights, megatron DDP's gradient buffers, the
-    optimizer's fp32 main weights and moments and the EMA shadow weigh what the budget says."""
+    optimizer's fp32 main weights and moments (the flat AdamW's ranges: moments and a group byte per
+    element) and the EMA shadow weigh what the budget says."""
     cfg = tiny_run(tmp_path)
-    cfg.trainer.bf16 = bf16
+    cfg.trainer.bf16, cfg.optim.adam_impl = bf16, impl
     trainer = Trainer(cfg)
     trainer.train_step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     adams = torch_adams(trainer.optimizer)
-    params = [p for inner in adams for g in inner.param_groups for p in g["params"]]
+    if impl == "flat":
+        ranges = [r for inner in adams for r in inner.ranges]
+        main, adam = nbytes(r.main for r in ranges), nbytes(t for r in ranges for t in (r.exp_avg, r.exp_avg_sq, r.group))
+    else:
+        main = nbytes(p for inner in adams for g in inner.param_groups for p in g["params"])
+        adam = nbytes(s[k] for inner in adams for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq"))
     real = dict(weights=nbytes(p for chunk in trainer.model for p in chunk.parameters()),
                 gradients=nbytes(b.grad_data for chunk in trainer.ddp_chunks for b in chunk.buffers),
-                main_weights=nbytes(params) if bf16 else 0,
-                adam=nbytes(s[k] for inner in adams for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")),
-                ema=nbytes(trainer.ema.module.parameters()))
+                main_weights=main if bf16 else 0, adam=adam, ema=nbytes(trainer.ema.module.parameters()))
     budget = trainer.state_budget()
     for kind, value in real.items():
         if kind == "gradients":  # megatron pads each bucket

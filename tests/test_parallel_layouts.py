@@ -186,7 +186,8 @@ def _layouts_worker(rank, world, run_dir, cases):
         # trainer.ema_every=2 under the overlapped gather: the updated parameters are gathered for the
         # EMA at fold steps only (the forward gathers them otherwise), and the EMA is the one without it
         ema_every = {}
-        for name, extra in (("overlap", overlap), ("plain", dict(distopt=True, overlap_grad_reduce=True))):
+        for name, extra in (("overlap", overlap), ("pipelined", overlap),
+                            ("plain", dict(distopt=True, overlap_grad_reduce=True))):
             cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
             cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
             trainer = Trainer(cfg)
@@ -198,8 +199,11 @@ def _layouts_worker(rank, world, run_dir, cases):
                         forced.append(trainer.step)
                     return sync(*args, **kwargs)
                 chunk.start_param_sync = recorded
-            for _ in range(5):
-                trainer.train_step()
+            if name == "pipelined":  # step k settled after step k+1's forward gathered its update
+                trainer.train_steps(5)
+            else:
+                for _ in range(5):
+                    trainer.train_step()
             ema_every[name] = {"forced": forced, "ema": [p.detach().clone() for p in trainer.ema.module.parameters()]}
         results["ema_every_overlap"] = ema_every
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
@@ -399,13 +403,15 @@ def test_pipelined_steps_equal_steps_read_at_once_with_overlapped_parameter_gath
 
 
 def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
-    """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps read at
-    once: the parameters are gathered outside the forward after steps 2 and 4 (the folds) only (it
-    was every step), and the EMA equals the run that gathers synchronously."""
+    """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps: read
+    at once, the parameters are gathered outside the forward after steps 2 and 4 (the folds) only (it
+    was every step); pipelined as ``fit`` runs them, never (the next forward gathered each update
+    before the fold read it); either way the EMA equals the run that gathers synchronously."""
     runs = world_results(2)[0][0]["ema_every_overlap"]
-    assert runs["overlap"]["forced"] == [2, 4] and runs["plain"]["forced"] == []
-    for a, b in zip(runs["overlap"]["ema"], runs["plain"]["ema"]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert runs["overlap"]["forced"] == [2, 4] and runs["pipelined"]["forced"] == [] and runs["plain"]["forced"] == []
+    for name in ("overlap", "pipelined"):
+        for a, b in zip(runs[name]["ema"], runs["plain"]["ema"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", RESHARDED)

@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import contextlib
-import logging
-import threading
-import time
 
 import torch
 
 from dit_mcore.parallel.fsdp import publish_weights, sharded_parameters, to_shards
+from dit_mcore.training.host_fold import HostFold
 from kernels.host_copy import to_device
-
-log = logging.getLogger(__name__)
 
 
 def fold_tensor(shadow: torch.Tensor, param: torch.Tensor, weight: torch.Tensor) -> None:
@@ -66,10 +62,7 @@ class EMA:
             if p.dtype != torch.float32:  # (an FSDP-sharded shadow is made fp32 before sharding)
                 p.data = p.data.float()
         self.offload = offload
-        self._staged: list[torch.Tensor] = []  # pinned host copies of the weights (offload)
-        self._pending: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._stall_said = False
+        self.host_fold = HostFold(sharded_parameters(model)) if offload else None
         if offload:
             self._module.to("cpu")
 
@@ -81,12 +74,8 @@ class EMA:
 
     def wait(self) -> None:
         """Finish the host fold in flight (``offload``), raising what it raised."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise RuntimeError("the EMA's host fold failed") from failure
+        if self.host_fold is not None:
+            self.host_fold.wait()
 
     @contextlib.contextmanager
     def placed(self, device: torch.device):
@@ -96,8 +85,10 @@ class EMA:
         if not self.offload:
             yield module
             return
-        module.to(device)
         try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the shadow takes its 4 bytes per parameter back for the preview
+            module.to(device)
             yield module
         finally:
             module.to("cpu")
@@ -133,53 +124,17 @@ class EMA:
         when the shadow is called (``fsdp.forward_view``), not every step."""
         if self.unfolded_decay == 1.0:
             return
-        if self._pending is not None:  # offload: the last host fold must be done before its buffers refill
-            start = time.perf_counter()
-            self.wait()
-            self._note_stall(time.perf_counter() - start)
-        shadow = sharded_parameters(self.module)
+        shadow = sharded_parameters(self._module)
         params = [p.detach() for p in sharded_parameters(model)]
         if len(params) != len(shadow):
             raise ValueError(f"EMA.fold: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")
         weight, self.unfolded_decay = 1.0 - self.unfolded_decay, 1.0
-        if self.offload:
-            self._fold_on_host(shadow, params, weight)
+        if self.host_fold is not None:
+            self.host_fold.start(shadow, params, weight)
         elif shadow and shadow[0].is_cuda and all(t.is_contiguous() for t in (*shadow, *params)):
             step_fold, weight = compiled_fold(), to_device(weight, shadow[0].device, torch.float32)
             for s, p in zip(shadow, params):  # a call per tensor, flat (aliases without a view base,
                 step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)  # which dynamo would guard on)
         else:
             torch._foreach_lerp_(shadow, [p.float() for p in params], weight)
-
-    def _note_stall(self, seconds: float) -> None:
-        if seconds > 0.05 and not self._stall_said:
-            self._stall_said = True
-            log.warning("the EMA's host fold (trainer.ema_offload) outlasted trainer.ema_every steps: training "
-                        "waited %.2f s for it; raise trainer.ema_every", seconds)
-
-    def _fold_on_host(self, shadow: list[torch.Tensor], params: list[torch.Tensor], weight: float) -> None:
-        """``offload``: copy the weights into pinned host buffers, queued on the current stream (so
-        behind the optimizer step that wrote them and before any later one), then lerp them into the
-        host shadow in a thread that first waits for the copies; the GPU is not waited for here."""
-        if not self._staged:
-            pin = torch.cuda.is_available()
-            self._staged = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
-        for staged, p in zip(self._staged, params):
-            staged.copy_(p, non_blocking=True)
-        copied = None
-        if any(p.is_cuda for p in params):
-            copied = torch.cuda.Event()
-            copied.record()
-
-        def fold():
-            try:
-                if copied is not None:
-                    copied.synchronize()
-                for s, staged in zip(shadow, self._staged):
-                    s.lerp_(staged.to(s.dtype), weight)
-            except BaseException as e:  # raised again by wait()
-                self._failure = e
-
-        self._pending = threading.Thread(target=fold, name="ema-host-fold", daemon=True)
-        self._pending.start()

@@ -42,17 +42,18 @@ class StateBudget:
 
     def describe(self) -> str:
         parts = (("weights", self.weights), ("gradients", self.gradients), ("main weights", self.main_weights),
-                 ("Adam moments", self.adam), ("EMA", self.ema))
+                 ("Adam", self.adam), ("EMA", self.ema))
         return f"{size(self.total)} (" + ", ".join(f"{name} {size(b)}" for name, b in parts if b) + ")"
 
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
-                 ema_offload: bool) -> StateBudget:
+                 ema_offload: bool, flat_adam: bool = False) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and an fp32 gradient buffer whole on every data-parallel rank; the distributed
     optimizer shards the fp32 main weights (bf16 runs only) and both moments; FSDP shards all of it,
-    the EMA too. ``ema_offload``: the EMA is in host memory."""
+    the EMA too. ``ema_offload``: the EMA is in host memory; ``flat_adam`` (``optim.adam_impl=flat``):
+    one more byte per element of the optimizer's ranges, each element's parameter group."""
     w = g = m = a = e = 0.0
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1
@@ -60,7 +61,7 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         w += numel * (2 if bf16 else 4) / shard_all
         g += numel * 4 / shard_all
         m += numel * 4 / shard_state if bf16 else 0.0
-        a += numel * 8 / shard_state
+        a += numel * (9 if flat_adam else 8) / shard_state
         e += 0.0 if ema_offload else numel * 4 / shard_all
     return StateBudget(w, g, m, a, e)
 

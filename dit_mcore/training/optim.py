@@ -126,6 +126,8 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
     impl = resolve_adam_impl(optim.adam_impl, ddp_chunks)
+    if impl != optim.adam_impl:
+        log.info("optim.adam_impl=%s: %s", optim.adam_impl, impl)
     if impl == "flat" and not flat_adam.install(optimizer, ddp_chunks) and optim.adam_impl == "flat":
         log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
                     "every part steps torch's fused AdamW")

@@ -45,7 +45,7 @@ from dit_mcore.training.text_preview import draw_text_preview, moving_digits_pro
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_and_norm, per_sample_loss_scale,
-                                     shard_fully, step_if_finite, step_on_device, steps_on_device,
+                                     resolve_adam_impl, shard_fully, step_if_finite, step_on_device, steps_on_device,
                                      wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.validate import validate_run
@@ -393,13 +393,15 @@ class Trainer:
         loss = loss_sum / max(samples, 1.0)
         ok = step.updated if step.updated is not None else math.isfinite(loss) and math.isfinite(grad_norm)
         self.signals.settle(ballot, dist.get_world_size(parallel_state.get_data_parallel_group()))
+        if not sync_params:  # the next step's forward gathered every update up to this step's
+            self._params_gathered = True
         if ok:
             self.scheduler.step(increment=1)
-            self._params_gathered = not sync_params
+            if sync_params:  # no forward has gathered this update yet
+                self._params_gathered = False
             self.ema.note(step.index - 1)
         if self._ema_folds_after(step.index):
-            self._sync_params()
-            self.ema.fold(self.model)
+            self._fold_ema()
         self.divergence.record(ok, step.index, self.last_saved)
         self.skipped_samples += int(skipped_samples)
         step.metrics = {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
@@ -431,7 +433,19 @@ class Trainer:
         """Count this rank's per-parameter state for the run (:mod:`dit_mcore.training.memory`): fail
         now, naming the fixes, if it alone exceeds the device; log the room left for activations."""
         fsdp, offload = self.cfg.parallel.fsdp != "none", self.cfg.trainer.ema_offload
-        memory.check_state_fits(self.state_budget(), memory.device_memory(self.device), ema_offload=offload, fsdp=fsdp)
+        try:
+            memory.check_state_fits(self.state_budget(), memory.device_memory(self.device), ema_offload=offload,
+                                    fsdp=fsdp)
+            problem = None
+        except ConfigError as e:
+            problem = e
+        # ranks hold different parameters (pipeline stages, experts): all of them stop if one must
+        failed = to_device([float(problem is not None)], self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if problem is not None:
+            raise problem
+        if failed.item():
+            raise ConfigError("another rank's per-parameter state does not fit its device (its error names the fix)")
 
     def state_budget(self) -> memory.StateBudget:
         """This rank's per-parameter state for the run, counted from its parameters."""
@@ -444,7 +458,14 @@ class Trainer:
             ((p.numel(), dense if getattr(p, "allreduce", True) else expert)
              for chunk in self.model for p in chunk.parameters()),
             bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
-            fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload)
+            fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload,
+            flat_adam=cfg.parallel.fsdp == "none" and resolve_adam_impl(cfg.optim.adam_impl, self.model) == "flat")
+
+    def _fold_ema(self) -> None:
+        """Average the weights into the EMA (a no-op with no step noted), gathered first."""
+        if self.ema.unfolded_decay != 1.0:
+            self._sync_params()
+            self.ema.fold(self.model)
 
     def _sync_params(self) -> None:
         """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
@@ -578,7 +599,7 @@ class Trainer:
 
     def preview(self) -> Optional[Path]:
         # (fit folds at its preview steps already; this covers other callers -- none noted: a no-op)
-        self.ema.fold(self.model)
+        self._fold_ema()
         # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
         with self.ema.placed(self.device) as shadow, forward_view(shadow):
             return self._draw_preview()
