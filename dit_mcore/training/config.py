@@ -230,9 +230,10 @@ class TrainerConfig:
     """Keep the EMA shadow (fp32, 4 bytes per parameter: 13 GiB of a 3.3B model) in host memory
     instead of on the GPU. A fold copies the weights to pinned host buffers behind the optimizer step
     and averages them in on the host in a thread while training goes on (the next fold, a checkpoint
-    or a preview waits for it); previews move the shadow to the GPU for their duration. Pair with
-    ``ema_every`` of 10 or more: a host fold of a few billion parameters takes seconds. Under megatron
-    DDP only (FSDP shards the shadow already)."""
+    or a preview waits for it); previews move the shadow to the GPU for their duration. Choose
+    ``ema_every`` so that k steps outlast a host fold: 6-8 ns per parameter on two CPU cores
+    (``benchmarks/optimizer_step.py``), seconds for billions of parameters; the log names a fold
+    training had to wait for. Under megatron DDP only (FSDP shards the shadow already)."""
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2
