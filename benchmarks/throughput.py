@@ -100,9 +100,6 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         trainer.ema.wait()  # and a host fold still running (trainer.ema_offload)
         elapsed = time.perf_counter() - start
         graphs, retries = compiled_graphs() - graphs, alloc_retries() - retries
-        if graphs:
-            print(f"warning: {point['preset']}: {graphs} graph(s) compiled while timed: not the steady state's "
-                  "speed (raise --warmup)", file=sys.stderr)
         world = torch.distributed.get_world_size()
         samples, tokens = sum(h["samples"] for h in history), sum(h["tokens"] for h in history)
         tflops = sum(h["model_flops"] for h in history) / elapsed / world / 1e12
@@ -331,11 +328,16 @@ def main(argv=None) -> list[dict]:
             mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
             ratio = f" | {row['ratio_over_diffusers']:.2f}x diffusers" if "ratio_over_diffusers" in row else ""
             shape = f"packed {point['packed_len']}" if point["packed_len"] else f"{point['image_size']}x{point['image_size']}"
+            memory = (f" | peak {row['peak_memory_gib']:.1f} GiB (state {row['state_gib']:.1f})"
+                      if row["peak_memory_gib"] is not None else "")
             print(f"{point['preset']} {shape} batch {point['batch']} recompute={point['recompute']} "
                   f"compile={int(point['compile'])} {point['dtype']}{' fp8=' + point['fp8'] if point['fp8'] else ''}: "
                   f"{row['images_per_s']:.1f} img/s | "
                   f"{row['tokens_per_s_per_gpu']:.0f} tok/s/GPU | {row['tflops_per_gpu']:.2f} TFLOPS/GPU | "
-                  f"MFU {mfu}{ratio}{variant(point)}", flush=True)
+                  f"MFU {mfu}{ratio}{memory}{variant(point)}", flush=True)
+            if row["graphs_compiled_while_timed"]:
+                print(f"  ({row['graphs_compiled_while_timed']} graphs compiled while timed: not a steady-state speed; "
+                      "raise --warmup)", flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):
