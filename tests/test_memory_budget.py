@@ -75,3 +75,22 @@ def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch
     assert "ema_offload" not in str(err.value) and "optim.use_distributed_optimizer=True" in str(err.value)
     monkeypatch.setattr(memory, "device_memory", lambda device: 2 ** 30)
     Trainer(tiny_run(tmp_path)).train_step()
+
+
+def test_the_count_under_fsdp2_is_what_the_trainer_allocates(tmp_path):
+    """FSDP2 (one rank: what it keeps, not how it divides), bf16: bf16 weight shards, fp32 main weights
+    and moments in the optimizer, an fp32 EMA shard."""
+    from dit_mcore.parallel.fsdp import sharded_parameters
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.bf16, cfg.parallel.fsdp = True, "torch"
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    local = lambda ts: (t.to_local() if hasattr(t, "to_local") else t for t in ts)  # noqa: E731
+    adams = torch_adams(trainer.optimizer)
+    budget = trainer.state_budget()
+    assert nbytes(local(p for chunk in trainer.model for p in sharded_parameters(chunk))) == budget.weights
+    assert nbytes(local(p for inner in adams for g in inner.param_groups for p in g["params"])) == budget.main_weights
+    assert nbytes(local(s[k] for inner in adams for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq"))) \
+        == budget.adam
+    assert nbytes(local(sharded_parameters(trainer.ema.module))) == budget.ema
