@@ -10,12 +10,18 @@ def _net(dtype=torch.float32, seed=0):
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 3)).to(dtype)
 
 
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", [False, True, "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_matches_per_parameter_lerp(dtype, offload):
-    """(``offload``: the fold runs on staged host copies in a thread; reading the shadow waits for it.)"""
+def test_update_matches_per_parameter_lerp(dtype, offload, monkeypatch):
+    """(``offload``: the fold runs on staged host copies in a thread; reading the shadow waits for it.
+    ``"chunked"``: as under torchrun's one intra-op thread, in bounded chunks over a pool of threads.)"""
+    if offload == "chunked":
+        from dit_mcore.training import host_fold
+        monkeypatch.setattr(host_fold, "CHUNK", 5)
+        monkeypatch.setattr(host_fold, "host_workers", lambda: 3)
     model = _net(dtype)
-    ema = EMA(model, _net(dtype, seed=1), decay=0.9, offload=offload)
+    ema = EMA(model, _net(dtype, seed=1), decay=0.9, offload=bool(offload))
+    assert ema.host_fold is None or ema.host_fold.workers == (3 if offload == "chunked" else 1)
     reference = [p.detach().float().clone() for p in model.parameters()]
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in ema.module.parameters())
     for step in range(15):  # through the warm-up (decay_at < decay) and past it
@@ -129,27 +135,6 @@ def test_an_offloaded_fold_that_fails_is_raised_where_the_shadow_is_read_next(mo
     monkeypatch.undo()
     ema.update(model, 1)  # the EMA goes on after the error was raised
     assert ema.module is not None
-
-
-def test_the_host_fold_in_chunks_over_a_thread_pool_equals_the_lerp(monkeypatch):
-    """Under torchrun (one intra-op thread per process) the host lerp runs as bounded chunks over a
-    pool of threads: the same values as one lerp per tensor."""
-    from dit_mcore.training import host_fold
-    monkeypatch.setattr(host_fold, "CHUNK", 5)
-    monkeypatch.setattr(host_fold, "host_workers", lambda: 3)
-    model = _net(torch.bfloat16)
-    ema = EMA(model, _net(torch.bfloat16, seed=1), decay=0.9, offload=True)
-    assert ema.host_fold.workers == 3
-    reference = [p.detach().float().clone() for p in model.parameters()]
-    for step in range(4):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p))
-        ema.update(model, step)
-        for r, p in zip(reference, model.parameters()):
-            r.lerp_(p.detach().float(), 1.0 - min(0.9, (1.0 + step) / (10.0 + step)))
-    for r, e in zip(reference, ema.module.parameters()):
-        assert torch.equal(r, e)
 
 
 def test_a_host_fold_that_outlasts_the_steps_between_folds_is_named_once(monkeypatch, caplog):

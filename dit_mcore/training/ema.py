@@ -119,7 +119,8 @@ class EMA:
         :func:`fold_tensor`, a call per tensor (the weight a device tensor, so the warm-up's changing
         decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
         parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
-        parameters cast to fp32 (the CPU would compile again for each new model).
+        parameters cast to fp32 (the CPU would compile again for each new model); with ``offload``
+        on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`).
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
         if self.unfolded_decay == 1.0:

@@ -71,7 +71,7 @@ def device_memory(device: torch.device) -> Optional[int]:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
-def check_state_fits(budget: StateBudget, total: Optional[int], *, ema_offload: bool, fsdp: bool) -> None:
+def check_state_fits(budget: StateBudget, total: Optional[int], *, fsdp: bool) -> None:
     """Raise a :class:`ConfigError` naming what shrinks the state when it alone exceeds ``total``
     bytes; log what is left for activations otherwise."""
     if total is None:
@@ -82,7 +82,7 @@ def check_state_fits(budget: StateBudget, total: Optional[int], *, ema_offload: 
         log.info("per-parameter state on this rank: %s of %s; %s left for activations",
                  budget.describe(), size(total), size(left))
         return
-    fixes = ([] if ema_offload or not budget.ema else [f"trainer.ema_offload=True (-{size(budget.ema)})"]) + \
+    fixes = ([f"trainer.ema_offload=True (-{size(budget.ema)})"] if budget.ema else []) + \
         ([] if fsdp else ["optim.use_distributed_optimizer=True over more data-parallel ranks or parallel.fsdp=torch "
                           "(shard the main weights and moments)"]) + \
         ["parallel.tensor_model_parallel_size / pipeline_model_parallel_size (fewer parameters per rank)"]

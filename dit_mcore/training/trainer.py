@@ -432,10 +432,9 @@ class Trainer:
     def _check_state_fits(self) -> None:
         """Count this rank's per-parameter state for the run (:mod:`dit_mcore.training.memory`): fail
         now, naming the fixes, if it alone exceeds the device; log the room left for activations."""
-        fsdp, offload = self.cfg.parallel.fsdp != "none", self.cfg.trainer.ema_offload
         try:
-            memory.check_state_fits(self.state_budget(), memory.device_memory(self.device), ema_offload=offload,
-                                    fsdp=fsdp)
+            memory.check_state_fits(self.state_budget(), memory.device_memory(self.device),
+                                    fsdp=self.cfg.parallel.fsdp != "none")
             problem = None
         except ConfigError as e:
             problem = e
