@@ -127,6 +127,18 @@ def test_ema_offload_under_fsdp_is_refused_before_compute(tmp_path):
     assert run_problems(cfg, world_size=1) == []
 
 
+def test_a_sharded_ema_without_the_distributed_optimizer_is_refused_before_compute(tmp_path):
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.ema_shard = True
+    problems = run_problems(cfg, world_size=2)
+    assert len(problems) == 1 and "needs optim.use_distributed_optimizer=True" in problems[0], problems
+    cfg.optim.use_distributed_optimizer, cfg.trainer.ema_offload = True, True
+    problems = run_problems(cfg, world_size=2)
+    assert len(problems) == 1 and "trainer.ema_shard=True with trainer.ema_offload=True" in problems[0], problems
+    cfg.trainer.ema_offload = False
+    assert run_problems(cfg, world_size=2) == []
+
+
 def test_an_unknown_compile_mode_is_refused_before_compute(tmp_path):
     cfg = tiny_run(tmp_path)
     cfg.model.compile, cfg.model.compile_mode = True, "reduce-overhead"

@@ -93,8 +93,9 @@ def test_an_offloaded_ema_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
         cfg = tiny_run(tmp_path / name, max_steps=4)
         cfg.trainer.bf16, cfg.trainer.ema_every, cfg.trainer.ema_offload = True, 2, offload
         return cfg
-    on_gpu, offloaded = Trainer(run("gpu", False)), Trainer(run("host", True))
+    on_gpu = Trainer(run("gpu", False))  # (run before the next Trainer rebuilds the process groups)
     on_gpu.fit()
+    offloaded = Trainer(run("host", True))
     for _ in range(2):
         offloaded.train_step()
     offloaded.save()
@@ -105,6 +106,33 @@ def test_an_offloaded_ema_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
         torch.testing.assert_close(b, a.cpu(), rtol=1e-3, atol=1e-4)
     assert resumed.preview() is not None
     assert all(p.device.type == "cpu" for p in resumed.ema.module.parameters())
+
+
+def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
+    """``trainer.ema_shard=True`` on CUDA (one rank, distributed optimizer), bf16: the compiled fold
+    over the buffer shards equals the replicated EMA (close: CUDA need not be bitwise); the shadow is
+    gathered into host memory for the checkpoint (NCCL) and loaded back into the shards, and a preview
+    gathers it on the GPU and frees it after."""
+    from dit_mcore.training.trainer import Trainer
+
+    def run(name, shard):
+        cfg = tiny_run(tmp_path / name, max_steps=4, distopt=True)
+        cfg.trainer.bf16, cfg.trainer.ema_every, cfg.trainer.ema_shard = True, 2, shard
+        return cfg
+    whole = Trainer(run("whole", False))  # (run before the next Trainer rebuilds the process groups)
+    whole.fit()
+    sharded = Trainer(run("sharded", True))
+    for _ in range(2):
+        sharded.train_step()
+    sharded.save()
+    resumed = Trainer(run("sharded", True))
+    assert resumed.step == 2 and all(s.is_cuda for s in resumed.ema.shards.shards)
+    resumed.fit()
+    with resumed.ema.placed(torch.device("cpu")) as shadow:
+        for a, b in zip(whole.ema.module.parameters(), shadow.parameters()):
+            torch.testing.assert_close(b, a.cpu(), rtol=1e-3, atol=1e-4)
+    assert resumed.preview() is not None
+    assert all(p.is_meta for p in resumed.ema._module.parameters())
 
 
 def test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once(tmp_path):

@@ -19,6 +19,7 @@ B = 3.31e9  # MovieGen-3B's parameters (tests/test_llama.py)
     (dict(bf16=True, ema_offload=True), 18),
     (dict(bf16=False), 20),                                 # fp32: the optimizer steps the weights themselves
     (dict(bf16=True, distributed_optimizer=True, shards=8), 2 + 4 + 12 / 8 + 4),
+    (dict(bf16=True, distributed_optimizer=True, ema_sharded=True, shards=8), 2 + 4 + 16 / 8),
     (dict(bf16=True, fsdp=True, shards=8), 22 / 8),
 ])
 def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
@@ -58,6 +59,18 @@ def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
             assert value >= budget.gradients and value == pytest.approx(budget.gradients, rel=0.05), kind
         else:
             assert value == getattr(budget, kind), kind
+
+
+def test_the_sharded_ema_count_is_what_the_trainer_allocates(tmp_path):
+    """``trainer.ema_shard=True`` (one rank, distributed optimizer): the EMA is the fp32 shards of
+    megatron's bucket shards (padded per bucket) and the shadow module allocates nothing."""
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.bf16, cfg.optim.use_distributed_optimizer, cfg.trainer.ema_shard = True, True, True
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    held = sum(s.numel() * s.element_size() for s in trainer.ema.shards.shards)
+    assert held >= trainer.state_budget().ema and held == pytest.approx(trainer.state_budget().ema, rel=0.05)
+    assert all(p.is_meta for p in trainer.ema._module.parameters())
 
 
 def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch):

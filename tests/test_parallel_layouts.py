@@ -110,8 +110,7 @@ def _randomize(trainer: Trainer) -> None:
             value = torch.cat(full.chunk(tp * stride, dim)[tp_rank::tp], dim)
         copy_into(param, value)  # FSDP: into this rank's rows
     publish_weights(trainer.model)
-    trainer.ema.module.load_state_dict(trainer.model.state_dict())
-    publish_weights(trainer.ema.module)
+    trainer.ema.restart(trainer.model)
 
 
 def _whole(param) -> torch.Tensor:
@@ -160,6 +159,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
         trainer.save()
     # Every rank holds the conditioning embedders whole (every pipeline stage too): under SP and CP
     # they see only some tokens, under PP only some layers; they must stay identical everywhere.
+    trainer._sync_params()  # (overlap_param_gather: the last update is gathered by the next forward, or here)
     last = trainer.model[-1]
     replicated = torch.cat([_whole(next(m.parameters())).flatten()
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])
@@ -183,13 +183,15 @@ def _layouts_worker(rank, world, run_dir, cases):
             _randomize(trainer)
             runs.append([h["loss"] for h in steps(trainer)])
         results["overlap_pipelined"] = runs
-        # trainer.ema_every=2 under the overlapped gather: the updated parameters are gathered for the
-        # EMA at fold steps only (the forward gathers them otherwise), and the EMA is the one without it
+        # trainer.ema_every=2 under the overlapped gather: a replicated EMA has the updated parameters
+        # gathered for it at fold steps only (the forward gathers them otherwise), the sharded one
+        # (automatic under the distributed optimizer) never; each EMA is the one without overlap
         ema_every = {}
-        for name, extra in (("overlap", overlap), ("pipelined", overlap),
+        for name, extra in (("overlap", overlap), ("pipelined", overlap), ("replicated", overlap),
                             ("plain", dict(distopt=True, overlap_grad_reduce=True))):
             cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
             cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
+            cfg.trainer.ema_shard = False if name == "replicated" else None
             trainer = Trainer(cfg)
             _randomize(trainer)
             forced = []
@@ -204,7 +206,13 @@ def _layouts_worker(rank, world, run_dir, cases):
             else:
                 for _ in range(5):
                     trainer.train_step()
-            ema_every[name] = {"forced": forced, "ema": [p.detach().clone() for p in trainer.ema.module.parameters()]}
+            with trainer.ema.placed(torch.device("cpu")) as shadow:
+                ema_every[name] = {"forced": forced, "sharded": trainer.ema_sharded,
+                                   "ema": [p.detach().clone() for p in shadow.parameters()]}
+            if name == "plain":  # the sharded EMA through a checkpoint, resumed by the same layout
+                trainer.save()
+                with Trainer(cfg).ema.placed(torch.device("cpu")) as shadow:
+                    ema_every["resumed"] = {"ema": [p.detach().clone() for p in shadow.parameters()]}
         results["ema_every_overlap"] = ema_every
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
@@ -403,15 +411,39 @@ def test_pipelined_steps_equal_steps_read_at_once_with_overlapped_parameter_gath
 
 
 def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
-    """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps: read
-    at once, the parameters are gathered outside the forward after steps 2 and 4 (the folds) only (it
-    was every step); pipelined as ``fit`` runs them, never (the next forward gathered each update
-    before the fold read it); either way the EMA equals the run that gathers synchronously."""
+    """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps: with
+    a replicated EMA (``trainer.ema_shard=False``), read at once, the parameters are gathered outside
+    the forward after steps 2 and 4 (the folds) only (it was every step); the sharded EMA (the default
+    here) reads the shard its optimizer wrote and never forces the gather, nor does a pipelined run (the
+    next forward gathered each update before the fold read it); every EMA equals the run that gathers
+    synchronously."""
     runs = world_results(2)[0][0]["ema_every_overlap"]
-    assert runs["overlap"]["forced"] == [2, 4] and runs["pipelined"]["forced"] == [] and runs["plain"]["forced"] == []
-    for name in ("overlap", "pipelined"):
+    assert [runs[name]["forced"] for name in ("replicated", "overlap", "pipelined", "plain")] == [[2, 4], [], [], []]
+    assert [runs[name]["sharded"] for name in ("replicated", "overlap", "pipelined", "plain")] == \
+        [False, True, True, True]
+    for name in ("overlap", "pipelined", "replicated"):
         for a, b in zip(runs[name]["ema"], runs["plain"]["ema"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_results, tmp_path_factory):
+    """DP2 with the distributed optimizer: the EMA kept as each rank's buffer shard, gathered whole, is
+    bit for bit the replicated EMA (same overlapped run); saved and resumed by the same layout, every
+    rank gets its shard back bit for bit; resumed on one process (a replicated EMA), the same tensors."""
+    per_rank, run_dir = world_results(2)
+    for result in per_rank:
+        runs = result["ema_every_overlap"]
+        assert len(runs["overlap"]["ema"]) == len(runs["replicated"]["ema"]) > 0
+        for a, b in zip(runs["overlap"]["ema"], runs["replicated"]["ema"]):
+            assert torch.equal(a, b)
+        for a, b in zip(runs["plain"]["ema"], runs["resumed"]["ema"]):
+            assert torch.equal(a, b)
+    cfg = layout_run(run_dir / "ema_every_plain", "dense", distopt=True)  # (one rank: replicated)
+    cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
+    one = Trainer(cfg)
+    assert one.step == 5 and not one.ema_sharded
+    for a, b in zip(per_rank[0]["ema_every_overlap"]["plain"]["ema"], one.ema.module.parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", RESHARDED)

@@ -230,6 +230,28 @@ def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_pat
     assert run("async", True) == sync[4:]
 
 
+def test_an_async_save_writes_the_sharded_ema_of_its_step(tmp_path):
+    """``trainer.ema_shard``: the whole EMA a save gathers into host memory is what the asynchronous
+    writer writes, though the shadow is released and the shards fold on before the write finishes."""
+    cfg = tiny_run(tmp_path, max_steps=6, save_interval=100)
+    cfg.optim.use_distributed_optimizer, cfg.trainer.ema_shard, cfg.trainer.async_save = True, True, True
+    trainer = Trainer(cfg)
+    for _ in range(2):
+        trainer.train_step()
+    with trainer.ema.placed(torch.device("cpu")) as shadow:
+        saved = [p.detach().clone() for p in shadow.parameters()]
+    trainer.save()
+    for _ in range(2):
+        trainer.train_step()
+    with trainer.ema.placed(torch.device("cpu")) as shadow:
+        assert not all(torch.equal(a, b) for a, b in zip(saved, shadow.parameters()))  # it moved on
+    trainer.finish_saves()
+    resumed = Trainer(cfg)
+    assert resumed.step == 2
+    with resumed.ema.placed(torch.device("cpu")) as shadow:
+        assert all(torch.equal(a, b) for a, b in zip(saved, shadow.parameters()))
+
+
 def test_tasks_started_by_srun_form_the_world_without_torchrun(tmp_path):
     """The Slurm executor has srun start one task per GPU (no torchrun agent for SIGUSR1 to kill):
     Slurm's task ids become the ranks, the step's first node the rendezvous host."""

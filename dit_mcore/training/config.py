@@ -234,6 +234,14 @@ class TrainerConfig:
     ``ema_every`` so that k steps outlast a host fold: 6-8 ns per parameter on two CPU cores
     (``benchmarks/optimizer_step.py``), seconds for billions of parameters; the log names a fold
     training had to wait for. Under megatron DDP only (FSDP shards the shadow already)."""
+    ema_shard: Optional[bool] = None
+    """Split the EMA shadow over the data-parallel ranks like the distributed optimizer's state: each
+    rank keeps the fp32 average of the buffer shard its optimizer updates (4 bytes per parameter / DP
+    instead of 4), folds it from the weights the optimizer just wrote (no parameter gather, a 1/DP
+    pass), and the whole average is gathered only for previews and checkpoints (bucket by bucket;
+    checkpoints hold whole tensors under the same keys, loadable into any layout). None: on with
+    ``optim.use_distributed_optimizer`` over more than one data-parallel rank (not with
+    ``ema_offload``); True needs the distributed optimizer under megatron DDP."""
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2

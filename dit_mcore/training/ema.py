@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from dit_mcore.parallel.fsdp import publish_weights, sharded_parameters, to_shards
+from dit_mcore.training import ema_shards
 from dit_mcore.training.host_fold import HostFold
 from kernels.host_copy import to_device
 
@@ -45,14 +46,30 @@ class EMA:
     buffers behind the step that wrote them and averages them in on the host, in a thread, while
     training goes on; :attr:`module` waits for it. Previews run the shadow on the GPU
     (:meth:`placed`).
+
+    ``shard_over`` (``trainer.ema_shard``: megatron DDP chunks with the distributed optimizer) keeps
+    only this data-parallel rank's shard of the average, the one its optimizer updates
+    (:class:`~dit_mcore.training.ema_shards.ShadowShards`); ``shadow`` is then built on the meta device
+    and the whole average exists only inside :meth:`placed` and :meth:`loading`.
     """
 
-    def __init__(self, model: torch.nn.Module, shadow: torch.nn.Module, decay: float, *, offload: bool = False):
+    def __init__(self, model: torch.nn.Module, shadow: torch.nn.Module, decay: float, *, offload: bool = False,
+                 shard_over=None):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"trainer.ema_decay must be in [0, 1), got {decay}")
         self.decay = decay
         self.unfolded_decay = 1.0
         """Product of the decays of the steps noted since the last fold (1.0: none); checkpointed."""
+        self.offload = offload
+        self.host_fold = None
+        self.shards = None
+        if shard_over is not None:
+            if offload:
+                raise ValueError("trainer.ema_offload and trainer.ema_shard: choose one")
+            self.shards = ema_shards.ShadowShards(shard_over, model, shadow)
+            ema_shards.release(shadow)
+            self._module = shadow.eval().requires_grad_(False)
+            return
         to_shards((model, shadow))
         shadow.load_state_dict(model.state_dict())
         publish_weights(shadow)
@@ -61,14 +78,17 @@ class EMA:
             p.requires_grad_(False)
             if p.dtype != torch.float32:  # (an FSDP-sharded shadow is made fp32 before sharding)
                 p.data = p.data.float()
-        self.offload = offload
         self.host_fold = HostFold(sharded_parameters(model)) if offload else None
         if offload:
             self._module.to("cpu")
 
     @property
     def module(self) -> torch.nn.Module:
-        """The shadow module, any fold in flight on the host finished first."""
+        """The shadow module, any fold in flight on the host finished first (a sharded EMA has none
+        whole: :meth:`placed`)."""
+        if self.shards is not None:
+            raise RuntimeError("the EMA is sharded over the data-parallel ranks (trainer.ema_shard): "
+                               "read it whole inside EMA.placed(device), on every rank")
         self.wait()
         return self._module
 
@@ -79,8 +99,17 @@ class EMA:
 
     @contextlib.contextmanager
     def placed(self, device: torch.device):
-        """The shadow on ``device`` for the ``with`` block (previews), back in host memory after it;
-        without ``offload`` it stays where it is."""
+        """The whole shadow for the ``with`` block (previews on ``device``, checkpoints on the host):
+        offloaded, moved to ``device`` and back to host memory after it; sharded, gathered from every
+        rank (a collective: every data-parallel rank enters) into parameters allocated on ``device``
+        and freed after it; otherwise where it is."""
+        if self.shards is not None:
+            try:
+                self.shards.gather_into(ema_shards.allocate(self._module, device))
+                yield self._module
+            finally:
+                ema_shards.release(self._module)
+            return
         module = self.module
         if not self.offload:
             yield module
@@ -92,6 +121,30 @@ class EMA:
             yield module
         finally:
             module.to("cpu")
+
+    @contextlib.contextmanager
+    def loading(self):
+        """The whole shadow to load a checkpoint into in the ``with`` block; a sharded EMA takes its
+        shards of it when the block succeeds (allocated in host memory meanwhile)."""
+        if self.shards is None:
+            yield self.module
+            return
+        try:
+            params = ema_shards.allocate(self._module, torch.device("cpu"))
+            yield self._module
+            self.shards.scatter_from(params)
+        finally:
+            ema_shards.release(self._module)
+
+    @torch.no_grad()
+    def restart(self, model: torch.nn.Module) -> None:
+        """The average set to ``model``'s current weights (nothing folded pending)."""
+        self.unfolded_decay = 1.0
+        if self.shards is not None:
+            self.shards.restart()
+            return
+        self.module.load_state_dict(model.state_dict())
+        publish_weights(self._module)
 
     def decay_at(self, step: int) -> float:
         """Warmed-up decay ``min(decay, (1 + step) / (10 + step))``: early on the average follows the
@@ -125,6 +178,10 @@ class EMA:
         when the shadow is called (``fsdp.forward_view``), not every step."""
         if self.unfolded_decay == 1.0:
             return
+        if self.shards is not None:  # this rank's shards, from the weights its optimizer just wrote
+            weight, self.unfolded_decay = 1.0 - self.unfolded_decay, 1.0
+            _lerp(self.shards.shards, self.shards.owned, weight)
+            return
         shadow = sharded_parameters(self._module)
         params = [p.detach() for p in sharded_parameters(model)]
         if len(params) != len(shadow):
@@ -133,9 +190,16 @@ class EMA:
         weight, self.unfolded_decay = 1.0 - self.unfolded_decay, 1.0
         if self.host_fold is not None:
             self.host_fold.start(shadow, params, weight)
-        elif shadow and shadow[0].is_cuda and all(t.is_contiguous() for t in (*shadow, *params)):
-            step_fold, weight = compiled_fold(), to_device(weight, shadow[0].device, torch.float32)
-            for s, p in zip(shadow, params):  # a call per tensor, flat (aliases without a view base,
-                step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)  # which dynamo would guard on)
         else:
-            torch._foreach_lerp_(shadow, [p.float() for p in params], weight)
+            _lerp(shadow, params, weight)
+
+
+def _lerp(shadow: list[torch.Tensor], params: list[torch.Tensor], weight: float) -> None:
+    """``shadow += weight * (params - shadow)`` for fp32 ``shadow`` tensors: on CUDA the compiled
+    :func:`fold_tensor` per tensor, elsewhere one foreach lerp over the parameters cast to fp32."""
+    if shadow and shadow[0].is_cuda and all(t.is_contiguous() for t in (*shadow, *params)):
+        step_fold, weight = compiled_fold(), to_device(weight, shadow[0].device, torch.float32)
+        for s, p in zip(shadow, params):  # a call per tensor, flat (aliases without a view base,
+            step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)  # which dynamo would guard on)
+    else:
+        torch._foreach_lerp_(shadow, [p.float() for p in params], weight)

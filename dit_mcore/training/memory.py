@@ -47,12 +47,13 @@ class StateBudget:
 
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
-                 ema_offload: bool, flat_adam: bool = False) -> StateBudget:
+                 ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and an fp32 gradient buffer whole on every data-parallel rank; the distributed
     optimizer shards the fp32 main weights (bf16 runs only) and both moments; FSDP shards all of it,
-    the EMA too. ``ema_offload``: the EMA is in host memory; ``flat_adam`` (``optim.adam_impl=flat``):
+    the EMA too. ``ema_offload``: the EMA is in host memory; ``ema_sharded`` (``trainer.ema_shard``):
+    the EMA sharded like the distributed optimizer's state; ``flat_adam`` (``optim.adam_impl=flat``):
     one more byte per element of the optimizer's ranges, each element's parameter group."""
     w = g = m = a = e = 0.0
     for numel, shards in params:
@@ -62,7 +63,7 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         g += numel * 4 / shard_all
         m += numel * 4 / shard_state if bf16 else 0.0
         a += numel * (9 if flat_adam else 8) / shard_state
-        e += 0.0 if ema_offload else numel * 4 / shard_all
+        e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
     return StateBudget(w, g, m, a, e)
 
 
@@ -84,7 +85,7 @@ def check_state_fits(budget: StateBudget, total: Optional[int], *, fsdp: bool) -
         return
     fixes = ([f"trainer.ema_offload=True (-{size(budget.ema)})"] if budget.ema else []) + \
         ([] if fsdp else ["optim.use_distributed_optimizer=True over more data-parallel ranks or parallel.fsdp=torch "
-                          "(shard the main weights and moments)"]) + \
+                          "(shard the main weights, moments and EMA)"]) + \
         ["parallel.tensor_model_parallel_size / pipeline_model_parallel_size (fewer parameters per rank)"]
     raise ConfigError(f"the per-parameter state of this rank needs {budget.describe()} but the device has "
                       f"{size(total)}, before any activation; set " + ", or ".join(fixes))

@@ -35,7 +35,7 @@ from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.fsdp import forward_view, local, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
-from dit_mcore.training import checkpoint as ckpt, memory
+from dit_mcore.training import checkpoint as ckpt, ema_shards, memory
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
@@ -99,6 +99,7 @@ class Trainer:
         parts = []
         with on_each_part(lambda key, owned: parts.append((key, owned))) if self.meta_init else contextlib.nullcontext():
             self.model = self._build_model()
+        self.ema_sharded = self._ema_sharded()
         self._check_state_fits()  # before the EMA, the optimizer and any compile allocate or take time
         if cfg.model.compile:
             for chunk in self.model:
@@ -106,18 +107,21 @@ class Trainer:
         rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
         # The EMA shadow (fp32, previews) multiplies in full precision: float8 is a training speed-up,
         # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
-        shadow = self._build_model(config=_shadow_config(self.model_config)).float()
+        # Sharded (trainer.ema_shard), it is only ever allocated whole for a preview or a checkpoint.
+        shadow = self._build_model(device="meta" if self.ema_sharded else None,
+                                   config=_shadow_config(self.model_config)).float()
         torch.set_rng_state(rng)
         fsdp = cfg.parallel.fsdp != "none"
         if not fsdp:
-            self._materialize(parts, shadow)
+            self._materialize(parts, None if self.ema_sharded else shadow)
         self.ddp_chunks = wrap_data_parallel(self.model, self.model_config, cfg.parallel,
                                              use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if fsdp:  # the EMA shadow is sharded like the model
             self.shadow_chunks = shard_fully(shadow, self.model_config, self.ddp_chunks[0].ddp_config,
                                              cfg.parallel.fsdp)
             self._materialize(parts, shadow)
-        self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay, offload=cfg.trainer.ema_offload)
+        self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay, offload=cfg.trainer.ema_offload,
+                       shard_over=self.ddp_chunks if self.ema_sharded else None)
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.sample_weight = torch.ones((), device=self.device)  # 1 / the global batch's samples, per step
@@ -153,18 +157,20 @@ class Trainer:
         # bf16 parameters and compute; the optimizer keeps fp32 main weights (megatron mixed precision).
         return model.to(self.compute_dtype)
 
-    def _materialize(self, parts: list, shadow: ModelChunks) -> None:
+    def _materialize(self, parts: list, shadow: Optional[ModelChunks]) -> None:
         """Allocate a meta-built model (its shards only, under FSDP) and fill it part by part with
-        the values a direct build gives; the shadow is only allocated (the EMA copies the model)."""
+        the values a direct build gives; the shadow (None: a sharded EMA's, left on the meta device)
+        is only allocated (the EMA copies the model)."""
         if not self.meta_init:
             return
+        modules = (self.model,) if shadow is None else (self.model, shadow)
         if self.cfg.parallel.fsdp != "megatron":  # (Megatron-FSDP allocated its shards when it wrapped)
-            self.model.to_empty(device=self.device)
-            shadow.to_empty(device=self.device)
+            for module in modules:
+                module.to_empty(device=self.device)
         with torch.random.fork_rng(devices=[]):
             materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts)
-        publish_weights((self.model, shadow))
-        left = [name for module in (self.model, shadow) for name, t in (*module.named_parameters(),
+        publish_weights(modules)
+        left = [name for module in modules for name, t in (*module.named_parameters(),
                                                                          *module.named_buffers()) if local(t).is_meta]
         if left:
             raise RuntimeError(f"the meta-device build left {len(left)} tensors unallocated (first: {left[0]}); "
@@ -232,9 +238,10 @@ class Trainer:
         if not same_world:
             log.info("checkpoint was written by %d ranks, this run has %d: weights and optimizer are "
                      "resharded, per-rank RNG states are not restored", common["world_size"], dist.get_world_size())
-        loaded = ckpt.load_checkpoint(path, self.model, self.ema.module, self.optimizer,
-                                      extra=self._common_state(), per_rank=per_rank, restore_rng=same_world,
-                                      saved_arch=common.get("model_arch"), arch=self._architecture())
+        with self.ema.loading() as shadow:
+            loaded = ckpt.load_checkpoint(path, self.model, shadow, self.optimizer,
+                                          extra=self._common_state(), per_rank=per_rank, restore_rng=same_world,
+                                          saved_arch=common.get("model_arch"), arch=self._architecture())
         state = loaded["extra"]
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])
@@ -252,10 +259,12 @@ class Trainer:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
         self._sync_params()  # the model weights of the last update (overlap_param_gather)
         self.finish_saves()  # one save in flight at a time
-        path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.ema.module, self.optimizer,
-                                    extra=self._common_state(), per_rank=per_rank,
-                                    keep=self.cfg.trainer.keep_checkpoints,
-                                    protect=frozenset(self.divergence.protected), async_queue=self.async_saves)
+        # (a sharded EMA whole in host memory for the save; an async one writes from those tensors)
+        with self.ema.placed(torch.device("cpu")) as shadow:
+            path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, shadow, self.optimizer,
+                                        extra=self._common_state(), per_rank=per_rank,
+                                        keep=self.cfg.trainer.keep_checkpoints,
+                                        protect=frozenset(self.divergence.protected), async_queue=self.async_saves)
         self.last_saved = path.name
         return path
 
@@ -457,14 +466,26 @@ class Trainer:
             ((p.numel(), dense if getattr(p, "allreduce", True) else expert)
              for chunk in self.model for p in chunk.parameters()),
             bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
-            fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload,
+            fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
             flat_adam=cfg.parallel.fsdp == "none" and resolve_adam_impl(cfg.optim.adam_impl, self.model) == "flat")
 
     def _fold_ema(self) -> None:
-        """Average the weights into the EMA (a no-op with no step noted), gathered first."""
+        """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded
+        EMA reads only this rank's shard, which its optimizer wrote)."""
         if self.ema.unfolded_decay != 1.0:
-            self._sync_params()
+            if not self.ema_sharded:
+                self._sync_params()
             self.ema.fold(self.model)
+
+    def _ema_sharded(self) -> bool:
+        """``trainer.ema_shard`` resolved: automatically, sharded wherever the distributed optimizer
+        shards the main weights over more than one rank (megatron DDP, no offload, a model it fits)."""
+        t = self.cfg.trainer
+        if t.ema_shard is not None:
+            return t.ema_shard
+        return (self.cfg.optim.use_distributed_optimizer and self.cfg.parallel.fsdp == "none" and not t.ema_offload
+                and parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1
+                and ema_shards.unshardable(self.model) is None)
 
     def _sync_params(self) -> None:
         """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
@@ -601,21 +622,21 @@ class Trainer:
         self._fold_ema()
         # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
         with self.ema.placed(self.device) as shadow, forward_view(shadow):
-            return self._draw_preview()
+            return self._draw_preview(shadow)
 
-    def _draw_preview(self) -> Optional[Path]:
+    def _draw_preview(self, shadow: ModelChunks) -> Optional[Path]:
         if self.model_config.text_dim:
             encode, prompts = self.preview_text
             if encode is None or not prompts:
                 log.warning("text previews need the dataset's text encoder and log.preview_prompts; skipped")
                 return None
-            return draw_text_preview(PipelinedForward(self.ema.module), self.model_config, self.family, self.objective,
+            return draw_text_preview(PipelinedForward(shadow), self.model_config, self.family, self.objective,
                                      self.cfg, self.step, self.run_dir / "samples", write=dist.get_rank() == 0,
                                      encode=encode, prompts=prompts, device=self.device)
         if self.model_config.num_classes == 0:
             log.warning("preview grids need a class-conditional model; skipped")
             return None
-        return draw_preview(PipelinedForward(self.ema.module), self.model_config, self.family, self.objective, self.cfg, self.step,
+        return draw_preview(PipelinedForward(shadow), self.model_config, self.family, self.objective, self.cfg, self.step,
                             self.run_dir / "samples", write=dist.get_rank() == 0, device=self.device,
                             decoder=self.preview_decoder)
 

@@ -240,6 +240,13 @@ def run_problems(cfg, world_size: int) -> list[str]:
         if cfg.trainer.ema_offload and cfg.parallel.fsdp != "none":
             raise ConfigError(f"trainer.ema_offload=True with parallel.fsdp={cfg.parallel.fsdp!r}: FSDP shards the EMA "
                               "shadow over the data-parallel ranks already; set trainer.ema_offload=False")
+        if cfg.trainer.ema_shard and (not cfg.optim.use_distributed_optimizer or cfg.parallel.fsdp != "none"):
+            raise ConfigError("trainer.ema_shard=True splits the EMA like the distributed optimizer's state: it needs "
+                              "optim.use_distributed_optimizer=True under parallel.fsdp='none' (FSDP shards the EMA "
+                              "already); set trainer.ema_shard=None to choose automatically")
+        if cfg.trainer.ema_shard and cfg.trainer.ema_offload:
+            raise ConfigError("trainer.ema_shard=True with trainer.ema_offload=True: choose one (the shard of each "
+                              "rank, or the whole EMA in host memory)")
         if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                               "(only sharded parameters are gathered)")

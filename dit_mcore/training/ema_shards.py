@@ -1,0 +1,137 @@
+"""The EMA shadow split like the distributed optimizer's state (``trainer.ema_shard``): each
+data-parallel rank keeps, in fp32, the EMA of its own shard of every bucket of megatron DDP's
+parameter buffer -- the shard the distributed optimizer updates on that rank -- so the shadow costs
+4 bytes per parameter / DP instead of 4 on every rank, and a fold reads the owned slice right after the
+optimizer wrote it (no parameter gather first, under ``overlap_param_gather`` either).
+
+The whole shadow exists only while something reads or loads it (a preview, a checkpoint):
+:meth:`ShadowShards.gather_into` fills a module's parameters from every rank's shards, one bucket at a
+time; :meth:`ShadowShards.scatter_from` takes this rank's slices of a loaded one. Checkpoints hold the
+whole tensors under the same keys as a replicated shadow's, so they load into any layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(eq=False)
+class _BucketShard:
+    """This rank's shard of one bucket of a DDP parameter buffer."""
+
+    owned: torch.Tensor
+    """The model weights of the shard: a view of the bucket's ``param_data`` (the model's dtype)."""
+    shard: torch.Tensor
+    """Their EMA, fp32."""
+    start: int
+    """Where the shard begins in the bucket."""
+    group: dist.ProcessGroup
+    params: list[tuple[int, int, int]] = field(default_factory=list)
+    """Shadow parameters whose weights lie in the bucket (their index in ``shadow.parameters()``), with
+    their ``[start, end)`` in it."""
+
+
+def _buckets(ddp_chunks):
+    """``(buffer, bucket)`` for every bucket of ``ddp_chunks`` (dense and expert-parallel buffers)."""
+    for chunk in ddp_chunks:
+        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
+            for bucket in buffer.buckets:
+                yield buffer, bucket
+
+
+def unshardable(model: torch.nn.Module) -> str | None:
+    """Why the EMA of ``model`` cannot be kept as buffer shards, or None: every parameter must be trained
+    (in a gradient bucket) and the model hold no buffers (which only a whole shadow would keep)."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        return f"{len(frozen)} parameters are frozen (e.g. {frozen[0]}), outside megatron DDP's buffers"
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        return f"the model holds buffers (e.g. {buffers[0]}), which only a whole shadow keeps"
+    return None
+
+
+class ShadowShards:
+    """The fp32 EMA of this rank's shards of ``ddp_chunks``' parameter buffers, for ``shadow`` (a module
+    of the same architecture as ``model``, parameter for parameter, unallocated: :meth:`gather_into`
+    and :meth:`scatter_from` take its parameters allocated, as a list)."""
+
+    def __init__(self, ddp_chunks, model: torch.nn.Module, shadow: torch.nn.Module):
+        reason = unshardable(model)
+        of_model = {id(p): i for i, (p, _) in enumerate(zip(model.parameters(), shadow.parameters(), strict=True))}
+        self.pieces: list[_BucketShard] = []
+        for buffer, bucket in _buckets(ddp_chunks):
+            group = buffer.data_parallel_group
+            if bucket.param_data is None:
+                reason = "megatron DDP keeps no parameter buffer without the distributed optimizer"
+            if reason is not None:
+                raise ValueError(f"trainer.ema_shard=True: {reason}; set trainer.ema_shard=False")
+            size = bucket.param_data.numel() // group.size()
+            start = group.rank() * size
+            owned = bucket.param_data[start:start + size]
+            piece = _BucketShard(owned, owned.detach().float().clone(), start, group)
+            for p in bucket.params_list:  # (where the buffer put it: aligned starts, not the list's order)
+                lo, hi, _ = buffer.param_index_map[p]
+                piece.params.append((of_model.pop(id(p)), lo - bucket.offset, hi - bucket.offset))
+            self.pieces.append(piece)
+        assert not of_model, f"{len(of_model)} parameters in no DDP bucket"
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        return [piece.shard for piece in self.pieces]
+
+    @property
+    def owned(self) -> list[torch.Tensor]:
+        return [piece.owned for piece in self.pieces]
+
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shards)
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """The EMA set to the model's current weights."""
+        for piece in self.pieces:
+            piece.shard.copy_(piece.owned)
+
+    @torch.no_grad()
+    def gather_into(self, params: list[torch.Tensor]) -> None:
+        """Fill every shadow parameter (allocated, on any device) with the EMA from every rank's shards,
+        gathered a bucket at a time on the shards' device (one bucket's fp32 at most in flight)."""
+        for piece in self.pieces:
+            whole = piece.shard.new_empty(piece.shard.numel() * piece.group.size())
+            dist.all_gather_into_tensor(whole, piece.shard, group=piece.group)
+            for i, lo, hi in piece.params:
+                params[i].copy_(whole[lo:hi].view(params[i].shape))
+
+    @torch.no_grad()
+    def scatter_from(self, params: list[torch.Tensor]) -> None:
+        """Take this rank's slices of the EMA from the shadow's ``params`` (a whole loaded shadow)."""
+        for piece in self.pieces:
+            end = piece.start + piece.shard.numel()
+            for i, lo, hi in piece.params:
+                a, b = max(lo, piece.start), min(hi, end)
+                if a < b:
+                    piece.shard[a - piece.start:b - piece.start].copy_(params[i].reshape(-1)[a - lo:b - lo])
+
+
+def _rebind(module: torch.nn.Module, make) -> None:
+    """Give every parameter of ``module`` new data ``make(param)`` as a new Parameter object (its
+    attributes kept): a checkpoint being written from the old tensors keeps them."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                new = torch.nn.Parameter(make(p), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                m._parameters[name] = new
+
+
+def allocate(module: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """``module``'s parameters allocated (uninitialised) on ``device``; returns them in order."""
+    _rebind(module, lambda p: torch.empty(p.shape, dtype=p.dtype, device=device))
+    return list(module.parameters())
+
+
+def release(module: torch.nn.Module) -> None:
+    """``module``'s parameters back on the meta device (no memory)."""
+    _rebind(module, lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"))
