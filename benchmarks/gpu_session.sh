@@ -175,7 +175,7 @@ case "$phase" in
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   current)  # each part writes straight under $out (a killed call keeps what finished)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
-      -k "offload or resumes or decided or places or gpu_matches" 2>&1 \
+      -k "offload or sharded or resumes or decided or places or gpu_matches" 2>&1 \
       | tee "$out/tests.txt" | tail -n 8 || true
     for rc in selective none; do  # separate processes: an out-of-memory point ends its process
       timeout 190 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \

@@ -73,10 +73,11 @@ def _inners(trainer):
     return [part.optimizer for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]
 
 
-def _run(tmp_path, impl, *, bf16=False, distopt=False, steps=2, overlap=False):
+def _run(tmp_path, impl, *, bf16=False, distopt=False, steps=2, overlap=False, bucket_size=None):
     cfg = tiny_run(tmp_path, distopt=distopt)
     cfg.trainer.bf16, cfg.optim.adam_impl, cfg.optim.weight_decay = bf16, impl, 0.1
     cfg.parallel.overlap_grad_reduce = overlap  # megatron buckets only then
+    cfg.parallel.ddp_bucket_size = bucket_size
     trainer = Trainer(cfg)
     _perturb(trainer)
     history = [trainer.train_step() for _ in range(steps)]
@@ -181,19 +182,15 @@ def test_states_stay_in_their_slots_across_loads_and_buckets(tmp_path, monkeypat
     equal torch's fused AdamW's; after a round trip through ``load_state_dict`` (torch's load assigns
     new state tensors) the next step puts every state back into its slot and steps from the loaded
     values; megatron's main-to-model copy never runs after a flat step."""
-    import functools
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from dit_mcore.training import optim
-    monkeypatch.setattr(optim, "DistributedDataParallelConfig",
-                        functools.partial(optim.DistributedDataParallelConfig, bucket_size=4000))
     copies = []
     original = DistributedOptimizer._copy_main_params_to_model_params
     monkeypatch.setattr(DistributedOptimizer, "_copy_main_params_to_model_params",
                         lambda self: (copies.append(1), original(self))[1])
-    fused, _ = _run(tmp_path / "fused", "fused", bf16=True, distopt=True, overlap=True)
+    fused, _ = _run(tmp_path / "fused", "fused", bf16=True, distopt=True, overlap=True, bucket_size=4000)
     assert copies and fused.ddp_chunks[0].buffers[0].buckets[1:]  # several buckets
     copies.clear()
-    flat, _ = _run(tmp_path / "flat", "flat", bf16=True, distopt=True, overlap=True)
+    flat, _ = _run(tmp_path / "flat", "flat", bf16=True, distopt=True, overlap=True, bucket_size=4000)
     inner = _inners(flat)[0]
     assert len(inner.ranges) == len(flat.ddp_chunks[0].buffers[0].buckets) > 1 and not copies
     for a, b in zip(fused.model.parameters(), flat.model.parameters()):

@@ -108,12 +108,17 @@ def test_an_offloaded_ema_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
     assert all(p.device.type == "cpu" for p in resumed.ema.module.parameters())
 
 
-def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
-    """``trainer.ema_shard=True`` on CUDA (one rank, distributed optimizer), bf16: the compiled fold
-    over the buffer shards equals the replicated EMA (close: CUDA need not be bitwise); the shadow is
-    gathered into host memory for the checkpoint (NCCL) and loaded back into the shards, and a preview
-    gathers it on the GPU and frees it after."""
+def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_path, monkeypatch):
+    """``trainer.ema_shard=True`` on CUDA (one rank, distributed optimizer), bf16: the shadow is built
+    on the meta device (megatron's layers would allocate on the GPU); the compiled fold over the buffer
+    shards equals the replicated EMA (close: CUDA need not be bitwise); the shadow is gathered into host
+    memory for the checkpoint (NCCL) and loaded back into the shards, and a preview gathers it on the
+    GPU and frees it after."""
+    from dit_mcore.training import ema_shards
     from dit_mcore.training.trainer import Trainer
+    built, release = [], ema_shards.release
+    monkeypatch.setattr(ema_shards, "release", lambda m: (built.append([p.is_meta for p in m.parameters()]),
+                                                          release(m)))
 
     def run(name, shard):
         cfg = tiny_run(tmp_path / name, max_steps=4, distopt=True)
@@ -122,6 +127,7 @@ def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_pat
     whole = Trainer(run("whole", False))  # (run before the next Trainer rebuilds the process groups)
     whole.fit()
     sharded = Trainer(run("sharded", True))
+    assert built and all(built[0])  # (as built, before the first release)
     for _ in range(2):
         sharded.train_step()
     sharded.save()

@@ -61,12 +61,17 @@ def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
             assert value == getattr(budget, kind), kind
 
 
-def test_the_sharded_ema_count_is_what_the_trainer_allocates(tmp_path):
+def test_the_sharded_ema_count_is_what_the_trainer_allocates(tmp_path, monkeypatch):
     """``trainer.ema_shard=True`` (one rank, distributed optimizer): the EMA is the fp32 shards of
-    megatron's bucket shards (padded per bucket) and the shadow module allocates nothing."""
+    megatron's bucket shards (padded per bucket) and the shadow module allocates nothing, built so."""
+    from dit_mcore.training import ema_shards
+    built, release = [], ema_shards.release
+    monkeypatch.setattr(ema_shards, "release", lambda m: (built.append([p.is_meta for p in m.parameters()]),
+                                                          release(m)))
     cfg = tiny_run(tmp_path)
     cfg.trainer.bf16, cfg.optim.use_distributed_optimizer, cfg.trainer.ema_shard = True, True, True
     trainer = Trainer(cfg)
+    assert built and all(built[0])  # (the shadow as built, before the first release)
     trainer.train_step()
     held = sum(s.numel() * s.element_size() for s in trainer.ema.shards.shards)
     assert held >= trainer.state_budget().ema and held == pytest.approx(trainer.state_budget().ema, rel=0.05)

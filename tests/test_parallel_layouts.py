@@ -122,9 +122,8 @@ def _ema_samples(trainer: Trainer) -> torch.Tensor:
     """Two images sampled from the EMA shadow, called directly (as previews are) on every rank."""
     from dit_mcore.diffusion import sample
     noise = torch.randn(2, trainer.model_config.in_channels, 8, 8, generator=torch.Generator().manual_seed(0))
-    with forward_view(trainer.ema.module):
-        return sample(trainer.objective, trainer.family.image_model_fn(PipelinedForward(trainer.ema.module),
-                                                                       trainer.model_config),
+    with trainer.ema.placed(trainer.device) as shadow, forward_view(shadow):
+        return sample(trainer.objective, trainer.family.image_model_fn(PipelinedForward(shadow), trainer.model_config),
                       noise, steps=2, labels=torch.tensor([1, 2]), null_label=10, cfg_scale=1.5)
 
 
@@ -173,7 +172,8 @@ def _layouts_worker(rank, world, run_dir, cases):
     results = {name: _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"),
                                        family=family_of(name), **parallel),
                             save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE),
-                            samples=parallel.get("fsdp", "none") != "none" and family_of(name) == "dit")
+                            samples=(parallel.get("fsdp", "none") != "none" or parallel.get("distopt", False))
+                            and family_of(name) == "dit")
                for name, data, parallel in cases}
     if world == 2:  # steps read while the next runs (``fit``) against read at once, overlapped parameter gather
         overlap = dict(distopt=True, overlap_grad_reduce=True, overlap_param_gather=True)
@@ -192,6 +192,7 @@ def _layouts_worker(rank, world, run_dir, cases):
             cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
             cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
             cfg.trainer.ema_shard = False if name == "replicated" else None
+            cfg.parallel.ddp_bucket_size = 2000  # ~45 buckets: shards and parameters cut by bucket bounds
             trainer = Trainer(cfg)
             _randomize(trainer)
             forced = []
@@ -207,12 +208,21 @@ def _layouts_worker(rank, world, run_dir, cases):
                 for _ in range(5):
                     trainer.train_step()
             with trainer.ema.placed(torch.device("cpu")) as shadow:
-                ema_every[name] = {"forced": forced, "sharded": trainer.ema_sharded,
+                ema_every[name] = {"forced": list(forced), "sharded": trainer.ema_sharded,
                                    "ema": [p.detach().clone() for p in shadow.parameters()]}
-            if name == "plain":  # the sharded EMA through a checkpoint, resumed by the same layout
+            if name == "plain":  # what a save gathers here (data-parallel rank 0 writes) and a load reads
+                with trainer.ema.saving() as shadow:
+                    ema_every["held"] = {"save": sum(p.numel() for p in shadow.parameters() if not p.is_meta),
+                                         "load": len(trainer.ema.shards.overlapping()),
+                                         "all": len(list(shadow.parameters()))}
+            if name in ("plain", "replicated"):  # through a checkpoint, resumed by DP2 with a sharded EMA
                 trainer.save()
-                with Trainer(cfg).ema.placed(torch.device("cpu")) as shadow:
-                    ema_every["resumed"] = {"ema": [p.detach().clone() for p in shadow.parameters()]}
+                cfg.trainer.ema_shard = None
+                resumed = Trainer(cfg)
+                with resumed.ema.placed(torch.device("cpu")) as shadow:
+                    ema_every[f"{name}_resumed"] = {"ema": [p.detach().clone() for p in shadow.parameters()],
+                                                    "sharded": resumed.ema_sharded,
+                                                    "buckets": len(resumed.ema.shards.pieces)}
         results["ema_every_overlap"] = ema_every
     if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
@@ -240,7 +250,7 @@ def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit
         kind = "moe" if moe else family
         run_dir = tmp_path_factory.mktemp(f"single_{data.split(':')[0]}_{kind}")
         _REFERENCES[data, moe, family] = _train(layout_run(run_dir, data, moe=moe, family=family), steps=STEPS + 1,
-                                                samples=family == "dit" and not moe)
+                                                samples=family == "dit")
     return _REFERENCES[data, moe, family]
 
 
@@ -385,7 +395,7 @@ def test_layout_equals_one_process(world_results, text_results, tmp_path_factory
             assert set(got["optimizers"]) == {"FlatAdamW"}, got["optimizers"]
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).
         assert torch.equal(got["replicated"], per_rank[0][name]["replicated"]), f"{name}: rank {rank} drifted"
-        if got["ema_samples"] is not None:  # FSDP: the sharded EMA shadow samples as the one-process one
+        if got["ema_samples"] is not None:  # FSDP, the distributed optimizer: the sharded EMA samples as one process's
             torch.testing.assert_close(got["ema_samples"], ref["ema_samples"], rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"{name} rank {rank} EMA samples: {m}")
 
@@ -427,17 +437,28 @@ def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
 
 
 def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_results, tmp_path_factory):
-    """DP2 with the distributed optimizer: the EMA kept as each rank's buffer shard, gathered whole, is
-    bit for bit the replicated EMA (same overlapped run); saved and resumed by the same layout, every
-    rank gets its shard back bit for bit; resumed on one process (a replicated EMA), the same tensors."""
+    """DP2 with the distributed optimizer, small DDP buckets: the EMA kept as each rank's buffer shards,
+    gathered whole, is bit for bit the replicated EMA (same overlapped run); a save gathers it into
+    rank 0's host memory only (the writer), a load reads on each rank only the tensors its shards cut;
+    a sharded and a replicated EMA's checkpoint resumed by DP2 with the EMA sharded give every rank its
+    shards back bit for bit; the sharded one resumed on one process (replicated), the same tensors."""
     per_rank, run_dir = world_results(2)
     for result in per_rank:
         runs = result["ema_every_overlap"]
         assert len(runs["overlap"]["ema"]) == len(runs["replicated"]["ema"]) > 0
         for a, b in zip(runs["overlap"]["ema"], runs["replicated"]["ema"]):
             assert torch.equal(a, b)
-        for a, b in zip(runs["plain"]["ema"], runs["resumed"]["ema"]):
-            assert torch.equal(a, b)
+    saved = [result["ema_every_overlap"]["held"]["save"] for result in per_rank]
+    assert saved[0] == sum(p.numel() for p in per_rank[0]["ema_every_overlap"]["plain"]["ema"]) and saved[1] == 0
+    loads = [result["ema_every_overlap"]["held"]["load"] for result in per_rank]
+    assert all(0 < n < per_rank[0]["ema_every_overlap"]["held"]["all"] for n in loads)  # (each: the tensors its shards cut)
+    for result in per_rank:
+        runs = result["ema_every_overlap"]
+        for name in ("plain", "replicated"):
+            resumed = runs[f"{name}_resumed"]
+            assert resumed["sharded"] and resumed["buckets"] > 10
+            for a, b in zip(runs[name]["ema"], resumed["ema"]):
+                assert torch.equal(a, b)
     cfg = layout_run(run_dir / "ema_every_plain", "dense", distopt=True)  # (one rank: replicated)
     cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
     one = Trainer(cfg)
@@ -518,6 +539,7 @@ def _model():
     ({"virtual_pipeline_model_parallel_size": 2}, 1, "dense", "need parallel.pipeline_model_parallel_size > 1"),
     ({"expert_model_parallel_size": 2}, 2, "dense", "needs an MoE model: set model.num_moe_experts"),
     ({"fsdp": "zero3"}, 2, "dense", "parallel.fsdp='zero3' is unknown"),
+    ({"ddp_bucket_size": 1000}, 2, "dense", "ddp_bucket_size=1000 needs parallel.overlap_grad_reduce=True"),
     ({"fsdp_shard_size": 2}, 4, "dense", "fsdp_shard_size=2 needs parallel.fsdp='torch'"),
     ({"fsdp": "torch", "fsdp_shard_size": 3}, 4, "dense", "fsdp_shard_size=3 must divide the 4 data x context"),
     ({"fsdp": "torch", "pipeline_model_parallel_size": 2}, 2, "dense", "does not combine with pipeline_model_parallel"),

@@ -36,7 +36,12 @@ class ParallelConfig:
     """megatron DDP: start each gradient bucket's reduction during the backward pass."""
     overlap_param_gather: bool = False
     """megatron DDP with the distributed optimizer: gather updated parameters during the next
-    forward (the EMA update forces the gather first, so the EMA sees the new weights)."""
+    forward (a save, and a fold of a replicated EMA, force the gather first)."""
+    ddp_bucket_size: Optional[int] = None
+    """With ``overlap_grad_reduce``: parameters per bucket of megatron DDP's gradient reduction (and
+    of the distributed optimizer's parameter gather); smaller buckets start communicating sooner,
+    larger ones launch fewer collectives. None: megatron's max(40M, 1M x DP). (Without the overlap
+    megatron reduces one bucket.)"""
     tp_comm_overlap: bool = False
     """Transformer Engine: overlap the sequence-parallel all-gathers and reduce-scatters with the
     linears' GEMMs (userbuffers). Needs TE on a GPU (``model.backend`` te or auto), TP > 1 with

@@ -18,6 +18,10 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if p.ddp_bucket_size is not None and (p.ddp_bucket_size < 1 or not p.overlap_grad_reduce):
+        raise ConfigError(f"parallel.ddp_bucket_size={p.ddp_bucket_size} needs parallel.overlap_grad_reduce=True "
+                          "(without it megatron reduces one bucket) and >= 1 parameters per bucket; or None "
+                          "for megatron's choice")
     p.data_parallel_size(world_size)
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     if p.sequence_parallel and tp == 1:

@@ -23,8 +23,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
@@ -123,11 +123,28 @@ def _per_rank(key: str, data: Any) -> ShardedObject:
     return ShardedObject(key, data, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
-def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, is_loading: bool = False) -> dict:
+def _allocated(sharded: dict, *, saving: bool) -> dict:
+    """``sharded`` without the tensors left on the meta device: a sharded EMA (``trainer.ema_shard``)
+    gathers for a save only the tensors this rank writes (its main replicas) and loads only those its
+    shards need. Saving, a main replica left unallocated is an error (nobody would write it)."""
+    unallocated, allocated = extract_matching_values(
+        sharded, lambda v: isinstance(v, ShardedTensor) and v.data is not None and v.data.is_meta)
+    unwritten = [t.key for t in nested_values(unallocated) if is_main_replica(t.replica_id)] if saving else []
+    if unwritten:
+        raise CheckpointError(f"{len(unwritten)} EMA tensors this rank writes were not gathered here "
+                              f"(e.g. {unwritten[0]}); set trainer.ema_shard=False and report the layout")
+    return allocated
+
+
+def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, is_loading: bool = False,
+                  ema_partial: bool = False) -> dict:
+    """What a checkpoint holds; ``ema_partial``: the EMA module holds only some tensors allocated (a
+    sharded EMA's, :func:`_allocated`)."""
     model_sd = model.sharded_state_dict()
+    ema = ema_model.sharded_state_dict(prefix="ema.")
     state = {
         "model": model_sd,
-        "ema": ema_model.sharded_state_dict(prefix="ema."),
+        "ema": _allocated(ema, saving=not is_loading) if ema_partial else ema,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
         **extra,
     }
@@ -150,7 +167,7 @@ def _writer_results_exit_with_trainer() -> None:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimizer, *, extra: dict,
-                    per_rank: dict, keep: int = 2, protect: frozenset = frozenset(),
+                    per_rank: dict, keep: int = 2, protect: frozenset = frozenset(), ema_partial: bool = False,
                     async_queue=None) -> Path:
     """Save and publish ``step``. ``extra`` is common (rank-0) state; ``per_rank`` differs per rank.
     Rotation keeps the newest ``keep`` checkpoints and every one named in ``protect``.
@@ -169,7 +186,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
     if torch_optimizer.uses_torch_optimizer():  # before the first step: the (zero) state a load expects
         torch_optimizer.init_adam_state(optimizer)
     with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
-        state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra,
+        state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra, ema_partial=ema_partial,
                                             per_rank={**per_rank, "rng": rng_state()}))
         request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
 
@@ -242,7 +259,8 @@ def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict
 
 
 def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per_rank: dict,
-                    restore_rng: bool = True, saved_arch: Optional[dict] = None, arch: Optional[dict] = None) -> dict:
+                    restore_rng: bool = True, saved_arch: Optional[dict] = None, arch: Optional[dict] = None,
+                    ema_partial: bool = False) -> dict:
     """Load ``path`` into model, EMA and optimizer in place; returns the common ``extra`` values and
     this rank's ``per_rank`` values. RNG states are restored too unless ``restore_rng`` is False
     (a checkpoint from another world size: per-rank states do not map onto the new ranks).
@@ -252,12 +270,19 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
         torch_optimizer.init_adam_state(optimizer)
     rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
     with whole_checkpoint_view((model, ema_model), optimizer, loading=True) as view:  # FSDP: into whole copies
-        template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys, is_loading=True)
+        template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys, is_loading=True,
+                                 ema_partial=ema_partial)
         refuse_other_model(path, template["ema"], saved_arch, arch or {})
+        partial = {"ema": template.pop("ema")} if ema_partial else None
         loaded = dist_checkpointing.load(template, str(path))
+        if partial is not None:  # each rank reads the tensors its shards cut: no cover of every tensor by
+            loaded["ema"] = dist_checkpointing.load(  # one main replica to validate
+                partial, str(path), validate_access_integrity=False)["ema"]
         view.optimizer.load_state_dict(loaded.pop("optimizer"))
     view.load_module(model, loaded.pop("model"))
-    view.load_module(ema_model, {k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()})
+    ema = {k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()}
+    ema.update({k: v for k, v in ema_model.state_dict().items() if k not in ema and v.is_meta})  # (not loaded here)
+    view.load_module(ema_model, ema)
     publish_weights((model, ema_model))  # Megatron-FSDP: the forward's weight buffers
     if restore_rng:
         set_rng_state(loaded.pop("rank_rng"))

@@ -239,9 +239,11 @@ class TrainerConfig:
     rank keeps the fp32 average of the buffer shard its optimizer updates (4 bytes per parameter / DP
     instead of 4), folds it from the weights the optimizer just wrote (no parameter gather, a 1/DP
     pass), and the whole average is gathered only for previews and checkpoints (bucket by bucket;
-    checkpoints hold whole tensors under the same keys, loadable into any layout). None: on with
-    ``optim.use_distributed_optimizer`` over more than one data-parallel rank (not with
-    ``ema_offload``); True needs the distributed optimizer under megatron DDP."""
+    checkpoints hold whole tensors under the same keys, loadable into any layout; a save gathers on
+    each rank only what it writes, a load only what its shards need). None: on with
+    ``optim.use_distributed_optimizer`` over more than one data x context-parallel rank, unless
+    ``ema_offload`` or the model has frozen parameters or buffers; True needs the distributed
+    optimizer under megatron DDP. A preview still holds the whole EMA on the GPU while it samples."""
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2

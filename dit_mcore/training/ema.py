@@ -36,7 +36,7 @@ class EMA:
     """``ema = decay * ema + (1 - decay) * param`` after every optimizer step (or, with
     ``trainer.ema_every`` k, the same decay per step folded in every k steps: :meth:`note`,
     :meth:`fold`). The shadow is a full module (same tensor-parallel shards as the model), so it
-    samples and checkpoints like one.
+    samples and checkpoints like one (sharded, inside :meth:`placed`, :meth:`saving`, :meth:`loading`).
 
     ``shadow`` is a freshly built module of the same architecture (megatron modules hold process
     groups and cannot be deep-copied); it starts as a copy of ``model``'s weights.
@@ -99,16 +99,18 @@ class EMA:
 
     @contextlib.contextmanager
     def placed(self, device: torch.device):
-        """The whole shadow for the ``with`` block (previews on ``device``, checkpoints on the host):
-        offloaded, moved to ``device`` and back to host memory after it; sharded, gathered from every
-        rank (a collective: every data-parallel rank enters) into parameters allocated on ``device``
-        and freed after it; otherwise where it is."""
+        """The whole shadow for the ``with`` block (previews on ``device``): offloaded, moved to
+        ``device`` and back to host memory after it; sharded, gathered from every rank (a collective:
+        every data-parallel rank enters) into parameters allocated on ``device`` and freed after it;
+        otherwise where it is."""
         if self.shards is not None:
             try:
                 self.shards.gather_into(ema_shards.allocate(self._module, device))
                 yield self._module
             finally:
                 ema_shards.release(self._module)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the 4 bytes per parameter back to training
             return
         module = self.module
         if not self.offload:
@@ -123,14 +125,28 @@ class EMA:
             module.to("cpu")
 
     @contextlib.contextmanager
-    def loading(self):
-        """The whole shadow to load a checkpoint into in the ``with`` block; a sharded EMA takes its
-        shards of it when the block succeeds (allocated in host memory meanwhile)."""
+    def saving(self):
+        """The shadow to checkpoint in the ``with`` block: sharded, in host memory, and only the tensors
+        this rank writes (every data-parallel rank enters; the others stay unallocated)."""
         if self.shards is None:
             yield self.module
             return
         try:
-            params = ema_shards.allocate(self._module, torch.device("cpu"))
+            self.shards.gather_into(ema_shards.allocate(self._module, torch.device("cpu"),
+                                                        only=self.shards.first_ranks()))
+            yield self._module
+        finally:
+            ema_shards.release(self._module)
+
+    @contextlib.contextmanager
+    def loading(self):
+        """The shadow to load a checkpoint into in the ``with`` block; sharded, in host memory, only the
+        tensors with elements in this rank's shards, which take their slices when the block succeeds."""
+        if self.shards is None:
+            yield self.module
+            return
+        try:
+            params = ema_shards.allocate(self._module, torch.device("cpu"), only=self.shards.overlapping())
             yield self._module
             self.shards.scatter_from(params)
         finally:
@@ -173,7 +189,8 @@ class EMA:
         decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
         parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
         parameters cast to fp32 (the CPU would compile again for each new model); with ``offload``
-        on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`).
+        on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`); sharded, the same
+        over this rank's shards of megatron's parameter buffer.
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
         if self.unfolded_decay == 1.0:

@@ -94,19 +94,34 @@ class ShadowShards:
         for piece in self.pieces:
             piece.shard.copy_(piece.owned)
 
+    def first_ranks(self) -> set[int]:
+        """Indices of the shadow parameters whose bucket's group this rank leads (data-parallel rank 0,
+        for experts expert-data-parallel rank 0): the ranks megatron's checkpoints write them from."""
+        return {i for piece in self.pieces if piece.group.rank() == 0 for i, _, _ in piece.params}
+
+    def overlapping(self) -> set[int]:
+        """Indices of the shadow parameters with elements in this rank's shards (what a load needs)."""
+        return {i for piece in self.pieces for i, lo, hi in piece.params
+                if lo < piece.start + piece.shard.numel() and hi > piece.start}
+
     @torch.no_grad()
     def gather_into(self, params: list[torch.Tensor]) -> None:
-        """Fill every shadow parameter (allocated, on any device) with the EMA from every rank's shards,
-        gathered a bucket at a time on the shards' device (one bucket's fp32 at most in flight)."""
+        """Fill the allocated shadow ``params`` (on any device; meta ones are skipped) with the EMA from
+        every rank's shards, gathered a bucket at a time on the shards' device (a collective: every rank
+        of each bucket's group calls it)."""
         for piece in self.pieces:
             whole = piece.shard.new_empty(piece.shard.numel() * piece.group.size())
             dist.all_gather_into_tensor(whole, piece.shard, group=piece.group)
-            for i, lo, hi in piece.params:
-                params[i].copy_(whole[lo:hi].view(params[i].shape))
+            wanted = [(params[i], lo, hi) for i, lo, hi in piece.params if not params[i].is_meta]
+            if wanted:  # (one copy per bucket to the parameters' device, e.g. the host for a save)
+                whole = whole.to(wanted[0][0].device)
+            for param, lo, hi in wanted:
+                param.copy_(whole[lo:hi].view(param.shape))
 
     @torch.no_grad()
     def scatter_from(self, params: list[torch.Tensor]) -> None:
-        """Take this rank's slices of the EMA from the shadow's ``params`` (a whole loaded shadow)."""
+        """Take this rank's slices of the EMA from the shadow's ``params`` (loaded: at least those
+        :meth:`overlapping` this rank's shards)."""
         for piece in self.pieces:
             end = piece.start + piece.shard.numel()
             for i, lo, hi in piece.params:
@@ -116,22 +131,29 @@ class ShadowShards:
 
 
 def _rebind(module: torch.nn.Module, make) -> None:
-    """Give every parameter of ``module`` new data ``make(param)`` as a new Parameter object (its
-    attributes kept): a checkpoint being written from the old tensors keeps them."""
+    """Give every parameter of ``module`` new data ``make(index, param)`` (``index`` in
+    ``module.parameters()``) as a new Parameter object, its attributes (megatron's tensor-parallel
+    marks) kept: a meta tensor cannot become a parameter's data in place, and whatever still holds the
+    old tensors keeps them. A parameter registered twice stays one."""
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    new_of: dict[int, torch.nn.Parameter] = {}
     for m in module.modules():
         for name, p in m._parameters.items():
             if p is not None:
-                new = torch.nn.Parameter(make(p), requires_grad=p.requires_grad)
-                new.__dict__.update(p.__dict__)
-                m._parameters[name] = new
+                if id(p) not in new_of:
+                    new_of[id(p)] = torch.nn.Parameter(make(index[id(p)], p), requires_grad=p.requires_grad)
+                    new_of[id(p)].__dict__.update(p.__dict__)
+                m._parameters[name] = new_of[id(p)]
 
 
-def allocate(module: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
-    """``module``'s parameters allocated (uninitialised) on ``device``; returns them in order."""
-    _rebind(module, lambda p: torch.empty(p.shape, dtype=p.dtype, device=device))
+def allocate(module: torch.nn.Module, device: torch.device, only: set[int] | None = None) -> list[torch.Tensor]:
+    """``module``'s parameters allocated (uninitialised) on ``device`` -- with ``only``, those of these
+    indices, the others left on the meta device; returns them in order."""
+    _rebind(module, lambda i, p: torch.empty(p.shape, dtype=p.dtype,
+                                             device=device if only is None or i in only else "meta"))
     return list(module.parameters())
 
 
 def release(module: torch.nn.Module) -> None:
     """``module``'s parameters back on the meta device (no memory)."""
-    _rebind(module, lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    _rebind(module, lambda i, p: torch.empty(p.shape, dtype=p.dtype, device="meta"))

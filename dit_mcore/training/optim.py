@@ -56,7 +56,8 @@ def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimi
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=parallel.overlap_grad_reduce,
                                                overlap_param_gather=parallel.overlap_param_gather,
-                                               use_distributed_optimizer=use_distributed_optimizer)
+                                               use_distributed_optimizer=use_distributed_optimizer,
+                                               bucket_size=parallel.ddp_bucket_size)
     if parallel.fsdp != "none":
         wrapped = shard_fully(chunks, model_config, ddp_config, parallel.fsdp)
     else:

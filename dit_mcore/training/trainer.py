@@ -109,7 +109,8 @@ class Trainer:
         # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
         # Sharded (trainer.ema_shard), it is only ever allocated whole for a preview or a checkpoint.
         shadow = self._build_model(device="meta" if self.ema_sharded else None,
-                                   config=_shadow_config(self.model_config)).float()
+                                   config=_shadow_config(self.model_config, unallocated=self.ema_sharded,
+                                                         te=_holds_te(self.model))).float()
         torch.set_rng_state(rng)
         fsdp = cfg.parallel.fsdp != "none"
         if not fsdp:
@@ -241,7 +242,8 @@ class Trainer:
         with self.ema.loading() as shadow:
             loaded = ckpt.load_checkpoint(path, self.model, shadow, self.optimizer,
                                           extra=self._common_state(), per_rank=per_rank, restore_rng=same_world,
-                                          saved_arch=common.get("model_arch"), arch=self._architecture())
+                                          saved_arch=common.get("model_arch"), arch=self._architecture(),
+                                          ema_partial=self.ema_sharded)
         state = loaded["extra"]
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])
@@ -259,12 +261,12 @@ class Trainer:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
         self._sync_params()  # the model weights of the last update (overlap_param_gather)
         self.finish_saves()  # one save in flight at a time
-        # (a sharded EMA whole in host memory for the save; an async one writes from those tensors)
-        with self.ema.placed(torch.device("cpu")) as shadow:
+        with self.ema.saving() as shadow:  # (sharded: what this rank writes, gathered into host memory)
             path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, shadow, self.optimizer,
                                         extra=self._common_state(), per_rank=per_rank,
                                         keep=self.cfg.trainer.keep_checkpoints,
-                                        protect=frozenset(self.divergence.protected), async_queue=self.async_saves)
+                                        protect=frozenset(self.divergence.protected), async_queue=self.async_saves,
+                                        ema_partial=self.ema_sharded)
         self.last_saved = path.name
         return path
 
@@ -394,7 +396,7 @@ class Trainer:
         the preemption vote is tallied. ``sync_params=False`` when the next step's forward has
         run already: it gathered the updated parameters (``overlap_param_gather``), and a forced
         gather now would mark the next gather done before that step's update. Otherwise the
-        updated parameters are gathered only for a reader (an EMA fold here, a save)."""
+        updated parameters are gathered only for a reader (a replicated EMA's fold here, a save)."""
         if step.metrics is not None:
             return step.metrics
         values = step.values if step.values is not None else step.read.get()
@@ -658,16 +660,28 @@ class _Step:
     metrics: Optional[dict] = None
 
 
-def _shadow_config(config):
+def _shadow_config(config, *, unallocated: bool = False, te: bool = False):
     """``config`` for the EMA shadow: full-precision linears and no TP userbuffers (previews run
-    other batch shapes than the buffers were sized for); a copy, since re-running megatron's
-    ``__post_init__`` (``dataclasses.replace``) is not idempotent."""
-    if config.float8_recipe is None and not config.tp_comm_overlap:
+    other batch shapes than the buffers were sized for); ``unallocated`` (a sharded EMA's shadow,
+    built under the meta device): not initialised, and every layer on the meta device -- megatron's
+    local layers follow the device context only with ``use_cpu_initialization`` (else they allocate
+    on the GPU), Transformer Engine's (``te``) take the meta device only without it. A copy, since
+    re-running megatron's ``__post_init__`` (``dataclasses.replace``) is not idempotent."""
+    if config.float8_recipe is None and not config.tp_comm_overlap and not unallocated:
         return config
     config = copy.copy(config)
     config.float8_recipe = None
     config.tp_comm_overlap = False
+    if unallocated:
+        config.perform_initialization = False
+        config.init_model_with_meta_device = True
+        config.use_cpu_initialization = not te
     return config
+
+
+def _holds_te(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has Transformer Engine layers."""
+    return any(c.__module__.startswith("transformer_engine") for m in model.modules() for c in type(m).__mro__)
 
 
 def pretrain(cfg: RunConfig) -> list[dict]:
