@@ -154,7 +154,8 @@ class EMA:
 
     @torch.no_grad()
     def restart(self, model: torch.nn.Module) -> None:
-        """The average set to ``model``'s current weights (nothing folded pending)."""
+        """The average set to ``model``'s current weights (nothing folded pending; sharded, read from
+        the parameter buffers of the DDP wrappers the EMA was built over, which hold them)."""
         self.unfolded_decay = 1.0
         if self.shards is not None:
             self.shards.restart()
