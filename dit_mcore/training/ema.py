@@ -50,7 +50,8 @@ class EMA:
     ``shard_over`` (``trainer.ema_shard``: megatron DDP chunks with the distributed optimizer) keeps
     only this data-parallel rank's shard of the average, the one its optimizer updates
     (:class:`~dit_mcore.training.ema_shards.ShadowShards`); ``shadow`` is then built on the meta device
-    and the whole average exists only inside :meth:`placed` and :meth:`loading`.
+    and the whole average exists only inside :meth:`placed` (for a checkpoint, :meth:`saving` and
+    :meth:`loading`: the tensors this rank writes or reads).
     """
 
     def __init__(self, model: torch.nn.Module, shadow: torch.nn.Module, decay: float, *, offload: bool = False,
@@ -133,7 +134,7 @@ class EMA:
             return
         try:
             self.shards.gather_into(ema_shards.allocate(self._module, torch.device("cpu"),
-                                                        only=self.shards.first_ranks()))
+                                                        only=self.shards.written_here()))
             yield self._module
         finally:
             ema_shards.release(self._module)

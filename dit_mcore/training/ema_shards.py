@@ -58,15 +58,15 @@ class ShadowShards:
     and :meth:`scatter_from` take its parameters allocated, as a list)."""
 
     def __init__(self, ddp_chunks, model: torch.nn.Module, shadow: torch.nn.Module):
-        reason = unshardable(model)
+        reason = unshardable(model) or (
+            "megatron DDP keeps no parameter buffer without the distributed optimizer"
+            if any(bucket.param_data is None for _, bucket in _buckets(ddp_chunks)) else None)
+        if reason is not None:
+            raise ValueError(f"trainer.ema_shard=True: {reason}; set trainer.ema_shard=False")
         of_model = {id(p): i for i, (p, _) in enumerate(zip(model.parameters(), shadow.parameters(), strict=True))}
         self.pieces: list[_BucketShard] = []
         for buffer, bucket in _buckets(ddp_chunks):
             group = buffer.data_parallel_group
-            if bucket.param_data is None:
-                reason = "megatron DDP keeps no parameter buffer without the distributed optimizer"
-            if reason is not None:
-                raise ValueError(f"trainer.ema_shard=True: {reason}; set trainer.ema_shard=False")
             size = bucket.param_data.numel() // group.size()
             start = group.rank() * size
             owned = bucket.param_data[start:start + size]
@@ -94,7 +94,7 @@ class ShadowShards:
         for piece in self.pieces:
             piece.shard.copy_(piece.owned)
 
-    def first_ranks(self) -> set[int]:
+    def written_here(self) -> set[int]:
         """Indices of the shadow parameters whose bucket's group this rank leads (data-parallel rank 0,
         for experts expert-data-parallel rank 0): the ranks megatron's checkpoints write them from."""
         return {i for piece in self.pieces if piece.group.rank() == 0 for i, _, _ in piece.params}
