@@ -106,10 +106,10 @@ class EMA:
         otherwise where it is."""
         if self.shards is not None:
             try:
-                self.shards.gather_into(ema_shards.allocate(self._module, device))
-                yield self._module
+                with ema_shards.allocated(self._module, device) as params:
+                    self.shards.gather_into(params)
+                    yield self._module
             finally:
-                ema_shards.release(self._module)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the 4 bytes per parameter back to training
             return
@@ -132,12 +132,9 @@ class EMA:
         if self.shards is None:
             yield self.module
             return
-        try:
-            self.shards.gather_into(ema_shards.allocate(self._module, torch.device("cpu"),
-                                                        only=self.shards.written_here()))
+        with ema_shards.allocated(self._module, torch.device("cpu"), only=self.shards.written_here()) as params:
+            self.shards.gather_into(params)
             yield self._module
-        finally:
-            ema_shards.release(self._module)
 
     @contextlib.contextmanager
     def loading(self):
@@ -146,12 +143,9 @@ class EMA:
         if self.shards is None:
             yield self.module
             return
-        try:
-            params = ema_shards.allocate(self._module, torch.device("cpu"), only=self.shards.overlapping())
+        with ema_shards.allocated(self._module, torch.device("cpu"), only=self.shards.overlapping()) as params:
             yield self._module
             self.shards.scatter_from(params)
-        finally:
-            ema_shards.release(self._module)
 
     @torch.no_grad()
     def restart(self, model: torch.nn.Module) -> None:

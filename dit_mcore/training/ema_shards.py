@@ -10,6 +10,7 @@ time; :meth:`ShadowShards.scatter_from` takes this rank's slices of a loaded one
 whole tensors under the same keys as a replicated shadow's, so they load into any layout."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -85,9 +86,6 @@ class ShadowShards:
     def owned(self) -> list[torch.Tensor]:
         return [piece.owned for piece in self.pieces]
 
-    def numel(self) -> int:
-        return sum(s.numel() for s in self.shards)
-
     @torch.no_grad()
     def restart(self) -> None:
         """The EMA set to the model's current weights."""
@@ -146,12 +144,17 @@ def _rebind(module: torch.nn.Module, make) -> None:
                 m._parameters[name] = new_of[id(p)]
 
 
-def allocate(module: torch.nn.Module, device: torch.device, only: set[int] | None = None) -> list[torch.Tensor]:
-    """``module``'s parameters allocated (uninitialised) on ``device`` -- with ``only``, those of these
-    indices, the others left on the meta device; returns them in order."""
+@contextlib.contextmanager
+def allocated(module: torch.nn.Module, device: torch.device, only: set[int] | None = None):
+    """``module``'s parameters allocated (uninitialised) on ``device`` for the ``with`` block -- with
+    ``only``, those of these indices, the others left on the meta device --, yielded in order; back on
+    the meta device (no memory) after it."""
     _rebind(module, lambda i, p: torch.empty(p.shape, dtype=p.dtype,
                                              device=device if only is None or i in only else "meta"))
-    return list(module.parameters())
+    try:
+        yield list(module.parameters())
+    finally:
+        release(module)
 
 
 def release(module: torch.nn.Module) -> None:
