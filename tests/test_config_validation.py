@@ -42,6 +42,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("model", "compile_options", {"triton.multi_kernel": 1},
      "model.compile_options={'triton.multi_kernel': 1}: takes effect only with model.compile=True"),
     ("optim", "adam_impl", "fusd", "optim.adam_impl='fusd': use one of ('auto', 'flat', 'fused', 'foreach'); did you mean 'fused'?"),
+    ("optim", "exp_avg_dtype", "fp16", "optim.exp_avg_dtype='fp16': use one of ('fp32', 'bf16')"),
     ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
     ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
     ("data", "micro_batch_size", 0, "data.micro_batch_size=0: must be >= 1"),
@@ -159,4 +160,17 @@ def test_bad_compile_options_are_refused_before_compute(tmp_path, options, expec
     assert len(problems) == 1 and expected in problems[0], problems
     cfg.model.compile_options = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True,
                                  "triton.cudagraphs": False, "triton.cudagraph_trees": True}
+    assert run_problems(cfg, world_size=1) == []
+
+
+def test_bf16_moments_outside_the_flat_adamw_are_refused_before_compute(tmp_path):
+    cfg = tiny_run(tmp_path)
+    cfg.optim.exp_avg_sq_dtype, cfg.optim.adam_impl = "bf16", "fused"
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "optim.exp_avg_sq_dtype='bf16'" in problems[0] \
+        and "set optim.adam_impl=flat" in problems[0], problems
+    cfg.optim.adam_impl, cfg.parallel.fsdp = "auto", "torch"
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "FSDP steps torch's AdamW" in problems[0], problems
+    cfg.parallel.fsdp = "none"
     assert run_problems(cfg, world_size=1) == []

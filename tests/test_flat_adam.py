@@ -275,3 +275,114 @@ def test_a_range_holding_another_parts_weights_is_refused(tmp_path):
     group = part.optimizer.param_groups[0]
     group["params"] = group["params"][:3] + group["params"][4:]
     assert "another optimizer part's weights" in flat_adam._unfit(part, trainer.ddp_chunks)
+
+
+# ---- moments kept in bf16 (optim.exp_avg_dtype / exp_avg_sq_dtype)
+
+
+def test_bf16_moments_round_stochastically_so_the_second_moment_still_decays():
+    """A second moment that starts 100x the squared gradient must decay towards it by beta2 per step.
+    In bf16 rounded to nearest, 0.1% less rounds back to the old value and it would stay at 100 for
+    ever; stochastically rounded it follows float64 on average, and so does the first moment. The
+    weights: with the first moment in bf16 as with fp32 moments (to 1e-4); with both, the same on
+    average, each weight's path within a few percent."""
+    n, steps = 1 << 15, 1500
+    place = torch.tensor(flat_adam.place(12345, 1))
+    gen = torch.Generator().manual_seed(0)
+    grads = [1 + torch.randn(n, generator=gen) for _ in range(8)]  # noisy, mean 1
+    group, hyper = torch.zeros(n, dtype=torch.uint8), torch.tensor([[1e-3, 0.0]])
+    kernel = flat_adam._kernel()
+    runs = {}
+    for dtypes in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        param, m, v = torch.zeros(n), torch.zeros(n, dtype=dtypes[0]), torch.full((n,), 100.0, dtype=dtypes[1])
+        for step in range(1, steps + 1):
+            kernel(param, grads[step % 8], m, v, group, hyper, torch.tensor(float(step)), None, None, None, place,
+                   beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+        runs[dtypes[0], dtypes[1]] = param, m, v
+    fp32, m_bf16, both = (runs[k] for k in runs)
+    assert both[1].dtype == both[2].dtype == torch.bfloat16
+    for got in (both, m_bf16):  # elementwise means over the 8 gradients: E[g] = 1 and E[g^2] = 2
+        assert float(got[2].double().mean()) == pytest.approx(float(fp32[2].double().mean()), rel=2e-3)
+        assert float(got[1].double().mean()) == pytest.approx(float(fp32[1].double().mean()), rel=2e-3)
+    assert float(fp32[2].double().mean()) == pytest.approx(2 + 98 * BETAS[1] ** steps, rel=0.02)  # float64's 23.6
+    _close(m_bf16[0], fp32[0], 3e-3, 5e-5)  # weights of about 0.15
+    rel = ((both[0] - fp32[0]) / fp32[0]).abs()
+    # the price of the second moment in bf16: rounding noise that lasts its ~1/(1 - beta2) steps of
+    # memory, a few percent on each weight's step size (the first moment's lasts ~10 steps)
+    assert float(rel.median()) < 0.03 and float(both[0].mean()) == pytest.approx(float(fp32[0].mean()), rel=5e-3)
+
+
+def test_the_rounding_is_unbiased_and_a_function_of_place_and_step():
+    """The stored bf16 is the fp32 value on average; the random bits depend on nothing but an
+    element's place (its position in which gradient buffer) and the step, so a shard of a buffer
+    rounds as the whole buffer does at the same places."""
+    x = torch.full((1 << 16,), 1.0 + 2 ** -10)  # a quarter of a bf16 step above 1
+    bits = flat_adam.rounding_bits(x.numel(), torch.tensor(flat_adam.place(0, 0)), torch.tensor(7.0))
+    stored = flat_adam._stored(x, torch.bfloat16, bits & 0xFFFF)
+    assert set(stored.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert float(stored.double().mean()) == pytest.approx(1.0 + 2 ** -10, abs=2e-5)
+    assert float(flat_adam._stored(-x, torch.bfloat16, bits >> 16).double().mean()) == pytest.approx(
+        -(1.0 + 2 ** -10), abs=2e-5)
+    inf = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    got = flat_adam._stored(inf, torch.bfloat16, torch.full((3,), 0xFFFF))
+    assert got[0] == float("inf") and got[1] == -float("inf") and got[2].isnan()
+
+    whole = flat_adam.rounding_bits(1000, torch.tensor(flat_adam.place(5000, 2)), torch.tensor(3.0))
+    piece = flat_adam.rounding_bits(400, torch.tensor(flat_adam.place(5600, 2)), torch.tensor(3.0))
+    assert torch.equal(whole[600:], piece)
+    for other in (flat_adam.rounding_bits(1000, torch.tensor(flat_adam.place(5000, 2)), torch.tensor(4.0)),
+                  flat_adam.rounding_bits(1000, torch.tensor(flat_adam.place(5000, 3)), torch.tensor(3.0))):
+        assert (other == whole).float().mean() < 0.01
+    assert int(whole.min()) >= 0 and int(whole.max()) < 2 ** 32
+
+
+@pytest.mark.parametrize("distopt", [False, True])
+def test_bf16_moments_train_resume_exactly_and_checkpoint_in_fp32(tmp_path, distopt):
+    """Through the trainer, bf16 model, both moments in bf16 (picked by auto on the CPU too): the
+    states are bf16 views of the flat buffers, 4 bytes per parameter as the state count says, and
+    the losses follow the fp32 moments' run closely. Stopped and resumed it continues bit for bit;
+    its checkpoint resumes with fp32 moments, and an fp32-moment checkpoint resumes in bf16."""
+    def run(path, moments="bf16", steps=4):
+        cfg = tiny_run(path, distopt=distopt, max_steps=steps)
+        cfg.trainer.bf16, cfg.optim.weight_decay = True, 0.1
+        cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = moments
+        return cfg
+
+    full = Trainer(run(tmp_path / "full"))
+    inner = _inners(full)[0]
+    assert isinstance(inner, FlatAdamW)
+    for r in inner.ranges:
+        assert r.exp_avg.dtype == r.exp_avg_sq.dtype == torch.bfloat16
+        for slot in r.members:
+            assert inner.state[slot.main]["exp_avg_sq"].data_ptr() == r.exp_avg_sq[slot.start:].data_ptr()
+    held = sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes + r.group.nbytes for i in _inners(full) for r in i.ranges)
+    assert full.state_budget().adam == pytest.approx(held, rel=0.01)  # the distributed optimizer's padding
+    full_losses = losses(full.fit())
+    fp32 = losses(Trainer(run(tmp_path / "fp32", "fp32")).fit())
+    assert full_losses != fp32 and all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(full_losses, fp32))
+
+    cut = Trainer(run(tmp_path / "cut"))
+    first = [cut.train_step()["loss"] for _ in range(2)]
+    cut.save()
+    resumed = Trainer(run(tmp_path / "cut"))
+    assert resumed.step == 2
+    _close(torch.tensor(first + losses(resumed.fit())), torch.tensor(full_losses), 0, 0)
+
+    for saved, loaded in (("bf16", "fp32"), ("fp32", "bf16")):
+        path = tmp_path / f"{saved}_to_{loaded}"
+        writer = Trainer(run(path, saved))
+        for _ in range(2):
+            writer.train_step()
+        writer.save()
+        want = {k: [s[k].float() for s in _inners(writer)[0].state.values()] for k in ("exp_avg", "exp_avg_sq")}
+        reader = Trainer(run(path, loaded))
+        reader_inner = _inners(reader)[0]  # fp32 moments: torch's fused AdamW on the CPU (auto)
+        if isinstance(reader_inner, FlatAdamW):
+            reader_inner._rehome_states()
+        for key, tensors in want.items():
+            got = [s[key] for s in reader_inner.state.values()]
+            assert {t.dtype for t in got} == {torch.float32 if loaded == "fp32" else torch.bfloat16}
+            assert sorted(float(t.float().abs().sum()) for t in got) == pytest.approx(
+                sorted(float(t.abs().sum()) for t in tensors), rel=1e-2 if loaded == "bf16" else 1e-6)
+        rest = losses(reader.fit())
+        assert len(rest) == 2 and all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(rest, fp32[2:]))

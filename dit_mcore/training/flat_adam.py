@@ -21,6 +21,20 @@ and every loader see per-parameter tensors as before. A state a load replaced is
 its slot before the next step. The class is torch's fused AdamW: where a step does not find the
 layout it was built for (a gradient or weight that is no longer a view of its slot) it steps as
 torch's fused kernel does, and megatron copies the weights.
+
+The moments may be kept in bf16 (``optim.exp_avg_dtype`` / ``optim.exp_avg_sq_dtype``: 2 bytes
+per parameter each instead of 4, fewer bytes for the kernel to move). The kernel computes in fp32
+and stores with stochastic rounding: rounded to nearest, the second moment's decay (``beta2 =
+0.999`` takes 0.1% off per step, under bf16's half-step of 0.2%) would round back to the old value
+and the moment would never shrink. The rounding's random bits are a hash of the element's position
+in its gradient buffer and the step count, not a generator's draw: data-parallel replicas round
+alike, a distributed optimizer's shard rounds as one process does, and a resumed run as the run it
+continues. Checkpoints resume with either setting: megatron's distributed optimizer saves the
+moments in fp32, its other optimizers in their dtype, and loads cast.
+
+What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
+~10 steps of memory and moves the weights by ~1e-4 relative; the second moment's lasts its ~1,000
+steps (``beta2 = 0.999``) and gives each weight's step size a few percent of noise, unbiased.
 """
 from __future__ import annotations
 
@@ -35,22 +49,27 @@ from kernels.host_copy import to_device
 log = logging.getLogger(__name__)
 
 
-def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale, found_inf, out,
+def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale, found_inf, out, place=None,
                *, beta1: float, beta2: float, eps: float) -> None:
     """One AdamW step (decoupled weight decay, torch's fused-kernel math) over flat fp32 tensors, in
     place. ``group`` (uint8) picks each element's row of ``hyper`` (``[lr, weight_decay]`` per
     parameter group); ``step`` is the step count after this update; ``grad_scale`` divides the
     gradients; where ``found_inf`` is nonzero nothing changes; ``out`` (optional) receives the updated
-    weights in its dtype."""
+    weights in its dtype. Moments of a lower precision (bf16) are read into fp32 and stored with
+    stochastic rounding whose random bits hash ``step`` and each element's place (``place``, an int64
+    tensor: :func:`place` of ``param[0]``)."""
     lr, wd = hyper[:, 0], hyper[:, 1]
     # per group, then looked up per element (int32 indices: Inductor's C++ backend vectorizes them)
     index = group.int()
     decay, step_size = (1.0 - lr * wd)[index], (lr / (1.0 - beta1 ** step))[index]
     g = grad if grad_scale is None else grad / grad_scale
-    m = exp_avg.lerp(g, 1.0 - beta1)
-    v = exp_avg_sq * beta2 + (1.0 - beta2) * g * g
+    m = exp_avg.float().lerp(g, 1.0 - beta1)
+    v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
     denom = v.sqrt() / (1.0 - beta2 ** step).sqrt() + eps
     p = param * decay - step_size * m / denom
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        bits = rounding_bits(param.numel(), place, step)
+        m, v = _stored(m, exp_avg.dtype, bits & 0xFFFF), _stored(v, exp_avg_sq.dtype, bits >> 16)
     if found_inf is not None:
         skip = found_inf != 0
         p, m, v = torch.where(skip, param, p), torch.where(skip, exp_avg, m), torch.where(skip, exp_avg_sq, v)
@@ -59,6 +78,36 @@ def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale,
     exp_avg_sq.copy_(v)
     if out is not None:
         out.copy_(p)
+
+
+def place(position: int, buffer_number: int) -> int:
+    """An element's place for :func:`rounding_bits`: its ``position`` in the gradient buffer that is
+    ``buffer_number``-th of the model's (their order over model chunks, then dense before expert)."""
+    return position + buffer_number * 0x85EBCA6B
+
+
+def rounding_bits(n: int, first: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """32 pseudo-random bits (in an int64) for each of ``n`` elements at the places from ``first``
+    on (:func:`place`), at optimizer step ``step``: the two mixed, then two rounds of an integer hash.
+    Arithmetic Inductor generates inside the kernel, no memory traffic; every product stays below 2**63."""
+    x = torch.arange(n, device=first.device, dtype=torch.int64) + first
+    x = (x + step.long() * 0x9E3779B1) & 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype, noise16: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` for a tensor of ``dtype``: bf16 rounded up with the probability of the fraction the
+    rounding drops (``noise16``: 16 uniform bits per element), so the stored value is ``x`` on
+    average; fp32 as it is."""
+    if dtype == torch.float32:
+        return x
+    if dtype != torch.bfloat16:
+        raise TypeError(f"flat AdamW keeps moments in fp32 or bf16, not {dtype}")
+    # bf16 is fp32's upper half: add the noise below it and drop the lower half (the magnitude's, either sign)
+    bits = (x.view(torch.int32) + noise16.int()) & -65536
+    return torch.where(torch.isfinite(x), bits.view(torch.float32), x).to(dtype)
 
 
 _compiled = None
@@ -96,6 +145,7 @@ class FlatRange:
     exp_avg_sq: torch.Tensor
     group: torch.Tensor                 # uint8: each element's parameter group
     out: Optional[torch.Tensor]         # model weights of a lower precision (bf16), else None
+    place: Optional[torch.Tensor] = None  # int64: where the range starts in which buffer (rounding_bits)
     members: list = field(default_factory=list)  # Slots, their start/end rebased to the range
 
 
@@ -170,6 +220,10 @@ class FlatAdamW(torch.optim.AdamW):
         self._rehome_states()
         mains, models = self._layout_holds()
         if not mains:
+            if self.ranges[0].exp_avg.dtype != torch.float32 or self.ranges[0].exp_avg_sq.dtype != torch.float32:
+                raise RuntimeError("flat AdamW: a gradient or main weight is no longer a view of its flat buffer, and "
+                                   "torch's fused AdamW cannot step bf16 moments; set optim.exp_avg_dtype and "
+                                   "optim.exp_avg_sq_dtype to fp32")
             if not self._warned:
                 log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
                             "stepping torch's fused AdamW instead")
@@ -185,7 +239,7 @@ class FlatAdamW(torch.optim.AdamW):
         self._steps.add_(1.0)
         for r in self.ranges:
             self._kernel(r.main, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
-                         found_inf, r.out if models else None, beta1=beta1, beta2=beta2, eps=eps)
+                         found_inf, r.out if models else None, r.place, beta1=beta1, beta2=beta2, eps=eps)
         if found_inf is not None:  # a skipped step leaves the counts too (torch's fused kernel does so)
             self._steps.sub_(found_inf)
         self.wrote_model_weights = self._written = models
@@ -201,20 +255,24 @@ class FlatAdamW(torch.optim.AdamW):
 # ---- building the ranges from megatron's optimizer and DDP buffers
 
 
-def install(optimizer, ddp_chunks) -> int:
-    """Step every part of a megatron optimizer (possibly chained) that fits with :class:`FlatAdamW`;
-    megatron's main-to-model weight copy after a step is skipped when the step wrote the model
-    weights. A part that does not fit keeps torch's AdamW (the reason logged). Returns how many
-    parts were flattened."""
+def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float32)) -> int:
+    """Step every part of a megatron optimizer (possibly chained) that fits with :class:`FlatAdamW`,
+    its moments (exp_avg, exp_avg_sq) of the dtypes ``moments``; megatron's main-to-model weight copy
+    after a step is skipped when the step wrote the model weights. A part that does not fit keeps
+    torch's AdamW (the reason logged), unless it would have to keep moments of a lower precision,
+    which only the flat step has. Returns how many parts were flattened."""
     flattened = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(part, "is_stub_optimizer", False):
             continue
         why = _unfit(part, ddp_chunks)
+        if why and moments != (torch.float32, torch.float32):
+            raise ValueError(f"optim.exp_avg_dtype / exp_avg_sq_dtype below fp32 need the flat AdamW for every "
+                             f"parameter, but {why}; set both to fp32")
         if why:
             log.info("optim.adam_impl=flat: %s; that part steps torch's fused AdamW", why)
             continue
-        part.optimizer = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks))
+        part.optimizer = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks, moments))
         copy = getattr(part, "_copy_main_params_to_model_params", None)
         if copy is not None:  # mixed precision: megatron copies right after the step
             part._copy_main_params_to_model_params = lambda inner=part.optimizer, copy=copy: (
@@ -315,10 +373,12 @@ def _repoint(params_at: list, flat: torch.Tensor, lo: int) -> None:
         t.data = view.view(t.data.shape)
 
 
-def _ranges(part, ddp_chunks) -> list:
-    """The :class:`FlatRange` of each contiguous range of ``part``'s main weights; moves main (and,
-    without a megatron parameter buffer, model) weights into flat buffers."""
+def _ranges(part, ddp_chunks, moments: tuple) -> list:
+    """The :class:`FlatRange` of each contiguous range of ``part``'s main weights, its moments of the
+    dtypes ``moments``; moves main (and, without a megatron parameter buffer, model) weights into
+    flat buffers."""
     group_of = {p: i for i, g in enumerate(part.optimizer.param_groups) for p in g["params"]}
+    number = {id(b): i for i, b in enumerate(b for c in ddp_chunks for b in c.buffers + c.expert_parallel_buffers)}
     ranges = []
     for members in _by_range(_members(part, ddp_chunks)).values():
         buffer = members[0].buffer
@@ -341,7 +401,8 @@ def _ranges(part, ddp_chunks) -> list:
         for m in members:
             group[m.start - lo:m.end - lo] = group_of[m.main]
         ranges.append(FlatRange(grad=buffer.grad_data[lo:hi], main=main,
-                                exp_avg=torch.zeros_like(main, dtype=torch.float32),
-                                exp_avg_sq=torch.zeros_like(main, dtype=torch.float32), group=group, out=out,
-                                members=[m._replace(start=m.start - lo, end=m.end - lo) for m in members]))
+                                exp_avg=torch.zeros_like(main, dtype=moments[0]),
+                                exp_avg_sq=torch.zeros_like(main, dtype=moments[1]), group=group, out=out,
+                                members=[m._replace(start=m.start - lo, end=m.end - lo) for m in members],
+                                place=torch.tensor(place(lo, number[id(buffer)]), dtype=torch.int64, device=device)))
     return ranges

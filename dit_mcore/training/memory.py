@@ -47,14 +47,17 @@ class StateBudget:
 
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
-                 ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False) -> StateBudget:
+                 ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False,
+                 moment_bytes: int = 8) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and an fp32 gradient buffer whole on every data-parallel rank; the distributed
     optimizer shards the fp32 main weights (bf16 runs only) and both moments; FSDP shards all of it,
     the EMA too. ``ema_offload``: the EMA is in host memory; ``ema_sharded`` (``trainer.ema_shard``):
     the EMA sharded like the distributed optimizer's state; ``flat_adam`` (``optim.adam_impl=flat``):
-    one more byte per element of the optimizer's ranges, each element's parameter group."""
+    one more byte per element of the optimizer's ranges, each element's parameter group;
+    ``moment_bytes``: both Adam moments' bytes per element (8 in fp32, 4 in bf16:
+    ``optim.exp_avg_dtype`` / ``exp_avg_sq_dtype``)."""
     w = g = m = a = e = 0.0
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1
@@ -62,7 +65,7 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         w += numel * (2 if bf16 else 4) / shard_all
         g += numel * 4 / shard_all
         m += numel * 4 / shard_state if bf16 else 0.0
-        a += numel * (9 if flat_adam else 8) / shard_state
+        a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
     return StateBudget(w, g, m, a, e)
 

@@ -104,15 +104,24 @@ def shard_fully(chunks, model_config, ddp_config, kind: str) -> list:
     return [shard_module(chunk, model_config, ddp_config, groups) for chunk in chunks]
 
 
-def resolve_adam_impl(impl: str, chunks) -> str:
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def moment_dtypes(optim) -> tuple:
+    """``(exp_avg, exp_avg_sq)`` torch dtypes of ``optim`` (an ``OptimConfig``)."""
+    return MOMENT_DTYPES[optim.exp_avg_dtype], MOMENT_DTYPES[optim.exp_avg_sq_dtype]
+
+
+def resolve_adam_impl(impl: str, chunks, low_precision_moments: bool = False) -> str:
     """``optim.adam_impl=auto``: "flat" where the weights are on a GPU (an H100 stepped DiT-XL/2's
     AdamW and weight copy 1.24x faster flat than fused, the whole step 1.02x:
-    ``benchmarks/results/h100_2026-11-27.md``), "fused" elsewhere (the CPU's generated kernel is
-    half as fast as torch's fused one). Other values are returned as given."""
+    ``benchmarks/results/h100_2026-11-27.md``) or where the moments are kept below fp32 (only the
+    flat step keeps them so), "fused" elsewhere (the CPU's generated kernel is half as fast as torch's
+    fused one). Other values are returned as given."""
     if impl != "auto":
         return impl
     on_gpu = any(p.is_cuda for chunk in chunks for p in chunk.parameters())
-    return "flat" if on_gpu else "fused"
+    return "flat" if on_gpu or low_precision_moments else "fused"
 
 
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
@@ -126,10 +135,11 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks)
+    moments = moment_dtypes(optim)
+    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks, moments != (torch.float32, torch.float32))
     if impl != optim.adam_impl:
         log.info("optim.adam_impl=%s: %s", optim.adam_impl, impl)
-    if impl == "flat" and not flat_adam.install(optimizer, ddp_chunks) and optim.adam_impl == "flat":
+    if impl == "flat" and not flat_adam.install(optimizer, ddp_chunks, moments) and optim.adam_impl == "flat":
         log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
                     "every part steps torch's fused AdamW")
     torch_optimizer.set_adam_impl(optimizer, impl)

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dit_mcore.config import ConfigError
+from dit_mcore.training.optim import MOMENT_DTYPES
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
 from dit_mcore.models.layer_stack import COMPILE_MODES
@@ -171,6 +172,12 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
            f"use one of {DECAY_STYLES}{did_you_mean(o.decay_style, DECAY_STYLES)}")
     r.need(o.adam_impl in ADAM_IMPLS, "optim.adam_impl", o.adam_impl,
            f"use one of {ADAM_IMPLS}{did_you_mean(o.adam_impl, ADAM_IMPLS)}")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(o, name)
+        r.need(value in MOMENT_DTYPES, f"optim.{name}", value, f"use one of {tuple(MOMENT_DTYPES)}")
+        r.need(value == "fp32" or o.adam_impl in ("auto", "flat"), f"optim.{name}", value,
+               f"moments below fp32 are kept only by the flat AdamW, not optim.adam_impl={o.adam_impl!r}; set "
+               "optim.adam_impl=flat (or auto), or keep fp32")
     r.need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(o, name)
@@ -247,6 +254,10 @@ def run_problems(cfg, world_size: int) -> list[str]:
         if cfg.trainer.ema_shard and cfg.trainer.ema_offload:
             raise ConfigError("trainer.ema_shard=True with trainer.ema_offload=True: choose one (the shard of each "
                               "rank, or the whole EMA in host memory)")
+        if "bf16" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype) and cfg.parallel.fsdp != "none":
+            raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: "
+                              "FSDP steps torch's AdamW, whose moments are fp32; set both to fp32 (FSDP shards them "
+                              "over the data-parallel ranks already)")
         if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
                               "(only sharded parameters are gathered)")
