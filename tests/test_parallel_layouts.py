@@ -168,14 +168,16 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
                            for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]}
 
 
-def _layouts_worker(rank, world, run_dir, cases):
+def _layouts_worker(rank, world, run_dir, cases, extras=True):
+    """Train ``cases`` on this world; with ``extras``, also the world's own runs below (overlap, EMA
+    and moment cases on two ranks; checkpoints resumed across layouts on four)."""
     results = {name: _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"),
                                        family=family_of(name), **parallel),
                             save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE),
                             samples=(parallel.get("fsdp", "none") != "none" or parallel.get("distopt", False))
                             and family_of(name) == "dit")
                for name, data, parallel in cases}
-    if world == 2:  # steps read while the next runs (``fit``) against read at once, overlapped parameter gather
+    if extras and world == 2:  # steps read while the next runs (``fit``) against read at once, overlapped parameter gather
         overlap = dict(distopt=True, overlap_grad_reduce=True, overlap_param_gather=True)
         runs = []
         for name, steps in (("at_once", lambda t: [t.train_step() for _ in range(4)]), ("pipelined", lambda t: t.train_steps(4))):
@@ -224,7 +226,17 @@ def _layouts_worker(rank, world, run_dir, cases):
                                                     "sharded": resumed.ema_sharded,
                                                     "buckets": len(resumed.ema.shards.pieces)}
         results["ema_every_overlap"] = ema_every
-    if world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
+        # Adam's moments in bf16 (stochastic rounding) without the distributed optimizer: each replica
+        # rounds its own copy, and the replicas must stay one model
+        cfg = layout_run(f"{run_dir}/moments_bf16", "dense", adam_impl="flat")
+        cfg.trainer.bf16, cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype = True, "bf16", "bf16"
+        trainer = Trainer(cfg)
+        _randomize(trainer)
+        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        inner = trainer.optimizer.optimizer
+        results["moments_bf16"] = {"loss": losses, "weights": [p.detach().clone() for p in trainer.model.parameters()],
+                                   "moments": [torch.cat([r.exp_avg.float(), r.exp_avg_sq.float()]) for r in inner.ranges]}
+    if extras and world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
                                      pipeline_model_parallel_size=2))
         results["resumed_pp2_dp2"] = {"step": resumed.step, "next": resumed.train_step()}
@@ -374,7 +386,8 @@ def text_results(tmp_path_factory):
     def get(world):
         if world not in results:
             run_dir = tmp_path_factory.mktemp(f"text_w{world}")
-            results[world] = (run_distributed(_layouts_worker, world, str(run_dir), _text_cases(world)), run_dir)
+            results[world] = (run_distributed(_layouts_worker, world, str(run_dir), _text_cases(world), False),
+                              run_dir)
         return results[world]
     return get
 
@@ -464,6 +477,16 @@ def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_res
     one = Trainer(cfg)
     assert one.step == 5 and not one.ema_sharded
     for a, b in zip(per_rank[0]["ema_every_overlap"]["plain"]["ema"], one.ema.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_replicas_round_bf16_moments_alike(world_results):
+    """DP2 without the distributed optimizer, Adam's moments in bf16: every replica steps its own copy
+    of the state, and the stochastic rounding's bits come from the element's buffer position and the
+    step, not a rank's generator, so the replicas' moments and weights stay bit for bit one."""
+    first, second = (result["moments_bf16"] for result in world_results(2)[0])
+    assert len(first["moments"]) > 0 and all(float(m.abs().sum()) > 0 for m in first["moments"])
+    for a, b in zip(first["moments"] + first["weights"], second["moments"] + second["weights"]):
         assert torch.equal(a, b)
 
 

@@ -28,8 +28,8 @@ and stores with stochastic rounding: rounded to nearest, the second moment's dec
 0.999`` takes 0.1% off per step, under bf16's half-step of 0.2%) would round back to the old value
 and the moment would never shrink. The rounding's random bits are a hash of the element's position
 in its gradient buffer and the step count, not a generator's draw: data-parallel replicas round
-alike, a distributed optimizer's shard rounds as one process does, and a resumed run as the run it
-continues. Checkpoints resume with either setting: megatron's distributed optimizer saves the
+alike (each steps its own copy of the state, and they must stay one model), a distributed
+optimizer's shard as its buffer's elements would whole, and a resumed run as the run it continues. Checkpoints resume with either setting: megatron's distributed optimizer saves the
 moments in fp32, its other optimizers in their dtype, and loads cast.
 
 What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
