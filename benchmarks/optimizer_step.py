@@ -9,7 +9,9 @@ among 19.3 ms of foreach kernels (~3.4 TB/s). Bytes per parameter: fused reads g
 moments and writes three (28), the copy reads fp32 and writes bf16 (6): 34 in two passes; flat: 33
 by Inductor's count (its group byte, the bf16 output counted read and written) in one generated
 kernel. The gain to expect is bandwidth (a generated elementwise kernel reached 4.1 TB/s there),
-not bytes. ``--traffic`` prints, without a GPU, what Inductor schedules for the flat step and the
+not bytes. Third, the flat step with both moments in bf16 (``optim.exp_avg_dtype`` /
+``exp_avg_sq_dtype``, stochastic rounding whose bits the kernel computes): 25 bytes per parameter,
+and 4 bytes less state. ``--traffic`` prints, without a GPU, what Inductor schedules for the flat step and the
 EMA fold on an H100: their Triton kernels and bytes per parameter.
 
     python benchmarks/optimizer_step.py                       # GPU: MovieGen-3B's widths, 8 layers
@@ -44,7 +46,8 @@ from dit_mcore.parallel.initialize import initialize_distributed  # noqa: E402
 from dit_mcore.training.config import OptimConfig  # noqa: E402
 from dit_mcore.training.optim import build_optimizer  # noqa: E402
 
-BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33}
+BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33, "flat_bf16": 25}
+CANDIDATES = {"fused": ("fused", "fp32"), "flat": ("flat", "fp32"), "flat_bf16": ("flat", "bf16")}  # impl, moments
 
 
 def ema_fold_traffic(n: int = 1 << 20) -> list:
@@ -57,17 +60,18 @@ def ema_fold_traffic(n: int = 1 << 20) -> list:
     return [(k.fused, k.bytes / n) for k in recorder.kernels]
 
 
-def flat_step_traffic(n: int = 1 << 20) -> list:
+def flat_step_traffic(n: int = 1 << 20, moments: torch.dtype = torch.float32) -> list:
     """``(Triton kernel?, bytes per parameter)`` of each kernel Inductor schedules on an H100 for one
-    flat AdamW step over ``n`` parameters (with gradient scale, skip flag and bf16 output), counted
-    on the CPU (``fusion_traffic.TrafficRecorder``)."""
+    flat AdamW step over ``n`` parameters (with gradient scale, skip flag and bf16 output; the moments
+    of ``moments``), counted on the CPU (``fusion_traffic.TrafficRecorder``)."""
     from fusion_traffic import TrafficRecorder
     from dit_mcore.training.flat_adam import adamw_flat
     recorder = TrafficRecorder()
     step = torch.compile(adamw_flat, backend=recorder.backend, fullgraph=True, dynamic=False)
-    step(torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.uint8),
-         torch.tensor([[1e-3, 0.1], [1e-3, 0.0]]), torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0.0),
-         torch.empty(n, dtype=torch.bfloat16), beta1=0.9, beta2=0.999, eps=1e-8)
+    step(torch.randn(n), torch.randn(n), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments),
+         torch.zeros(n, dtype=torch.uint8), torch.tensor([[1e-3, 0.1], [1e-3, 0.0]]), torch.tensor(1.0),
+         torch.tensor(1.0), torch.tensor(0.0), torch.empty(n, dtype=torch.bfloat16), torch.tensor(0),
+         beta1=0.9, beta2=0.999, eps=1e-8)
     return [(k.fused, k.bytes / n) for k in recorder.kernels]
 
 
@@ -82,7 +86,7 @@ def layer_stack(hidden: int, ffn: int, layers: int) -> torch.nn.Module:
     return torch.nn.ModuleList([layer() for _ in range(layers)])
 
 
-def build(impl: str, args, device) -> tuple:
+def build(impl: str, moments: str, args, device) -> tuple:
     """(megatron optimizer, DDP wrapper) over a fresh layer stack in bf16 with random gradients."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -91,8 +95,8 @@ def build(impl: str, args, device) -> tuple:
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1, bf16=True,
                                params_dtype=torch.bfloat16)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
-    optimizer, _ = build_optimizer([ddp], OptimConfig(lr=1e-4, weight_decay=0.1, adam_impl=impl), bf16=True,
-                                   max_steps=1000)
+    optim = OptimConfig(lr=1e-4, weight_decay=0.1, adam_impl=impl, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    optimizer, _ = build_optimizer([ddp], optim, bf16=True, max_steps=1000)
     for buffer in ddp.buffers:
         buffer.grad_data.normal_(generator=torch.Generator(device).manual_seed(1))
     return optimizer, ddp
@@ -171,7 +175,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.traffic:
-        kernels = {"flat_adamw": flat_step_traffic(), "ema_fold": ema_fold_traffic()}
+        kernels = {"flat_adamw": flat_step_traffic(), "flat_adamw_bf16_moments": flat_step_traffic(moments=torch.bfloat16),
+                   "ema_fold": ema_fold_traffic()}
         for name, found in kernels.items():
             for fused, per_param in found:
                 print(f"{name}: {'Triton' if fused else 'extern'} kernel, {per_param:.2f} bytes per parameter")
@@ -179,13 +184,14 @@ def main(argv=None) -> dict:
 
     initialize_distributed(ParallelConfig(), seed=0)
     device = torch.device("cuda" if cuda else "cpu")
-    runs = {impl: build(impl, args, device) for impl in ("fused", "flat")}
+    runs = {name: build(*how, args, device) for name, how in CANDIDATES.items()}
     params = sum(p.numel() for p in runs["flat"][1].module.parameters())
     for optimizer, _ in runs.values():  # the first steps compile the flat kernel and allocate state
         for _ in range(3):
             step(optimizer)
-    weights = [[p.detach().float() for p in ddp.module.parameters()] for _, ddp in runs.values()]
-    max_diff = max((a - b).abs().max().item() for a, b in zip(*weights))
+    weights = {name: [p.detach().float() for p in ddp.module.parameters()] for name, (_, ddp) in runs.items()}
+    max_diff = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["flat"]))
+    max_diff_bf16 = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["flat_bf16"]))
     times = {impl: [] for impl in runs}
     for _ in range(args.repeats):
         for impl, (optimizer, _) in runs.items():
@@ -198,14 +204,17 @@ def main(argv=None) -> dict:
     result = {"device": device_name(), "torch": torch.__version__, "parameters": params,
               "hidden": args.hidden, "ffn": args.ffn, "layers": args.layers,
               "command": "python benchmarks/optimizer_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "max_abs_weight_diff_after_3_steps": max_diff}
+              "max_abs_weight_diff_after_3_steps": max_diff, "max_abs_weight_diff_bf16_moments": max_diff_bf16}
     for impl, t in times.items():
         ms = statistics.median(t) * 1e3
         result[impl] = {"ms_per_step": ms, "gb_per_s": BYTES_PER_PARAM[impl] * params / (ms * 1e-3) / 1e9}
-        print(f"{impl:6s} {ms:8.3f} ms per optimizer step  {result[impl]['gb_per_s']:8.1f} GB/s "
+        print(f"{impl:9s} {ms:8.3f} ms per optimizer step  {result[impl]['gb_per_s']:8.1f} GB/s "
               f"({BYTES_PER_PARAM[impl]} B/param, {params / 1e6:.0f}M parameters)")
     result["ratio_fused_over_flat"] = result["fused"]["ms_per_step"] / result["flat"]["ms_per_step"]
+    result["ratio_flat_over_flat_bf16"] = result["flat"]["ms_per_step"] / result["flat_bf16"]["ms_per_step"]
     print(f"fused+copy / flat: {result['ratio_fused_over_flat']:.3f}x   (max |weight diff| after 3 steps {max_diff:.2e})")
+    print(f"flat / flat with bf16 moments: {result['ratio_flat_over_flat_bf16']:.3f}x   "
+          f"(max |weight diff| to fused after 3 steps {max_diff_bf16:.2e})")
     result["ema"] = ema_side_by_side(runs["flat"][1].module, args, device)
     print("wrote", write_result("optimizer_step", result, args.out))
     return result

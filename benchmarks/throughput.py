@@ -67,7 +67,8 @@ def run_config(point: dict, run_dir: str):
                           fuse_wgrad_accumulation=point.get("wgrad_fusion"),
                           **RECOMPUTE[point["recompute"]]),
         data=data,
-        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "auto")),
+        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "auto"),
+                          exp_avg_dtype=point.get("moments", "fp32"), exp_avg_sq_dtype=point.get("moments", "fp32")),
         diffusion=DiffusionConfig(objective="flow"),
         trainer=TrainerConfig(max_steps=10 ** 6, bf16=point["dtype"] == "bf16", save_interval=10 ** 6,
                               ema_every=point.get("ema_every", 1), ema_offload=point.get("ema_offload", False)),
@@ -190,6 +191,7 @@ def variant(point: dict) -> str:
              f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
              f"ema_every={point['ema_every']}" if point.get("ema_every", 1) != 1 else "",
              "EMA offloaded" if point.get("ema_offload") else "",
+             f"moments={point['moments']}" if point.get("moments", "fp32") != "fp32" else "",
              "options=" + ",".join(f"{k}={v}" for k, v in point["compile_options"].items())
              if point.get("compile_options") else "",
              f"mode={point['compile_mode']}" if point.get("compile_mode") else ""]
@@ -274,6 +276,8 @@ def main(argv=None) -> list[dict]:
                    "EMA's passes over the weights)")
     p.add_argument("--ema-offload", default="0", help="trainer.ema_offload: any of 0,1 (1: the EMA shadow in host "
                    "memory, folded there in a thread; 4 bytes per parameter off the GPU)")
+    p.add_argument("--moments", default="fp32", help="optim.exp_avg_dtype and exp_avg_sq_dtype: any of fp32,bf16 "
+                   "(bf16: Adam's moments in bf16 in the flat step, 4 bytes per parameter less)")
     p.add_argument("--compile-mode", default="default", help="model.compile_mode with --compile 1: any of "
                    "default,max-autotune-no-cudagraphs")
     p.add_argument("--compile-options", default="none", help="model.compile_options with --compile 1, alternatives "
@@ -301,13 +305,15 @@ def main(argv=None) -> list[dict]:
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
                "step": step, "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
-               "ema_every": ema, "ema_offload": bool(int(offload)), "compile_options": options,
+               "ema_every": ema, "ema_offload": bool(int(offload)), "moments": moments, "compile_options": options,
                "compile_mode": None if mode == "default" else mode}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, ema, offload, options, mode in itertools.product(
+              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, ema, offload, moments, options, mode
+              in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
                   _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int),
-                  _list(args.ema_every, int), _list(args.ema_offload), compile_option_sets(args.compile_options),
+                  _list(args.ema_every, int), _list(args.ema_offload), _list(args.moments),
+                  compile_option_sets(args.compile_options),
                   _list(args.compile_mode))
               if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
               and (int(c) or (mode == "default" and options is None))]  # a compile mode or options need compile

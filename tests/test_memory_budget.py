@@ -21,6 +21,9 @@ B = 3.31e9  # MovieGen-3B's parameters (tests/test_llama.py)
     (dict(bf16=True, distributed_optimizer=True, shards=8), 2 + 4 + 12 / 8 + 4),
     (dict(bf16=True, distributed_optimizer=True, ema_sharded=True, shards=8), 2 + 4 + 16 / 8),
     (dict(bf16=True, fsdp=True, shards=8), 22 / 8),
+    (dict(bf16=True, moment_bytes=4), 18),                  # optim.exp_avg(_sq)_dtype=bf16
+    (dict(bf16=True, ema_offload=True, moment_bytes=4), 14),
+    (dict(bf16=True, distributed_optimizer=True, moment_bytes=4, shards=8), 2 + 4 + 8 / 8 + 4),
 ])
 def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     shards = layout.pop("shards", 1)
@@ -30,21 +33,26 @@ def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     if kw == dict(bf16=True, distributed_optimizer=False, fsdp=False, ema_offload=False):
         assert budget.describe().startswith("67.8 GiB (weights 6.2 GiB, gradients 12.3 GiB")
     flat = state_budget([(int(B), shards)], **kw, flat_adam=True)  # the flat AdamW's group byte
-    assert flat.total - budget.total == pytest.approx(B / (shards if kw["distributed_optimizer"] or kw["fsdp"] else 1))
+    state_shards = shards if kw["distributed_optimizer"] or kw["fsdp"] else 1
+    assert flat.total - budget.total == pytest.approx(B / state_shards)
+    # what bf16 moments would save, offered where they are fp32 and the flat step can keep them (not FSDP)
+    assert budget.bf16_moments_save == (0 if kw["fsdp"] or kw.get("moment_bytes") == 4 else pytest.approx(4 * B / state_shards))
 
 
-@pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat")])
+@pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat"), (True, "flat_bf16")])
 def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
     """After a step (Adam's moments exist): the model's weights, megatron DDP's gradient buffers, the
     optimizer's fp32 main weights and moments (the flat AdamW's ranges: moments and a group byte per
     element) and the EMA shadow weigh what the budget says."""
     cfg = tiny_run(tmp_path)
-    cfg.trainer.bf16, cfg.optim.adam_impl = bf16, impl
+    cfg.trainer.bf16, cfg.optim.adam_impl = bf16, impl.split("_")[0]
+    if impl == "flat_bf16":  # both Adam moments in bf16
+        cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = "bf16"
     trainer = Trainer(cfg)
     trainer.train_step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     adams = torch_adams(trainer.optimizer)
-    if impl == "flat":
+    if impl.startswith("flat"):
         ranges = [r for inner in adams for r in inner.ranges]
         main, adam = nbytes(r.main for r in ranges), nbytes(t for r in ranges for t in (r.exp_avg, r.exp_avg_sq, r.group))
     else:
@@ -81,7 +89,8 @@ def test_the_sharded_ema_count_is_what_the_trainer_allocates(tmp_path, monkeypat
 def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch):
     """The device is 'smaller' than the tiny model's state: the trainer stops once the model is built
     (before the EMA, the optimizer, the data and any compile), naming the settings that shrink the
-    state; offloaded, the EMA is no longer offered; a device with room trains."""
+    state; offloaded, the EMA is no longer offered, nor bf16 moments once taken; a device with room
+    trains."""
     monkeypatch.setattr(memory, "device_memory", lambda device: 1024)
     with pytest.raises(ConfigError, match=r"needs .* KiB \(weights .* but the device has 1.0 KiB, before any "
                                           r"activation; set trainer.ema_offload=True \(-"):
@@ -91,6 +100,11 @@ def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch
     with pytest.raises(ConfigError) as err:
         Trainer(cfg)
     assert "ema_offload" not in str(err.value) and "optim.use_distributed_optimizer=True" in str(err.value)
+    assert "optim.exp_avg_dtype=bf16 and optim.exp_avg_sq_dtype=bf16 (-" in str(err.value)
+    cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = "bf16"  # taken: no longer offered
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert "exp_avg" not in str(err.value)
     monkeypatch.setattr(memory, "device_memory", lambda device: 2 ** 30)
     Trainer(tiny_run(tmp_path)).train_step()
 

@@ -113,12 +113,23 @@ def _stored(x: torch.Tensor, dtype: torch.dtype, noise16: torch.Tensor) -> torch
 _compiled = None
 
 
+VARIANTS = 32
+"""Graphs the compiled step may hold: one per combination of the moments' dtypes, and whether a
+gradient scale, a skip flag and a bf16 output are passed (a run uses one or two; a process that
+tries them all, the tests, a dozen), above dynamo's default limit of 8 per function."""
+
+
 def _kernel():
     """:func:`adamw_flat` compiled (one generated kernel per range: Triton on CUDA, C++ on the CPU;
     eagerly the function makes a dozen passes)."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(adamw_flat, fullgraph=True, dynamic=True)
+        compiled = torch.compile(adamw_flat, fullgraph=True, dynamic=True)
+
+        def step(*args, **kwargs):
+            with torch._dynamo.config.patch(recompile_limit=VARIANTS):
+                return compiled(*args, **kwargs)
+        _compiled = step
     return _compiled
 
 

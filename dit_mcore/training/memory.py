@@ -35,6 +35,8 @@ class StateBudget:
     main_weights: float
     adam: float
     ema: float
+    bf16_moments_save: float = 0.0
+    """What keeping both Adam moments in bf16 would take off (0 where they are already, or under FSDP)."""
 
     @property
     def total(self) -> float:
@@ -58,7 +60,8 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     one more byte per element of the optimizer's ranges, each element's parameter group;
     ``moment_bytes``: both Adam moments' bytes per element (8 in fp32, 4 in bf16:
     ``optim.exp_avg_dtype`` / ``exp_avg_sq_dtype``)."""
-    w = g = m = a = e = 0.0
+    w = g = m = a = e = saved = 0.0
+    savable = moment_bytes == 8 and not fsdp
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1
         shard_all = shards if fsdp else 1
@@ -67,7 +70,8 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         m += numel * 4 / shard_state if bf16 else 0.0
         a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
-    return StateBudget(w, g, m, a, e)
+        saved += numel * 4 / shard_state if savable else 0.0
+    return StateBudget(w, g, m, a, e, saved)
 
 
 def device_memory(device: torch.device) -> Optional[int]:
@@ -87,6 +91,8 @@ def check_state_fits(budget: StateBudget, total: Optional[int], *, fsdp: bool) -
                  budget.describe(), size(total), size(left))
         return
     fixes = ([f"trainer.ema_offload=True (-{size(budget.ema)})"] if budget.ema else []) + \
+        ([f"optim.exp_avg_dtype=bf16 and optim.exp_avg_sq_dtype=bf16 (-{size(budget.bf16_moments_save)})"]
+         if budget.bf16_moments_save else []) + \
         ([] if fsdp else ["optim.use_distributed_optimizer=True over more data-parallel ranks or parallel.fsdp=torch "
                           "(shard the main weights, moments and EMA)"]) + \
         ["parallel.tensor_model_parallel_size / pipeline_model_parallel_size (fewer parameters per rank)"]
