@@ -316,6 +316,7 @@ def main(argv=None) -> list[dict]:
                   compile_option_sets(args.compile_options),
                   _list(args.compile_mode))
               if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
+              and not (moments != "fp32" and adam in ("fused", "foreach"))  # bf16 moments: the flat step only
               and (int(c) or (mode == "default" and options is None))]  # a compile mode or options need compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])

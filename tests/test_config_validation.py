@@ -163,7 +163,7 @@ def test_bad_compile_options_are_refused_before_compute(tmp_path, options, expec
     assert run_problems(cfg, world_size=1) == []
 
 
-def test_bf16_moments_outside_the_flat_adamw_are_refused_before_compute(tmp_path):
+def test_bf16_moments_outside_the_flat_adamw_are_refused_before_compute(tmp_path, monkeypatch):
     cfg = tiny_run(tmp_path)
     cfg.optim.exp_avg_sq_dtype, cfg.optim.adam_impl = "bf16", "fused"
     problems = run_problems(cfg, world_size=1)
@@ -174,3 +174,7 @@ def test_bf16_moments_outside_the_flat_adamw_are_refused_before_compute(tmp_path
     assert len(problems) == 1 and "FSDP steps torch's AdamW" in problems[0], problems
     cfg.parallel.fsdp = "none"
     assert run_problems(cfg, world_size=1) == []
+    from dit_mcore.training import validate  # Transformer Engine or apex installed: megatron steps their FusedAdam
+    monkeypatch.setattr(validate, "uses_torch_optimizer", lambda: False)
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "megatron steps its FusedAdam" in problems[0], problems

@@ -57,8 +57,9 @@ def test_flat_kernel_steps_as_torchs_adamw_to_float64_accuracy():
     kernel, step = flat_adam._kernel(), 0
     for grad, scale, skip in zip(grads, scales, skips):
         before = (param.clone(), m.clone(), v.clone(), out.clone())
-        kernel(param, grad, m, v, group, hyper, torch.tensor(float(step + 1)), torch.tensor(scale),
-               torch.tensor(float(skip)), out, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+        with flat_adam.variants():
+            kernel(param, grad, m, v, group, hyper, torch.tensor(float(step + 1)), torch.tensor(scale),
+                   torch.tensor(float(skip)), out, torch.tensor(0), beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
         if skip:
             assert all(torch.equal(a, b) for a, b in zip(before, (param, m, v, out)))
         else:
@@ -193,6 +194,9 @@ def test_states_stay_in_their_slots_across_loads_and_buckets(tmp_path, monkeypat
     flat, _ = _run(tmp_path / "flat", "flat", bf16=True, distopt=True, overlap=True, bucket_size=4000)
     inner = _inners(flat)[0]
     assert len(inner.ranges) == len(flat.ddp_chunks[0].buffers[0].buckets) > 1 and not copies
+    buffer = flat.ddp_chunks[0].buffers[0]  # each range's place (rounding_bits) is where it starts in the buffer
+    assert [int(r.place) for r in inner.ranges] == [
+        (r.grad.data_ptr() - buffer.grad_data.data_ptr()) // 4 for r in inner.ranges] != [0] * len(inner.ranges)
     for a, b in zip(fused.model.parameters(), flat.model.parameters()):
         _close(b, a, 1e-5, 8e-3)
     import copy
@@ -299,9 +303,10 @@ def test_bf16_moments_round_stochastically_so_the_second_moment_still_decays():
     runs = {}
     for dtypes in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
         param, m, v = torch.zeros(n), torch.zeros(n, dtype=dtypes[0]), torch.full((n,), 100.0, dtype=dtypes[1])
-        for step in range(1, steps + 1):
-            kernel(param, grads[step % 8], m, v, group, hyper, torch.tensor(float(step)), None, None, None, place,
-                   beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+        with flat_adam.variants():
+            for step in range(1, steps + 1):
+                kernel(param, grads[step % 8], m, v, group, hyper, torch.tensor(float(step)), None, None, None, place,
+                       beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
         runs[dtypes[0], dtypes[1]] = param, m, v
     fp32, m_bf16, both = (runs[k] for k in runs)
     assert both[1].dtype == both[2].dtype == torch.bfloat16
@@ -310,6 +315,11 @@ def test_bf16_moments_round_stochastically_so_the_second_moment_still_decays():
         assert float(got[1].double().mean()) == pytest.approx(float(fp32[1].double().mean()), rel=2e-3)
     assert float(fp32[2].double().mean()) == pytest.approx(2 + 98 * BETAS[1] ** steps, rel=0.02)  # float64's 23.6
     _close(m_bf16[0], fp32[0], 3e-3, 5e-5)  # weights of about 0.15
+    before = [t.clone() for t in both]  # a skipped step leaves bf16 moments as they were, bit for bit
+    with flat_adam.variants():
+        kernel(both[0], grads[0], both[1], both[2], group, hyper, torch.tensor(float(steps + 1)), torch.tensor(1.0),
+               torch.tensor(1.0), None, place, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+    assert all(torch.equal(a, b) for a, b in zip(before, both))
     rel = ((both[0] - fp32[0]) / fp32[0]).abs()
     # the price of the second moment in bf16: rounding noise that lasts its ~1/(1 - beta2) steps of
     # memory, a few percent on each weight's step size (the first moment's lasts ~10 steps)
@@ -407,3 +417,29 @@ def test_bf16_moments_train_resume_exactly_and_checkpoint_in_fp32(tmp_path, dist
                 sorted(float(t.abs().sum()) for t in tensors), rel=1e-2 if loaded == "bf16" else 1e-6)
         rest = losses(reader.fit())
         assert len(rest) == 2 and all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(rest, fp32[2:]))
+
+
+def test_bf16_moments_step_each_parameter_where_the_layout_no_longer_holds(tmp_path):
+    """A main weight moved off its slot (something re-pointed it): torch's fused AdamW cannot step bf16
+    moments, so the kernel steps each parameter over its own views, at the same places: the weights and
+    moments equal an untouched run's bit for bit, and megatron copies the weights."""
+    runs = []
+    for moved in (False, True):
+        cfg = tiny_run(tmp_path / str(moved))
+        cfg.trainer.bf16, cfg.optim.weight_decay = True, 0.1
+        cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = "bf16"
+        trainer = Trainer(cfg)
+        _perturb(trainer)
+        trainer.train_step()
+        inner = _inners(trainer)[0]
+        if moved:
+            slot = inner.ranges[0].members[0]
+            slot.main.data = slot.main.data.clone()
+        trainer.train_step()
+        assert inner.wrote_model_weights is not moved
+        runs.append((trainer, inner))
+    (a, inner_a), (b, inner_b) = runs
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+    for r, s in zip(inner_a.ranges, inner_b.ranges):
+        assert torch.equal(r.exp_avg, s.exp_avg) and torch.equal(r.exp_avg_sq, s.exp_avg_sq)

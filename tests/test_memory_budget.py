@@ -22,6 +22,7 @@ B = 3.31e9  # MovieGen-3B's parameters (tests/test_llama.py)
     (dict(bf16=True, distributed_optimizer=True, ema_sharded=True, shards=8), 2 + 4 + 16 / 8),
     (dict(bf16=True, fsdp=True, shards=8), 22 / 8),
     (dict(bf16=True, moment_bytes=4), 18),                  # optim.exp_avg(_sq)_dtype=bf16
+    (dict(bf16=True, moment_bytes=6), 20),                  # one of them
     (dict(bf16=True, ema_offload=True, moment_bytes=4), 14),
     (dict(bf16=True, distributed_optimizer=True, moment_bytes=4, shards=8), 2 + 4 + 8 / 8 + 4),
 ])
@@ -36,7 +37,9 @@ def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     state_shards = shards if kw["distributed_optimizer"] or kw["fsdp"] else 1
     assert flat.total - budget.total == pytest.approx(B / state_shards)
     # what bf16 moments would save, offered where they are fp32 and the flat step can keep them (not FSDP)
-    assert budget.bf16_moments_save == (0 if kw["fsdp"] or kw.get("moment_bytes") == 4 else pytest.approx(4 * B / state_shards))
+    saved = (kw.get("moment_bytes", 8) - 4) * B / state_shards
+    assert budget.bf16_moments_save == (0 if kw["fsdp"] else pytest.approx(saved))
+    assert state_budget([(int(B), shards)], **kw, lowerable_moments=False).bf16_moments_save == 0  # TE's/apex's Adam
 
 
 @pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat"), (True, "flat_bf16")])

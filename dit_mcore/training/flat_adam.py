@@ -29,7 +29,10 @@ and stores with stochastic rounding: rounded to nearest, the second moment's dec
 and the moment would never shrink. The rounding's random bits are a hash of the element's position
 in its gradient buffer and the step count, not a generator's draw: data-parallel replicas round
 alike (each steps its own copy of the state, and they must stay one model), a distributed
-optimizer's shard as its buffer's elements would whole, and a resumed run as the run it continues. Checkpoints resume with either setting: megatron's distributed optimizer saves the
+optimizer's shard as its buffer's elements would whole, and a resumed run as the run it continues
+where the buffers are laid out alike (megatron's padding depends on the distributed optimizer and
+the data-parallel size). Tensor-, pipeline- and expert-parallel ranks draw the same bits at the
+same positions of their own buffers: their rounding noise is correlated, each unbiased. Checkpoints resume with either setting: megatron's distributed optimizer saves the
 moments in fp32, its other optimizers in their dtype, and loads cast.
 
 What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
@@ -44,6 +47,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from dit_mcore.config import ConfigError
 from kernels.host_copy import to_device
 
 log = logging.getLogger(__name__)
@@ -113,23 +117,20 @@ def _stored(x: torch.Tensor, dtype: torch.dtype, noise16: torch.Tensor) -> torch
 _compiled = None
 
 
-VARIANTS = 32
-"""Graphs the compiled step may hold: one per combination of the moments' dtypes, and whether a
-gradient scale, a skip flag and a bf16 output are passed (a run uses one or two; a process that
-tries them all, the tests, a dozen), above dynamo's default limit of 8 per function."""
+def variants():
+    """Where the compiled step runs: it may hold 32 graphs, one per combination of the moments'
+    dtypes, whether a gradient scale, a skip flag and a bf16 output are passed, and 32- or 64-bit
+    indexing (a run uses one to three; a process that tries them all, the tests, a dozen), above
+    dynamo's default limit of 8 per function (past it a ``fullgraph`` compile fails)."""
+    return torch._dynamo.config.patch(recompile_limit=32)
 
 
 def _kernel():
     """:func:`adamw_flat` compiled (one generated kernel per range: Triton on CUDA, C++ on the CPU;
-    eagerly the function makes a dozen passes)."""
+    eagerly the function makes a dozen passes); call it under :func:`variants`."""
     global _compiled
     if _compiled is None:
-        compiled = torch.compile(adamw_flat, fullgraph=True, dynamic=True)
-
-        def step(*args, **kwargs):
-            with torch._dynamo.config.patch(recompile_limit=VARIANTS):
-                return compiled(*args, **kwargs)
-        _compiled = step
+        _compiled = torch.compile(adamw_flat, fullgraph=True, dynamic=True)
     return _compiled
 
 
@@ -230,11 +231,8 @@ class FlatAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         self._rehome_states()
         mains, models = self._layout_holds()
-        if not mains:
-            if self.ranges[0].exp_avg.dtype != torch.float32 or self.ranges[0].exp_avg_sq.dtype != torch.float32:
-                raise RuntimeError("flat AdamW: a gradient or main weight is no longer a view of its flat buffer, and "
-                                   "torch's fused AdamW cannot step bf16 moments; set optim.exp_avg_dtype and "
-                                   "optim.exp_avg_sq_dtype to fp32")
+        low_precision = any(t.dtype != torch.float32 for t in (self.ranges[0].exp_avg, self.ranges[0].exp_avg_sq))
+        if not mains and not low_precision:
             if not self._warned:
                 log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
                             "stepping torch's fused AdamW instead")
@@ -248,12 +246,26 @@ class FlatAdamW(torch.optim.AdamW):
         hyper = to_device([[g["lr"], g["weight_decay"]] for g in self.param_groups], device, torch.float32)
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         self._steps.add_(1.0)
-        for r in self.ranges:
-            self._kernel(r.main, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
-                         found_inf, r.out if models else None, r.place, beta1=beta1, beta2=beta2, eps=eps)
+        with variants():
+            if mains:
+                for r in self.ranges:
+                    self._kernel(r.main, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
+                                 found_inf, r.out if models else None, r.place, beta1=beta1, beta2=beta2, eps=eps)
+            else:  # bf16 moments, which torch's fused AdamW cannot step: the kernel per parameter
+                if not self._warned:
+                    log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
+                                "stepping each parameter apart")
+                    self._warned = True
+                for r in self.ranges:
+                    for m in r.members:
+                        if m.main.grad is not None:
+                            self._kernel(m.main.detach().view(-1), m.main.grad.view(-1), r.exp_avg[m.start:m.end],
+                                         r.exp_avg_sq[m.start:m.end], r.group[m.start:m.end], hyper, self._steps[0],
+                                         grad_scale, found_inf, None, r.place + m.start, beta1=beta1, beta2=beta2,
+                                         eps=eps)
         if found_inf is not None:  # a skipped step leaves the counts too (torch's fused kernel does so)
             self._steps.sub_(found_inf)
-        self.wrote_model_weights = self._written = models
+        self.wrote_model_weights = self._written = mains and models
         return None
 
     def take_written_weights(self) -> bool:
@@ -272,14 +284,14 @@ def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float3
     after a step is skipped when the step wrote the model weights. A part that does not fit keeps
     torch's AdamW (the reason logged), unless it would have to keep moments of a lower precision,
     which only the flat step has. Returns how many parts were flattened."""
+    parts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+             if not getattr(part, "is_stub_optimizer", False)]
+    unfit = [_unfit(part, ddp_chunks) for part in parts]
+    if moments != (torch.float32, torch.float32) and any(unfit):  # (before any part is changed)
+        raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype below fp32 need the flat AdamW for every "
+                          f"parameter, but {next(why for why in unfit if why)}; set both to fp32")
     flattened = 0
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(part, "is_stub_optimizer", False):
-            continue
-        why = _unfit(part, ddp_chunks)
-        if why and moments != (torch.float32, torch.float32):
-            raise ValueError(f"optim.exp_avg_dtype / exp_avg_sq_dtype below fp32 need the flat AdamW for every "
-                             f"parameter, but {why}; set both to fp32")
+    for part, why in zip(parts, unfit):
         if why:
             log.info("optim.adam_impl=flat: %s; that part steps torch's fused AdamW", why)
             continue

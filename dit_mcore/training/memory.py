@@ -50,7 +50,7 @@ class StateBudget:
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
                  ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False,
-                 moment_bytes: int = 8) -> StateBudget:
+                 moment_bytes: int = 8, lowerable_moments: bool = True) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and an fp32 gradient buffer whole on every data-parallel rank; the distributed
@@ -59,9 +59,11 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     the EMA sharded like the distributed optimizer's state; ``flat_adam`` (``optim.adam_impl=flat``):
     one more byte per element of the optimizer's ranges, each element's parameter group;
     ``moment_bytes``: both Adam moments' bytes per element (8 in fp32, 4 in bf16:
-    ``optim.exp_avg_dtype`` / ``exp_avg_sq_dtype``)."""
+    ``optim.exp_avg_dtype`` / ``exp_avg_sq_dtype``); ``lowerable_moments``: whether the run's AdamW can
+    keep them in bf16 (torch's under megatron, not TE's or apex's; not FSDP's), and the budget says what
+    that would save."""
     w = g = m = a = e = saved = 0.0
-    savable = moment_bytes == 8 and not fsdp
+    savable = lowerable_moments and not fsdp
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1
         shard_all = shards if fsdp else 1
@@ -70,7 +72,7 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         m += numel * 4 / shard_state if bf16 else 0.0
         a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
-        saved += numel * 4 / shard_state if savable else 0.0
+        saved += numel * (moment_bytes - 4) / shard_state if savable else 0.0
     return StateBudget(w, g, m, a, e, saved)
 
 

@@ -48,6 +48,7 @@ from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_a
                                      per_sample_loss_scale, resolve_adam_impl, shard_fully, step_if_finite,
                                      step_on_device, steps_on_device, wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
+from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 from kernels.host_copy import HostRead, to_device
@@ -472,7 +473,7 @@ class Trainer:
             bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
             fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
             flat_adam=cfg.parallel.fsdp == "none" and resolve_adam_impl(cfg.optim.adam_impl, self.model, low) == "flat",
-            moment_bytes=sum(torch.finfo(d).bits // 8 for d in moments))
+            moment_bytes=sum(torch.finfo(d).bits // 8 for d in moments), lowerable_moments=uses_torch_optimizer())
 
     def _fold_ema(self) -> None:
         """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded
