@@ -32,8 +32,11 @@ alike (each steps its own copy of the state, and they must stay one model), a di
 optimizer's shard as its buffer's elements would whole, and a resumed run as the run it continues
 where the buffers are laid out alike (megatron's padding depends on the distributed optimizer and
 the data-parallel size). Tensor-, pipeline- and expert-parallel ranks draw the same bits at the
-same positions of their own buffers: their rounding noise is correlated, each unbiased. Checkpoints resume with either setting: megatron's distributed optimizer saves the
-moments in fp32, its other optimizers in their dtype, and loads cast.
+same positions of their own buffers: their rounding noise is correlated, each unbiased.
+Checkpoints resume with either setting: megatron's distributed optimizer saves the moments in fp32,
+its other optimizers in their dtype, and loads cast. Where a gradient or main weight is no longer a
+view of its slot, the kernel steps each parameter over its own views at the same places (torch's
+fused AdamW, the fp32 moments' fallback, takes no bf16 moments).
 
 What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
 ~10 steps of memory and moves the weights by ~1e-4 relative; the second moment's lasts its ~1,000

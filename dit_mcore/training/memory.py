@@ -36,7 +36,8 @@ class StateBudget:
     adam: float
     ema: float
     bf16_moments_save: float = 0.0
-    """What keeping both Adam moments in bf16 would take off (0 where they are already, or under FSDP)."""
+    """What keeping both Adam moments in bf16 would take off (0 where they are already, under FSDP, and
+    where TE's or apex's FusedAdam steps)."""
 
     @property
     def total(self) -> float:
