@@ -112,6 +112,11 @@ def moment_dtypes(optim) -> tuple:
     return MOMENT_DTYPES[optim.exp_avg_dtype], MOMENT_DTYPES[optim.exp_avg_sq_dtype]
 
 
+def moments_below_fp32(optim) -> bool:
+    """Whether ``optim`` keeps either Adam moment below fp32 (which only the flat step does)."""
+    return moment_dtypes(optim) != (torch.float32, torch.float32)
+
+
 def resolve_adam_impl(impl: str, chunks, low_precision_moments: bool = False) -> str:
     """``optim.adam_impl=auto``: "flat" where the weights are on a GPU (an H100 stepped DiT-XL/2's
     AdamW and weight copy 1.24x faster flat than fused, the whole step 1.02x:
@@ -135,10 +140,10 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    moments = moment_dtypes(optim)
-    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks, moments != (torch.float32, torch.float32))
+    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks, moments_below_fp32(optim))
     if impl != optim.adam_impl:
         log.info("optim.adam_impl=%s: %s", optim.adam_impl, impl)
+    moments = moment_dtypes(optim)
     if impl == "flat" and not flat_adam.install(optimizer, ddp_chunks, moments) and optim.adam_impl == "flat":
         log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
                     "every part steps torch's fused AdamW")

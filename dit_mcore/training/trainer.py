@@ -45,8 +45,8 @@ from dit_mcore.training.text_preview import draw_text_preview, moving_digits_pro
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_and_norm, moment_dtypes,
-                                     per_sample_loss_scale, resolve_adam_impl, shard_fully, step_if_finite,
-                                     step_on_device, steps_on_device, wrap_data_parallel)
+                                     moments_below_fp32, per_sample_loss_scale, resolve_adam_impl, shard_fully,
+                                     step_if_finite, step_on_device, steps_on_device, wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.training.validate import validate_run
@@ -465,15 +465,15 @@ class Trainer:
         if cfg.parallel.fsdp != "none" and cfg.parallel.fsdp_shard_size:
             dense = min(dense, cfg.parallel.fsdp_shard_size)
         expert = parallel_state.get_expert_data_parallel_world_size() if self.model_config.num_moe_experts else dense
-        moments = moment_dtypes(cfg.optim)
-        low = moments != (torch.float32, torch.float32)
+        adam = resolve_adam_impl(cfg.optim.adam_impl, self.model, moments_below_fp32(cfg.optim))
         return memory.state_budget(
             ((p.numel(), dense if getattr(p, "allreduce", True) else expert)
              for chunk in self.model for p in chunk.parameters()),
             bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
             fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
-            flat_adam=cfg.parallel.fsdp == "none" and resolve_adam_impl(cfg.optim.adam_impl, self.model, low) == "flat",
-            moment_bytes=sum(torch.finfo(d).bits // 8 for d in moments), lowerable_moments=uses_torch_optimizer())
+            flat_adam=cfg.parallel.fsdp == "none" and adam == "flat",
+            moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
+            lowerable_moments=uses_torch_optimizer())
 
     def _fold_ema(self) -> None:
         """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dit_mcore.config import ConfigError
-from dit_mcore.training.optim import MOMENT_DTYPES
+from dit_mcore.training.optim import MOMENT_DTYPES, moments_below_fp32
 from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
@@ -255,11 +255,11 @@ def run_problems(cfg, world_size: int) -> list[str]:
         if cfg.trainer.ema_shard and cfg.trainer.ema_offload:
             raise ConfigError("trainer.ema_shard=True with trainer.ema_offload=True: choose one (the shard of each "
                               "rank, or the whole EMA in host memory)")
-        if "bf16" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype) and not uses_torch_optimizer():
+        if moments_below_fp32(cfg.optim) and not uses_torch_optimizer():
             raise ConfigError("optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' need torch's AdamW under megatron (the "
                               "flat step keeps them), but Transformer Engine or apex is installed and megatron steps "
                               "its FusedAdam (fp32 moments); set both to fp32")
-        if "bf16" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype) and cfg.parallel.fsdp != "none":
+        if moments_below_fp32(cfg.optim) and cfg.parallel.fsdp != "none":
             raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: "
                               "FSDP steps torch's AdamW, whose moments are fp32; set both to fp32 (FSDP shards them "
                               "over the data-parallel ranks already)")
