@@ -113,7 +113,9 @@ def ema_side_by_side(module, args, device) -> dict:
     """The EMA update over the same bf16 weights into an fp32 shadow: eager (a casting copy per
     parameter, then torch's foreach lerp: 18 bytes per parameter) against the compiled fold (10);
     and the fold into a shadow in host memory (``trainer.ema_offload``: the copy to pinned buffers and
-    the host lerp, waited for), as nanoseconds per parameter, to size ``trainer.ema_every`` by."""
+    the host lerp, waited for), as nanoseconds per parameter, to size ``trainer.ema_every`` by. Each
+    also gives the host's time to queue it (``host_ms_to_queue``): on a GPU, near the update's own
+    time the update waits for the host (a call per tensor), well under it for the device."""
     from dit_mcore.training.ema import compiled_fold
     from dit_mcore.training.host_fold import HostFold
     params = [p.detach() for p in module.parameters()]
@@ -136,13 +138,14 @@ def ema_side_by_side(module, args, device) -> dict:
     for fn in candidates.values():
         for _ in range(3):
             fn()
-    times = {name: [] for name in candidates}
+    times, queued = {name: [] for name in candidates}, {name: [] for name in candidates}
     for _ in range(args.repeats):
         for name, fn in candidates.items():
             sync_device(device)
             start = time.perf_counter()
             for _ in range(args.iters):
                 fn()
+            queued[name].append((time.perf_counter() - start) / args.iters)  # the host's part
             sync_device(device)
             times[name].append((time.perf_counter() - start) / args.iters)
     n = sum(p.numel() for p in params)
@@ -152,9 +155,10 @@ def ema_side_by_side(module, args, device) -> dict:
     for name, t in times.items():
         ms = statistics.median(t) * 1e3
         result[name] = {"ms_per_update": ms, "gb_per_s": (18 if name == "eager" else 10) * n / (ms * 1e-3) / 1e9,
-                        "ns_per_parameter": ms * 1e6 / n}
+                        "ns_per_parameter": ms * 1e6 / n, "host_ms_to_queue": statistics.median(queued[name]) * 1e3}
         print(f"EMA {name:8s} {ms:8.3f} ms per update  {result[name]['gb_per_s']:8.1f} GB/s  "
-              f"{result[name]['ns_per_parameter']:.2f} ns/param")
+              f"{result[name]['ns_per_parameter']:.2f} ns/param  (the host queued it in "
+              f"{result[name]['host_ms_to_queue']:.3f} ms, {len(params)} tensors)")
     result["ratio_eager_over_compiled"] = result["eager"]["ms_per_update"] / result["compiled"]["ms_per_update"]
     result["ratio_host_over_eager"] = result["host"]["ms_per_update"] / result["eager"]["ms_per_update"]
     print(f"EMA eager / compiled: {result['ratio_eager_over_compiled']:.3f}x   (max |diff| {result['max_abs_diff']:.2e})")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import itertools
 import json
 import sys
@@ -95,7 +96,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
             torch.cuda.reset_peak_memory_stats()
         graphs, retries = compiled_graphs(), alloc_retries()
         start = time.perf_counter()
-        history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
+        with host_waits() as waited:
+            history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
         if cuda:  # the last read is before the last update: count that update too
             torch.cuda.synchronize()
         trainer.ema.wait()  # and a host fold still running (trainer.ema_offload)
@@ -111,7 +113,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                   "state_gib": trainer.state_budget().total / 2 ** 30,  # weights, gradients, optimizer, EMA
                   "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None),
-                  "warmup_steps": warmed, "graphs_compiled_while_timed": graphs, "alloc_retries_while_timed": retries}
+                  "warmup_steps": warmed, "graphs_compiled_while_timed": graphs, "alloc_retries_while_timed": retries,
+                  "host_waited_ms_per_step": waited[0] * 1e3 / steps if trainer.steps_on_device else None}
         if profile:
             result["profile"] = profile_steps(trainer.train_steps, trainer.device)
         del trainer
@@ -130,6 +133,28 @@ def alloc_retries() -> int:
     """Times the CUDA caching allocator found no free block, freed its cache and retried (each a device
     sync and a flush: a step near the memory limit that does this is slow for it); 0 off CUDA."""
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+
+@contextlib.contextmanager
+def host_waits():
+    """Seconds the host spends waiting for a step's metrics inside the block (``HostRead.get``: with
+    steps decided on the device, the one wait per step; a list of one float). Next to the profile's
+    device busy share it tells who is behind: a device idle while the host hardly waited was waiting
+    for the host to queue the step (host-bound); a host that waited long was not."""
+    from kernels.host_copy import HostRead
+    total, get = [0.0], HostRead.get
+
+    def timed(read):
+        begin = time.perf_counter()
+        try:
+            return get(read)
+        finally:
+            total[0] += time.perf_counter() - begin
+    HostRead.get = timed
+    try:
+        yield total
+    finally:
+        HostRead.get = get
 
 
 def warm_up(step, steps: int, most_extra: int = 10) -> int:
@@ -337,6 +362,8 @@ def main(argv=None) -> list[dict]:
             shape = f"packed {point['packed_len']}" if point["packed_len"] else f"{point['image_size']}x{point['image_size']}"
             memory = (f" | peak {row['peak_memory_gib']:.1f} GiB (state {row['state_gib']:.1f})"
                       if row["peak_memory_gib"] is not None else "")
+            if row["host_waited_ms_per_step"] is not None:
+                memory += f" | host waited {row['host_waited_ms_per_step']:.1f} ms/step"
             print(f"{point['preset']} {shape} batch {point['batch']} recompute={point['recompute']} "
                   f"compile={int(point['compile'])} {point['dtype']}{' fp8=' + point['fp8'] if point['fp8'] else ''}: "
                   f"{row['images_per_s']:.1f} img/s | "

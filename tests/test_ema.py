@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from dit_mcore.training.ema import EMA
+from dit_mcore.training.host_fold import HostFold
 
 
 def _net(dtype=torch.float32, seed=0):
@@ -154,9 +155,10 @@ def test_a_host_fold_that_outlasts_the_steps_between_folds_is_named_once(monkeyp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
     """``trainer.ema_offload`` on a GPU: the shadow lives on the host and folds bf16 weights copied to
-    pinned buffers on the stream, with the weights changed on the GPU right after each fold and the
-    host lerp waiting only for the copies' event (a 4096x4096 weight: copies of milliseconds);
-    equal to the on-device EMA to fp32 rounding; :meth:`EMA.placed` runs it on the GPU and back."""
+    pinned buffers on a side stream, with the weights changed on the GPU right after each fold (behind
+    :meth:`EMA.fence`, as the trainer's update is) and the host lerp waiting only for the copies' event
+    (a 4096x4096 weight: copies of milliseconds); equal to the on-device EMA to fp32 rounding;
+    :meth:`EMA.placed` runs it on the GPU and back."""
     def net(seed):
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(5, 4096), torch.nn.Linear(4096, 4096)).to(torch.bfloat16)
@@ -165,6 +167,7 @@ def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
     offloaded = EMA(model, net(1).cuda(), decay=0.9, offload=True)
     assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
     for step in range(6):
+        offloaded.fence()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
@@ -178,3 +181,32 @@ def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
         x = torch.randn(4, 5, device="cuda")
         torch.testing.assert_close(shadow(x), on_gpu.module(x), rtol=1e-4, atol=1e-4)
     assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("side_sleep, fenced, expected", [(0, True, 1.0), (200_000_000, True, 1.0),
+                                                          (200_000_000, False, 9.0)])
+def test_an_offloaded_fold_copies_from_its_event_on_a_side_stream_until_fenced(side_sleep, fenced, expected):
+    """The host fold's copies run on a side stream. They start at the ``ready`` event, not before,
+    though the host queues them while the compute stream is still busy (a sleep kernel before the
+    weight's write): a copy that did not wait reads 0. :meth:`HostFold.fence` orders the next write
+    after them: with the side stream held back longer than the compute stream, the fenced copy reads
+    the written 1, and an unfenced one reads the later write's 9 (the race the fence exists for)."""
+    weight = torch.zeros(1 << 20, device="cuda", dtype=torch.bfloat16)
+    shadow = [torch.zeros(weight.shape)]
+    fold = HostFold([weight])
+    fold._stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the update still running when the fold is queued
+    weight.fill_(1.0)
+    ready = torch.cuda.Event()
+    ready.record()
+    if side_sleep:
+        with torch.cuda.stream(fold._stream):
+            torch.cuda._sleep(side_sleep)  # the copies queued behind this on their stream
+    fold.start(shadow, [weight], 1.0, ready)
+    if fenced:
+        fold.fence()
+    weight.fill_(9.0)  # the next update's write
+    fold.wait()
+    assert torch.equal(shadow[0], torch.full_like(shadow[0], expected)), shadow[0][:4]

@@ -30,7 +30,26 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5)
         assert r["command"].startswith("python benchmarks/throughput.py")
         assert r["warmup_steps"] == 1 and r["graphs_compiled_while_timed"] == 0 and r["alloc_retries_while_timed"] == 0
+        waited = r["host_waited_ms_per_step"]  # (None where the host decides each step: it reads every one)
+        assert waited is None or 0.0 <= waited <= r["step_s"] * 1e3
         assert r["state_gib"] == pytest.approx(count_params(get_family("dit"), "tiny")[0] * 20 / 2 ** 30)  # fp32: 20 B/param
+
+
+def test_host_waits_count_the_time_the_host_blocks_on_step_metrics(monkeypatch):
+    """``host_waited_ms_per_step``: the time inside ``HostRead.get`` (the host waiting for a step on
+    the device), summed over the block and given back as it was; the grid's rows carry it per step."""
+    import time
+    from kernels.host_copy import HostRead
+
+    def slow(read):
+        time.sleep(0.05)
+        return [1.0]
+    monkeypatch.setattr(HostRead, "get", slow)
+    read = object.__new__(HostRead)
+    with throughput.host_waits() as waited:
+        assert read.get() == [1.0] and read.get() == [1.0]
+    assert 0.1 <= waited[0] < 0.5
+    assert HostRead.get is slow
 
 
 def test_warm_up_goes_on_while_steps_still_compile(monkeypatch):

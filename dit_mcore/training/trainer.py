@@ -379,6 +379,7 @@ class Trainer:
         if previous is not None:  # its updated parameters were gathered by this step's forward already
             self._settle(previous, sync_params=False)
         step.lr = self.optimizer.param_groups[0]["lr"]  # this update's, once the step before advanced it
+        self.ema.fence()  # an offloaded EMA's copies of the weights (a side stream) before the update writes them
         if self.steps_on_device:
             grad_norm = device_grad_norm(self.optimizer, self.device)
             step.read = HostRead(torch.cat([totals, grad_norm.reshape(1), *(v.float().reshape(1) for v in moe)]))
@@ -388,6 +389,7 @@ class Trainer:
             step.values = totals.tolist() + [grad_norm] + [float(v) for v in moe]  # done by now
             step.updated = step_if_finite(self.optimizer, math.isfinite(step.values[0] / max(step.values[1], 1.0)),
                                           grad_norm)
+        step.written = self._weights_written()
         self.step += 1
         return step
 
@@ -413,7 +415,7 @@ class Trainer:
                 self._params_gathered = False
             self.ema.note(step.index - 1)
         if self._ema_folds_after(step.index):
-            self._fold_ema()
+            self._fold_ema(step.written)
         self.divergence.record(ok, step.index, self.last_saved)
         self.skipped_samples += int(skipped_samples)
         step.metrics = {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
@@ -475,13 +477,25 @@ class Trainer:
             moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
             lowerable_moments=uses_torch_optimizer())
 
-    def _fold_ema(self) -> None:
+    def _fold_ema(self, written: Optional[torch.cuda.Event] = None) -> None:
         """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded
-        EMA reads only this rank's shard, which its optimizer wrote)."""
+        EMA reads only this rank's shard, which its optimizer wrote); an offloaded EMA copies them
+        from ``written`` (:meth:`_weights_written`) on, beside the work queued since."""
         if self.ema.unfolded_decay != 1.0:
             if not self.ema_sharded:
                 self._sync_params()
-            self.ema.fold(self.model)
+            self.ema.fold(self.model, written)
+
+    def _weights_written(self) -> Optional[torch.cuda.Event]:
+        """An event where the update just queued leaves the weights final on the GPU, for an offloaded
+        EMA's copies to start from: its fold comes after the next step's forward and backward are
+        queued (:meth:`train_steps`), and its copies then run beside them. None where nothing copies
+        them to the host, or where the next forward gathers them (``overlap_param_gather``)."""
+        if self.ema.host_fold is None or self.device.type != "cuda" or self.cfg.parallel.overlap_param_gather:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _ema_sharded(self) -> bool:
         """``trainer.ema_shard`` resolved: automatically, sharded wherever the distributed optimizer
@@ -662,6 +676,8 @@ class _Step:
     updated: Optional[bool] = None
     """Whether the host applied the update (steps decided on the host; else read from the values)."""
     metrics: Optional[dict] = None
+    written: Optional[torch.cuda.Event] = None
+    """Where the update's weights are final on the GPU (:meth:`Trainer._weights_written`)."""
 
 
 def _shadow_config(config, *, unallocated: bool = False, te: bool = False):
