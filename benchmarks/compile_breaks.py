@@ -13,9 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def layer_graph_breaks(preset_name: str = "DiT-S/2", tokens: int = 256, samples: int = 4):
-    """``torch._dynamo.explain`` of one layer of ``preset_name`` as ``model.compile`` compiles it
-    (needs a megatron world: ``initialize_distributed``)."""
+def layer_graph_breaks(preset_name: str = "DiT-S/2", tokens: int = 256, samples: int = 4, **overrides):
+    """``torch._dynamo.explain`` of one layer of ``preset_name`` (with ``overrides`` of its config, e.g.
+    selective recompute) as ``model.compile`` compiles it, training (needs a megatron world:
+    ``initialize_distributed``)."""
     import torch._dynamo
 
     from dit_mcore.config import preset
@@ -26,7 +27,7 @@ def layer_graph_breaks(preset_name: str = "DiT-S/2", tokens: int = 256, samples:
     _quiet_default_tp_group()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # fused GPU attention needs half
-    cfg = preset(preset_name)
+    cfg = preset(preset_name, **overrides)
     layer = build_model(cfg).layers[0].to(device, dtype)  # outside a trainer some parts are built on the host
     hidden = torch.randn(tokens, samples, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     return torch._dynamo.explain(layer)(hidden, Conditioning(torch.randn(samples, cfg.hidden_size, device=device,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 RECOMPUTE = {
     "none": {},
-    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["mlp"]),  # (core_attn: eager only)
     "norm": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),  # eager only
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }

@@ -118,6 +118,16 @@ def test_layernorm_recompute_with_compile_is_refused_before_compute(tmp_path):
     assert run_problems(cfg, world_size=1) == []
 
 
+def test_core_attention_recompute_with_compile_is_refused_and_mlp_recompute_is_not(tmp_path):
+    cfg = tiny_run(tmp_path)
+    cfg.model.recompute_granularity, cfg.model.recompute_modules, cfg.model.compile = "selective", ["core_attn", "mlp"], True
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "model.recompute_modules" in problems[0] and "drop 'core_attn'" in problems[0], problems
+    cfg.model.recompute_modules = ["mlp"]
+    assert run_problems(cfg, world_size=1) == []
+    cfg.model.recompute_modules, cfg.model.compile = ["core_attn", "mlp"], False
+    assert run_problems(cfg, world_size=1) == []
+
 
 def test_ema_offload_under_fsdp_is_refused_before_compute(tmp_path):
     cfg = tiny_run(tmp_path)

@@ -45,7 +45,7 @@ FUSION_CASES = {  # name -> RunConfig overrides (section, field, value)
     "full_recompute": [("model", "recompute_granularity", "full"), ("model", "recompute_method", "uniform"),
                        ("model", "recompute_num_layers", 1)],
     "selective_recompute_compiled": [("model", "recompute_granularity", "selective"),
-                                     ("model", "recompute_modules", ["core_attn", "mlp"]), ("model", "compile", True)],
+                                     ("model", "recompute_modules", ["mlp"]), ("model", "compile", True)],
     "overlap_distopt": [("parallel", "overlap_grad_reduce", True), ("optim", "use_distributed_optimizer", True)],
     "moe": [("model", "num_moe_experts", 2), ("model", "moe_router_topk", 2), ("model", "moe_aux_loss_coeff", 0.01)],
 }

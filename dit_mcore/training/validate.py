@@ -137,6 +137,12 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(not (norm_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
            "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
            "drop 'layernorm' or set model.compile=False")
+    attention_recompute = m.recompute_granularity == "selective" and "core_attn" in (m.recompute_modules or ())
+    r.need(not (attention_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
+           "'core_attn' recompute (megatron's checkpointed core attention: its RNG-state save and .item() do not "
+           "trace) breaks each compiled layer into pieces under model.compile=True, and the fused attention "
+           "kernels keep no score matrix for it to free; drop 'core_attn' (recompute 'mlp') or set "
+           "model.compile=False")
     r.need(m.compile_mode is None or m.compile_mode in COMPILE_MODES, "model.compile_mode", m.compile_mode,
            f"use one of {COMPILE_MODES}{did_you_mean(str(m.compile_mode), COMPILE_MODES)} or None (default)")
     r.need(m.compile_mode is None or m.compile, "model.compile_mode", m.compile_mode,
