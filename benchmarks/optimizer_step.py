@@ -21,7 +21,9 @@ EMA fold on an H100: their Triton kernels and bytes per parameter.
 Then the EMA update over the same weights (the trainer's next per-parameter pass): eager, as on the
 CPU (a casting copy per bf16 parameter, then torch's foreach lerp: 18 bytes per parameter; the H200
 profile of the 3B step: the casts 10.7 ms in 260 unvectorized copy kernels, ~1.7 TB/s), against the
-compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold_tensor``: 10).
+compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold_tensor``: 10), and the fold
+into host memory (``trainer.ema_offload``). On a GPU, last, what the offloaded fold's copies cost the
+compute stream: matmuls queued after them, the copies fenced at once against on their side stream.
 
 Each repeat times the candidates back to back (interleaved); prints median ms, the bytes per second
 each reaches at the bytes per parameter above, and the ratios; writes
@@ -164,6 +166,52 @@ def ema_side_by_side(module, args, device) -> dict:
     print(f"EMA eager / compiled: {result['ratio_eager_over_compiled']:.3f}x   (max |diff| {result['max_abs_diff']:.2e})")
     print(f"EMA host / eager: {result['ratio_host_over_eager']:.3f}x the time ({host_fold.workers} host threads; max |diff| "
           f"{result['max_abs_diff_host']:.2e})")
+    if device.type == "cuda":
+        result["host_copies_beside_compute"] = host_copies_beside_compute(host_fold, shadows["host"], params, args)
+    return result
+
+
+def host_copies_beside_compute(host_fold, shadow, params, args) -> dict:
+    """What an offloaded fold costs the compute stream: the device time of ``[fold; matmuls sized like
+    the copies; the next write's fence]`` with the copies fenced at once (the compute stream waits for
+    them, as when they were queued on it) against fenced after the matmuls (on their side stream, beside
+    them), same process. The host lerp is waited for outside the timing."""
+    a = torch.randn(8192, 8192, device=params[0].device, dtype=torch.bfloat16)
+    alone = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        host_fold.start(shadow, params, 1e-4)
+        host_fold.fence()
+        torch.cuda.synchronize()
+        alone.append(time.perf_counter() - start)
+        host_fold.wait()
+    copies = statistics.median(alone)
+    a @ a  # (cuBLAS's first call picks its kernel)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    a @ a
+    torch.cuda.synchronize()
+    matmuls = max(1, round(copies / (time.perf_counter() - start)))
+    times = {"fenced_at_once": [], "side_stream": []}
+    for _ in range(args.repeats):
+        for name in times:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            host_fold.start(shadow, params, 1e-4)
+            if name == "fenced_at_once":
+                host_fold.fence()
+            for _ in range(matmuls):
+                a @ a
+            host_fold.fence()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            host_fold.wait()
+    result = {"copies_ms": copies * 1e3, "matmuls": matmuls,
+              **{name: statistics.median(t) * 1e3 for name, t in times.items()}}
+    result["ratio"] = result["fenced_at_once"] / result["side_stream"]
+    print(f"EMA host copies {result['copies_ms']:.1f} ms; with {matmuls} matmuls after them: fenced at once "
+          f"{result['fenced_at_once']:.1f} ms, on the side stream {result['side_stream']:.1f} ms: {result['ratio']:.2f}x")
     return result
 
 
