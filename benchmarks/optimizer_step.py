@@ -157,10 +157,12 @@ def ema_side_by_side(module, args, device) -> dict:
     for name, t in times.items():
         ms = statistics.median(t) * 1e3
         result[name] = {"ms_per_update": ms, "gb_per_s": (18 if name == "eager" else 10) * n / (ms * 1e-3) / 1e9,
-                        "ns_per_parameter": ms * 1e6 / n, "host_ms_to_queue": statistics.median(queued[name]) * 1e3}
+                        "ns_per_parameter": ms * 1e6 / n,  # (the host fold waits inside: all of it is the host's)
+                        "host_ms_to_queue": statistics.median(queued[name]) * 1e3 if name != "host" else None}
+        queue = (f"  (the host queued it in {result[name]['host_ms_to_queue']:.3f} ms, {len(params)} tensors)"
+                 if name != "host" else "")
         print(f"EMA {name:8s} {ms:8.3f} ms per update  {result[name]['gb_per_s']:8.1f} GB/s  "
-              f"{result[name]['ns_per_parameter']:.2f} ns/param  (the host queued it in "
-              f"{result[name]['host_ms_to_queue']:.3f} ms, {len(params)} tensors)")
+              f"{result[name]['ns_per_parameter']:.2f} ns/param{queue}")
     result["ratio_eager_over_compiled"] = result["eager"]["ms_per_update"] / result["compiled"]["ms_per_update"]
     result["ratio_host_over_eager"] = result["host"]["ms_per_update"] / result["eager"]["ms_per_update"]
     print(f"EMA eager / compiled: {result['ratio_eager_over_compiled']:.3f}x   (max |diff| {result['max_abs_diff']:.2e})")
@@ -172,10 +174,12 @@ def ema_side_by_side(module, args, device) -> dict:
 
 
 def host_copies_beside_compute(host_fold, shadow, params, args) -> dict:
-    """What an offloaded fold costs the compute stream: the device time of ``[fold; matmuls sized like
-    the copies; the next write's fence]`` with the copies fenced at once (the compute stream waits for
-    them, as when they were queued on it) against fenced after the matmuls (on their side stream, beside
-    them), same process. The host lerp is waited for outside the timing."""
+    """What an offloaded fold costs the compute stream: the device time of ``[the fold's copies queued
+    (as the trainer queues them, right after an update); matmuls sized like the copies (the next
+    forward); the next update's fence]`` with the copies fenced at once (the compute stream waits for
+    them, as when they were queued on it) against fenced after the matmuls (on their side stream,
+    beside them), same process; with the process's ``CUDA_DEVICE_MAX_CONNECTIONS`` (the Docker image
+    sets 1: one hardware queue). The host lerp is waited for outside the timing."""
     a = torch.randn(8192, 8192, device=params[0].device, dtype=torch.bfloat16)
     alone = []
     for _ in range(3):
@@ -208,6 +212,7 @@ def host_copies_beside_compute(host_fold, shadow, params, args) -> dict:
             times[name].append(time.perf_counter() - start)
             host_fold.wait()
     result = {"copies_ms": copies * 1e3, "matmuls": matmuls,
+              "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
               **{name: statistics.median(t) * 1e3 for name, t in times.items()}}
     result["ratio"] = result["fenced_at_once"] / result["side_stream"]
     print(f"EMA host copies {result['copies_ms']:.1f} ms; with {matmuls} matmuls after them: fenced at once "

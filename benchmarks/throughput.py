@@ -137,24 +137,28 @@ def alloc_retries() -> int:
 
 @contextlib.contextmanager
 def host_waits():
-    """Seconds the host spends waiting for a step's metrics inside the block (``HostRead.get``: with
-    steps decided on the device, the one wait per step; a list of one float). Next to the profile's
-    device busy share it tells who is behind: a device idle while the host hardly waited was waiting
-    for the host to queue the step (host-bound); a host that waited long was not."""
+    """Seconds the host spends waiting inside the block (a list of one float): for a step's metrics
+    (``HostRead.get``: with steps decided on the device, the one wait per step) and for an offloaded
+    EMA's host fold (``HostFold.wait``). Next to the profile's device busy share it tells who is behind:
+    a device idle while the host hardly waited was waiting for the host to queue the step (host-bound);
+    a host that waited long was not."""
+    from dit_mcore.training.host_fold import HostFold
     from kernels.host_copy import HostRead
-    total, get = [0.0], HostRead.get
+    total, originals = [0.0], {HostRead: HostRead.get, HostFold: HostFold.wait}
 
-    def timed(read):
-        begin = time.perf_counter()
-        try:
-            return get(read)
-        finally:
-            total[0] += time.perf_counter() - begin
-    HostRead.get = timed
+    def timed(method):
+        def call(self):
+            begin = time.perf_counter()
+            try:
+                return method(self)
+            finally:
+                total[0] += time.perf_counter() - begin
+        return call
+    HostRead.get, HostFold.wait = timed(HostRead.get), timed(HostFold.wait)
     try:
         yield total
     finally:
-        HostRead.get = get
+        HostRead.get, HostFold.wait = originals[HostRead], originals[HostFold]
 
 
 def warm_up(step, steps: int, most_extra: int = 10) -> int:

@@ -125,6 +125,8 @@ def test_core_attention_recompute_with_compile_is_refused_and_mlp_recompute_is_n
     assert len(problems) == 1 and "model.recompute_modules" in problems[0] and "drop 'core_attn'" in problems[0], problems
     cfg.model.recompute_modules = ["mlp"]
     assert run_problems(cfg, world_size=1) == []
+    cfg.model.recompute_modules = None  # megatron's default: ["core_attn"]
+    assert len(run_problems(cfg, world_size=1)) == 1
     cfg.model.recompute_modules, cfg.model.compile = ["core_attn", "mlp"], False
     assert run_problems(cfg, world_size=1) == []
 

@@ -183,28 +183,49 @@ def test_an_offloaded_ema_stays_in_host_memory_and_equals_the_one_on_the_gpu():
     assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
 
 
+def test_staged_copies_are_dropped_when_the_weights_may_change_and_a_fold_copies_again():
+    """A fold lerps from the copies :meth:`HostFold.stage` queued, unless a fence (before an update) or
+    a reader's wait came in between: then it copies the weights as they are (a fold never reads
+    weights older than the last write)."""
+    weight = torch.zeros(64)
+    shadow = [torch.zeros(64)]
+    fold = HostFold([weight])
+    for drop in (None, "fence", "wait"):
+        weight.fill_(1.0)
+        fold.stage([weight])
+        weight.fill_(5.0)  # as an update would, after the fence
+        if drop is not None:
+            getattr(fold, drop)()
+        fold.start(shadow, [weight], 1.0)
+        fold.wait()
+        assert torch.equal(shadow[0], torch.full((64,), 1.0 if drop is None else 5.0)), drop
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("side_sleep, fenced, expected", [(0, True, 1.0), (200_000_000, True, 1.0),
                                                           (200_000_000, False, 9.0)])
-def test_an_offloaded_fold_copies_from_its_event_on_a_side_stream_until_fenced(side_sleep, fenced, expected):
-    """The host fold's copies run on a side stream. They start at the ``ready`` event, not before,
-    though the host queues them while the compute stream is still busy (a sleep kernel before the
-    weight's write): a copy that did not wait reads 0. :meth:`HostFold.fence` orders the next write
-    after them: with the side stream held back longer than the compute stream, the fenced copy reads
-    the written 1, and an unfenced one reads the later write's 9 (the race the fence exists for)."""
+def test_staged_copies_start_where_queued_run_on_a_side_stream_and_are_fenced(side_sleep, fenced, expected):
+    """The host fold's copies run on a side stream. Queued (:meth:`HostFold.stage`) while the compute
+    stream is still busy before the weight's write (a sleep kernel), they start after that write: a
+    copy that did not wait reads 0. :meth:`HostFold.fence` orders the next write after them: with the
+    side stream held back longer than the compute stream, the fenced copy reads the written 1, and an
+    unfenced one the later write's 9 (the race the fence exists for; with one hardware queue,
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, work is dispatched in submission order and it cannot happen)."""
+    import os
+    if not fenced and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        pytest.skip("one hardware queue: the unfenced write cannot overtake the copies")
     weight = torch.zeros(1 << 20, device="cuda", dtype=torch.bfloat16)
     shadow = [torch.zeros(weight.shape)]
     fold = HostFold([weight])
     fold._stream = torch.cuda.Stream()
     torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # the update still running when the fold is queued
+    torch.cuda._sleep(50_000_000)  # the update still running when the copies are queued
     weight.fill_(1.0)
-    ready = torch.cuda.Event()
-    ready.record()
     if side_sleep:
         with torch.cuda.stream(fold._stream):
             torch.cuda._sleep(side_sleep)  # the copies queued behind this on their stream
-    fold.start(shadow, [weight], 1.0, ready)
+    fold.stage([weight])
+    fold.start(shadow, [weight], 1.0)  # from the staged copies
     if fenced:
         fold.fence()
     weight.fill_(9.0)  # the next update's write

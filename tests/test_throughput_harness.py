@@ -37,7 +37,8 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
 
 def test_host_waits_count_the_time_the_host_blocks_on_step_metrics(monkeypatch):
     """``host_waited_ms_per_step``: the time inside ``HostRead.get`` (the host waiting for a step on
-    the device), summed over the block and given back as it was; the grid's rows carry it per step."""
+    the device) and ``HostFold.wait`` (for an offloaded EMA's fold), summed over the block, the methods
+    given back as they were; the grid's rows carry it per step."""
     import time
     from kernels.host_copy import HostRead
 
@@ -46,10 +47,14 @@ def test_host_waits_count_the_time_the_host_blocks_on_step_metrics(monkeypatch):
         return [1.0]
     monkeypatch.setattr(HostRead, "get", slow)
     read = object.__new__(HostRead)
+    from dit_mcore.training.host_fold import HostFold
+    monkeypatch.setattr(HostFold, "wait", lambda fold: time.sleep(0.05))
+    fold_wait = HostFold.wait
     with throughput.host_waits() as waited:
         assert read.get() == [1.0] and read.get() == [1.0]
-    assert 0.1 <= waited[0] < 0.5
-    assert HostRead.get is slow
+        object.__new__(HostFold).wait()
+    assert 0.15 <= waited[0] < 0.6
+    assert HostRead.get is slow and HostFold.wait is fold_wait
 
 
 def test_warm_up_goes_on_while_steps_still_compile(monkeypatch):

@@ -45,22 +45,21 @@ def test_resume_is_bit_identical(tmp_path, objective, distopt):
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_an_offloaded_fold_copies_from_its_updates_event_and_the_next_update_waits_for_it(tmp_path, monkeypatch,
-                                                                                          pipelined):
-    """``trainer.ema_offload``: a fold's copies (a side stream on the GPU) start at the event recorded
-    behind the update whose weights they read, also when the host folds only after queuing the next
-    step's forward and backward (``train_steps``), and every later update is queued behind a fence.
-    On the CPU the event is a token and the order of the calls is what is checked."""
+def test_an_offloaded_fold_uses_copies_queued_right_after_its_update_and_the_next_update_waits(tmp_path, monkeypatch,
+                                                                                               pipelined):
+    """``trainer.ema_offload``: the weights' copies for a fold are queued right after the update that
+    wrote them (on a GPU, a side stream: beside the next step's forward and backward, also when the
+    host folds only after queuing those, ``train_steps``), the fold lerps from them, and every later
+    update is queued behind a fence. On the CPU the order of the calls is what is checked."""
     import dit_mcore.training.trainer as trainer_module
     cfg = tiny_run(tmp_path, max_steps=6)
     cfg.trainer.ema_offload, cfg.trainer.ema_every = True, 2
     trainer = Trainer(cfg)
-    calls, tokens = [], iter(range(100))
-    monkeypatch.setattr(trainer, "_weights_written", lambda: ("written", next(tokens)))
-    fold, fence = trainer.ema.fold, trainer.ema.fence
-    monkeypatch.setattr(trainer.ema, "fold", lambda model, ready=None: (calls.append(("fold", ready)),
-                                                                        fold(model, ready)))
-    monkeypatch.setattr(trainer.ema, "fence", lambda: (calls.append(("fence",)), fence()))
+    calls, ema, host_fold = [], trainer.ema, trainer.ema.host_fold
+    stage, fold, fence = ema.stage, ema.fold, ema.fence
+    monkeypatch.setattr(ema, "stage", lambda model: (calls.append(("stage", trainer.step + 1)), stage(model)))
+    monkeypatch.setattr(ema, "fold", lambda model: (calls.append(("fold", host_fold._staged)), fold(model)))
+    monkeypatch.setattr(ema, "fence", lambda: (calls.append(("fence",)), fence()))
     update = trainer_module.step_on_device if trainer.steps_on_device else trainer_module.step_if_finite
     monkeypatch.setattr(trainer_module, update.__name__,
                         lambda *a, **k: (calls.append(("update", trainer.step + 1)), update(*a, **k))[1])
@@ -69,12 +68,12 @@ def test_an_offloaded_fold_copies_from_its_updates_event_and_the_next_update_wai
     else:
         for _ in range(6):
             trainer.train_step()
-    updates = [c[1] for c in calls if c[0] == "update"]
-    assert updates == [1, 2, 3, 4, 5, 6]
-    folds = [(i, c[1]) for i, c in enumerate(calls) if c[0] == "fold"]
-    assert [ready for _, ready in folds] == [("written", 1), ("written", 3), ("written", 5)]  # steps 2, 4, 6
-    for i, ready in folds:  # the fold reads the weights of the last update queued before it ...
-        assert [c for c in calls[:i] if c[0] == "update"][-1] == ("update", ready[1] + 1)
+    assert [c[1] for c in calls if c[0] == "update"] == [1, 2, 3, 4, 5, 6]
+    folds = [i for i, c in enumerate(calls) if c[0] == "fold"]
+    assert len(folds) == 3 and all(calls[i][1] for i in folds)  # after steps 2, 4, 6: each from staged copies
+    for i, step in zip(folds, (2, 4, 6)):
+        before = [c for c in calls[:i] if c[0] in ("update", "stage", "fence")]
+        assert before[-2:] == [("update", step), ("stage", step)]  # staged right after its update ...
         later = [c for c in calls[i:] if c[0] in ("fence", "update")]  # ... and the next update waits for it
         assert not later or later[0] == ("fence",)
     trainer.ema.wait()
@@ -92,8 +91,7 @@ def test_ema_every_k_steps_resumes_exactly(tmp_path):
     full = Trainer(run("full"))
     folds = []
     fold = full.ema.fold
-    full.ema.fold = lambda model, ready=None: (folds.append((full.step, full.ema.unfolded_decay < 1.0)),
-                                               fold(model, ready))
+    full.ema.fold = lambda model: (folds.append((full.step, full.ema.unfolded_decay < 1.0)), fold(model))
     full.fit()
     assert [step for step, noted in folds if noted] == [3, 5]
     cut = Trainer(run("cut"))

@@ -98,6 +98,13 @@ class EMA:
         if self.host_fold is not None:
             self.host_fold.wait()
 
+    def stage(self, model: torch.nn.Module) -> None:
+        """Offloaded: queue the copies of ``model``'s weights for the next :meth:`fold` now, right after
+        the update that wrote them, on a side stream (they then run beside the work queued next);
+        elsewhere nothing to do."""
+        if self.host_fold is not None:
+            self.host_fold.stage([p.detach() for p in sharded_parameters(model)])
+
     def fence(self) -> None:
         """Before the weights are written again (the next update): the current CUDA stream waits for
         an offloaded fold's copies of them, which run on a side stream (the host does not wait)."""
@@ -184,16 +191,16 @@ class EMA:
         self.unfolded_decay *= self.decay_at(step)
 
     @torch.no_grad()
-    def fold(self, model: torch.nn.Module, ready=None) -> None:
+    def fold(self, model: torch.nn.Module) -> None:
         """``shadow = d * shadow + (1 - d) * weights``, ``d`` the :attr:`unfolded_decay` of the steps
         noted since the last fold (none noted: nothing to do), in fp32: on CUDA through the compiled
         :func:`fold_tensor`, a call per tensor (the weight a device tensor, so the warm-up's changing
         decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
         parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
         parameters cast to fp32 (the CPU would compile again for each new model); with ``offload``
-        on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`: the weights copied
-        on a side stream from ``ready``, a CUDA event recorded where they were final, else from now;
-        :meth:`fence` before anything writes them again); sharded, the same
+        on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`: from the copies
+        :meth:`stage` queued since the last write, else copied now, on a side stream; :meth:`fence`
+        before anything writes the weights again); sharded, the same
         over this rank's shards of megatron's parameter buffer.
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
@@ -210,7 +217,7 @@ class EMA:
                              "pass the model the EMA was built for")
         weight, self.unfolded_decay = 1.0 - self.unfolded_decay, 1.0
         if self.host_fold is not None:
-            self.host_fold.start(shadow, params, weight, ready)
+            self.host_fold.start(shadow, params, weight)
         else:
             _lerp(shadow, params, weight)
 

@@ -1,10 +1,16 @@
 """The EMA's fold with the shadow in host memory (``trainer.ema_offload``): the weights are copied
-into one pinned host buffer per dtype on a side CUDA stream, from the point where the update that
-wrote them was queued (an event), so the copies run beside the next step's forward and backward
-instead of in the compute stream's queue (MovieGen-3B: 6.6 GB, ~140 ms on an H100 per fold); a
-thread then lerps them into the fp32 shadow while training goes on. Whoever writes the weights next
-first makes the compute stream wait for the copies (:meth:`HostFold.fence`: the trainer before each
-update). The next fold, and every reader of the shadow, waits for the thread (:meth:`HostFold.wait`)."""
+into one pinned host buffer per dtype on a side CUDA stream, and a thread lerps them into the fp32
+shadow while training goes on.
+
+The trainer queues the copies right after the update that wrote the weights (:meth:`HostFold.stage`),
+before the next step's forward and backward, so they run beside that work instead of in the compute
+stream's way (MovieGen-3B: 6.6 GB, ~140 ms on an H100 per fold on the compute stream); queued later,
+under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue, as the Docker image sets) they would start
+only once the work queued before them had been dispatched. The fold (:meth:`HostFold.start`) then lerps
+from those copies. Whoever writes the weights next first makes the compute stream wait for the copies
+(:meth:`HostFold.fence`: the trainer before each update); a fence, or a reader's :meth:`HostFold.wait`,
+also drops copies no fold used, so a fold never reads weights older than the last write. The next
+fold, and every reader of the shadow, waits for the thread (:meth:`HostFold.wait`)."""
 from __future__ import annotations
 
 import logging
@@ -51,31 +57,27 @@ class HostFold:
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ema-host-fold") if self.workers > 1 else None
         self._pending: threading.Thread | None = None
         self._stream: torch.cuda.Stream | None = None
-        """The side stream of the device-to-host copies (CUDA weights; made at the first fold)."""
+        """The side stream of the device-to-host copies (CUDA weights; made at the first copies)."""
         self._copied: tuple[torch.cuda.Event, torch.device] | None = None
-        """The copies in flight and their device, until a :meth:`fence` or :meth:`wait` has ordered them."""
+        """The copies queued last and their device, until a :meth:`fence` or :meth:`wait` has ordered them."""
+        self._staged = False
+        """Whether the staged buffers hold (or will, once ``_copied`` is done) the weights as they are now."""
         self._failure: BaseException | None = None
         self._stall_said = False
 
-    def start(self, shadow: list[torch.Tensor], params: list[torch.Tensor], weight: float,
-              ready: torch.cuda.Event | None = None) -> None:
-        """Queue the copies of ``params`` and start the host lerp; returns without waiting for either.
-        CUDA weights are copied on a side stream from ``ready`` (an event recorded where they were
-        final: after the update that wrote them; none: now, on the current stream); nothing may write
-        them before :meth:`fence`. Waits first for the fold before (its buffers are refilled here) and
-        names a stall once."""
+    def stage(self, params: list[torch.Tensor]) -> None:
+        """Queue the copies of ``params`` into the pinned buffers (CUDA weights: on the side stream, from
+        this point of the current stream; elsewhere at once), for the next :meth:`start`. Nothing may
+        write the weights before :meth:`fence`. Waits first for the fold before (it reads the buffers)."""
         begin = time.perf_counter()
         self.wait()
         self._note_stall(time.perf_counter() - begin)
-        copied, device = None, None
-        if any(p.is_cuda for p in params):
-            device = next(p.device for p in params if p.is_cuda)
+        cuda = [p.device for p in params if p.is_cuda]
+        if cuda:
+            device = cuda[0]
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)
-            if ready is None:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(device))
-            self._stream.wait_event(ready)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._stream):
                 for staged, p in zip(self.staged, params):
                     staged.copy_(p, non_blocking=True)
@@ -85,6 +87,15 @@ class HostFold:
         else:
             for staged, p in zip(self.staged, params):
                 staged.copy_(p)
+        self._staged = True
+
+    def start(self, shadow: list[torch.Tensor], params: list[torch.Tensor], weight: float) -> None:
+        """Lerp the staged copies of ``params`` into the host ``shadow`` in a thread, staging them first
+        unless :meth:`stage` did since the last write (:meth:`fence`); returns without waiting."""
+        if not self._staged:
+            self.stage(params)
+        self._staged = False
+        copied, device = self._copied if self._copied is not None else (None, None)
         tasks = [(s.view(-1), staged.view(-1), i) for s, staged in zip(shadow, self.staged)
                  for i in range(0, s.numel(), CHUNK)]
 
@@ -109,19 +120,24 @@ class HostFold:
         self._pending.start()
 
     def fence(self) -> None:
-        """Make the current CUDA stream wait for the copies in flight (without the host waiting):
-        called before anything there writes the weights they read."""
+        """Before the weights are written: the current CUDA stream waits for the copies in flight (the
+        host does not), and staged copies no fold used are dropped (they would be stale)."""
+        self._staged = False
         if self._copied is not None:
             copied, device = self._copied
             torch.cuda.current_stream(device).wait_event(copied)
             self._copied = None
 
     def wait(self) -> None:
-        """Finish the fold in flight (its copies first), raising what it raised."""
+        """Finish the fold in flight (its copies first), raising what it raised; staged copies no fold
+        used are dropped (a reader may write the weights next, e.g. a checkpoint load)."""
+        self._staged = False
         if self._pending is not None:
             self._pending.join()
             self._pending = None
-            self._copied = None  # the thread saw them done
+        if self._copied is not None:
+            self._copied[0].synchronize()
+            self._copied = None
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise RuntimeError("the EMA's host fold failed") from failure

@@ -389,7 +389,9 @@ class Trainer:
             step.values = totals.tolist() + [grad_norm] + [float(v) for v in moe]  # done by now
             step.updated = step_if_finite(self.optimizer, math.isfinite(step.values[0] / max(step.values[1], 1.0)),
                                           grad_norm)
-        step.written = self._weights_written()
+        if self._ema_folds_after(step.index) and not self.cfg.parallel.overlap_param_gather:
+            self.ema.stage(self.model)  # offloaded: its copies queued now run beside the next forward
+            # (under overlap_param_gather that forward gathers the weights: the fold copies them itself)
         self.step += 1
         return step
 
@@ -415,7 +417,7 @@ class Trainer:
                 self._params_gathered = False
             self.ema.note(step.index - 1)
         if self._ema_folds_after(step.index):
-            self._fold_ema(step.written)
+            self._fold_ema()
         self.divergence.record(ok, step.index, self.last_saved)
         self.skipped_samples += int(skipped_samples)
         step.metrics = {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
@@ -477,25 +479,14 @@ class Trainer:
             moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
             lowerable_moments=uses_torch_optimizer())
 
-    def _fold_ema(self, written: Optional[torch.cuda.Event] = None) -> None:
+    def _fold_ema(self) -> None:
         """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded
-        EMA reads only this rank's shard, which its optimizer wrote); an offloaded EMA copies them
-        from ``written`` (:meth:`_weights_written`) on, beside the work queued since."""
+        EMA reads only this rank's shard, which its optimizer wrote); an offloaded EMA from the copies
+        :meth:`_run_step` queued right after the update, where it did."""
         if self.ema.unfolded_decay != 1.0:
             if not self.ema_sharded:
                 self._sync_params()
-            self.ema.fold(self.model, written)
-
-    def _weights_written(self) -> Optional[torch.cuda.Event]:
-        """An event where the update just queued leaves the weights final on the GPU, for an offloaded
-        EMA's copies to start from: its fold comes after the next step's forward and backward are
-        queued (:meth:`train_steps`), and its copies then run beside them. None where nothing copies
-        them to the host, or where the next forward gathers them (``overlap_param_gather``)."""
-        if self.ema.host_fold is None or self.device.type != "cuda" or self.cfg.parallel.overlap_param_gather:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+            self.ema.fold(self.model)
 
     def _ema_sharded(self) -> bool:
         """``trainer.ema_shard`` resolved: automatically, sharded wherever the distributed optimizer
@@ -676,8 +667,6 @@ class _Step:
     updated: Optional[bool] = None
     """Whether the host applied the update (steps decided on the host; else read from the values)."""
     metrics: Optional[dict] = None
-    written: Optional[torch.cuda.Event] = None
-    """Where the update's weights are final on the GPU (:meth:`Trainer._weights_written`)."""
 
 
 def _shadow_config(config, *, unallocated: bool = False, te: bool = False):

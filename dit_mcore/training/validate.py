@@ -137,7 +137,8 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(not (norm_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
            "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
            "drop 'layernorm' or set model.compile=False")
-    attention_recompute = m.recompute_granularity == "selective" and "core_attn" in (m.recompute_modules or ())
+    attention_recompute = m.recompute_granularity == "selective" and "core_attn" in (
+        m.recompute_modules if m.recompute_modules is not None else ["core_attn"])  # (megatron's default)
     r.need(not (attention_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
            "'core_attn' recompute (megatron's checkpointed core attention: its RNG-state save and .item() do not "
            "trace) breaks each compiled layer into pieces under model.compile=True, and the fused attention "

@@ -16,14 +16,16 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 
 
-def recomputed(fn, *args):
+def recomputed(fn, *args, traceable: bool = True):
     """``fn(*args)``, its activations freed and recomputed in the backward (selective recompute of the
     MLP). Inside a compiled layer through torch's non-reentrant checkpoint, which dynamo traces into the
     layer's graph; megatron's ``tensor_parallel.checkpoint`` saves the RNG states with calls dynamo does
     not trace, and broke every compiled layer into pieces (two llama-tiny layers: 8 graphs and 6 breaks
-    instead of 6 and 4). Eagerly through megatron's, which also restores the model-parallel RNG tracker.
-    The branch draws no random numbers, so both recompute it exactly."""
-    if torch.compiler.is_compiling():
+    instead of 6 and 4). Eagerly, and for a branch that is not ``traceable``, through megatron's, which
+    also restores the model-parallel RNG tracker and runs the first forward without grad: megatron's MoE
+    router tells that forward from the recompute by it (its load-balancing metrics would count twice).
+    A dense branch draws no random numbers, so both recompute it exactly."""
+    if traceable and torch.compiler.is_compiling():
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return tensor_parallel.checkpoint(fn, False, *args)
 
@@ -117,7 +119,8 @@ class DiTLayer(TransformerLayer):
             hidden_states = self._attend(self.cross_attention, hidden_states, conditioning, *chunks[3:6],
                                          key_value_states=context, packed_seq_params=context_params)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
-            mlp_out = recomputed(self._mlp_branch(conditioning), hidden_states, shift_m, scale_m)
+            mlp_out = recomputed(self._mlp_branch(conditioning), hidden_states, shift_m, scale_m,
+                                 traceable=router is None)
         else:
             normed, recompute = self._modulated_norm(hidden_states, conditioning, shift_m, scale_m)
             out, bias = self.mlp(normed)
