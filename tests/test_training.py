@@ -69,6 +69,7 @@ def test_an_offloaded_fold_uses_copies_queued_right_after_its_update_and_the_nex
         for _ in range(6):
             trainer.train_step()
     assert [c[1] for c in calls if c[0] == "update"] == [1, 2, 3, 4, 5, 6]
+    assert [c[1] for c in calls if c[0] == "stage"] == [2, 4, 6]  # only where a fold follows
     folds = [i for i, c in enumerate(calls) if c[0] == "fold"]
     assert len(folds) == 3 and all(calls[i][1] for i in folds)  # after steps 2, 4, 6: each from staged copies
     for i, step in zip(folds, (2, 4, 6)):

@@ -100,10 +100,10 @@ class EMA:
 
     def stage(self, model: torch.nn.Module) -> None:
         """Offloaded: queue the copies of ``model``'s weights for the next :meth:`fold` now, right after
-        the update that wrote them, on a side stream (they then run beside the work queued next);
-        elsewhere nothing to do."""
+        the update that wrote them, on a side stream (they then run beside the work queued next; not
+        while the fold before still runs on the host: the fold copies them then); elsewhere nothing to do."""
         if self.host_fold is not None:
-            self.host_fold.stage([p.detach() for p in sharded_parameters(model)])
+            self.host_fold.stage([p.detach() for p in sharded_parameters(model)], block=False)
 
     def fence(self) -> None:
         """Before the weights are written again (the next update): the current CUDA stream waits for

@@ -65,10 +65,14 @@ class HostFold:
         self._failure: BaseException | None = None
         self._stall_said = False
 
-    def stage(self, params: list[torch.Tensor]) -> None:
+    def stage(self, params: list[torch.Tensor], block: bool = True) -> None:
         """Queue the copies of ``params`` into the pinned buffers (CUDA weights: on the side stream, from
         this point of the current stream; elsewhere at once), for the next :meth:`start`. Nothing may
-        write the weights before :meth:`fence`. Waits first for the fold before (it reads the buffers)."""
+        write the weights before :meth:`fence`. Waits first for the fold before (it reads the buffers);
+        with ``block=False`` (the trainer, right after an update: the device has little queued then)
+        stages nothing while that fold still runs, and :meth:`start` copies at the fold instead."""
+        if not block and self._pending is not None and self._pending.is_alive():
+            return
         begin = time.perf_counter()
         self.wait()
         self._note_stall(time.perf_counter() - begin)
