@@ -83,9 +83,11 @@ def test_fused_wgrad_accumulation_leaves_the_gradients_of_ddps_hook(tmp_path, mo
     monkeypatch.setattr(aten_linear, "_dummy_wgrad", lambda weight: torch.full_like(weight, float("nan")))
     fused_grads, names, trainer = run(True)
     hook_grads, none, _ = run(False)
-    layers = 2 * (2 if case == "moe" else 4)  # MoE experts are megatron's own linears (the hook adds theirs)
-    assert len(names) == layers and none == [], names
-    assert all(n.rsplit(".", 2)[-2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") for n in names)
+    linears = 2 * (2 if case == "moe" else 4)  # MoE experts are megatron's own linears (the hook adds theirs)
+    adaln = [n for n in names if "adaLN_modulation" in n]  # each layer's and the final layer's modulation
+    assert len(names) == linears + 3 and len(adaln) == 3 and none == [], names
+    assert all(n.rsplit(".", 2)[-2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") for n in names
+               if n not in adaln)
     assert all(p.grad_added_to_main_grad for p in trainer.ddp_chunks[0].wgrad_fused_params)
     for step, (fused, hook) in enumerate(zip(fused_grads, hook_grads)):
         for name in names:
@@ -109,7 +111,7 @@ def test_a_fused_linear_refuses_another_weight():
     model = build_model(preset("tiny"))
     for p in model.parameters():
         p.main_grad = torch.zeros_like(p)
-    assert len(fuse_wgrad_accumulation(model)) == 8
+    assert len(fuse_wgrad_accumulation(model)) == 8 + 3  # two layers' four linears; three adaLN modulations
     fc1 = model.layers[0].mlp.linear_fc1
     x = torch.randn(3, 2, fc1.weight.shape[1])
     fc1(x)[0].sum().backward()

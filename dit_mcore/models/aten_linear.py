@@ -28,7 +28,8 @@ Under megatron DDP (``model.fuse_wgrad_accumulation``, on by default) the aten p
 the weight gradient into the parameter's fp32 ``main_grad`` inside its backward, the GEMM doing the
 add (:mod:`kernels.wgrad_accumulation`), instead of handing DDP's hook a bf16 gradient to add:
 megatron's gradient-accumulation fusion, without apex. :func:`fuse_wgrad_accumulation` switches it
-on per linear once DDP has given the weights their buffers. DDP then skips every other gradient that
+on per linear (and per adaLN modulation, whose plain linear takes the same path) once DDP has given
+the weights their buffers. DDP then skips every other gradient that
 reaches such a weight in a step, so its gradient must come through this linear's matmul alone (a
 linear called with another weight refuses).
 """
@@ -70,6 +71,12 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return grad_input, _dummy_wgrad(weight), grad_bias, None
 
 
+def linear_into_main_grad(input: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` whose weight gradient its backward adds into ``weight.main_grad``
+    (the weight must be flagged ``grad_added_to_main_grad`` for DDP: :func:`fuse_wgrad_accumulation`)."""
+    return _LinearIntoMainGrad.apply(input, weight, bias, weight.main_grad)
+
+
 class AtenMatmul:
     """Mixin for megatron's parallel linears: the local matmul as ``F.linear`` when megatron's
     autograd function has no communication or fused accumulation to do."""
@@ -98,7 +105,7 @@ class AtenMatmul:
                 raise RuntimeError(f"{type(self).__name__}: called with another weight while its own weight's "
                                    "gradient is accumulated by the linear (model.fuse_wgrad_accumulation=False "
                                    "allows it)")
-            return _LinearIntoMainGrad.apply(input, weight, kwargs.get("bias"), weight.main_grad)
+            return linear_into_main_grad(input, weight, kwargs.get("bias"))
         return F.linear(input, weight, kwargs.get("bias"))
 
 
@@ -124,16 +131,24 @@ class AtenRowParallelLinear(AtenMatmul, RowParallelLinear):
 
 
 def fuse_wgrad_accumulation(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Switch on the accumulation into ``main_grad`` for every aten-path linear of ``module``
-    (``model.fuse_wgrad_accumulation``), once megatron DDP has given the weights their fp32
-    buffers; the weights whose gradients the linears now add themselves, for DDP to flag
+    """Switch on the accumulation into ``main_grad`` for every aten-path linear and adaLN modulation
+    of ``module`` (``model.fuse_wgrad_accumulation``), once megatron DDP has given the weights their
+    fp32 buffers; the weights whose gradients they now add themselves, for DDP to flag
     ``grad_added_to_main_grad`` after each ``zero_grad_buffer``."""
+    from dit_mcore.models.modulation import AdaLNModulation
+
+    def buffered(weight) -> bool:
+        return weight is not None and weight.requires_grad and getattr(weight, "main_grad", None) is not None
+
+    enabled = getattr(getattr(module, "config", None), "fuse_wgrad_accumulation", True)
     fused = []
     for linear in module.modules():
         if (isinstance(linear, AtenMatmul) and linear.aten_matmul and not linear._communicates()
-                and getattr(linear.config, "fuse_wgrad_accumulation", True)
-                and linear.weight is not None and linear.weight.requires_grad
-                and getattr(linear.weight, "main_grad", None) is not None):
+                and getattr(linear.config, "fuse_wgrad_accumulation", True) and buffered(linear.weight)):
             linear.wgrad_into_main_grad = True
             fused.append(linear.weight)
+        elif (isinstance(linear, AdaLNModulation) and enabled and type(linear.linear) is torch.nn.Linear
+              and buffered(linear.linear.weight)):
+            linear.wgrad_into_main_grad = True
+            fused.append(linear.linear.weight)
     return fused
