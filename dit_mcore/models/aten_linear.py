@@ -77,6 +77,19 @@ def linear_into_main_grad(input: torch.Tensor, weight: torch.Tensor, bias) -> to
     return _LinearIntoMainGrad.apply(input, weight, bias, weight.main_grad)
 
 
+class MainGradLinear(torch.nn.Linear):
+    """``nn.Linear`` whose weight gradient can be added into ``main_grad`` by its GEMM (the adaLN
+    modulations' linear): called as a module, so megatron DDP's forward pre-hooks (the parameter
+    gather under ``overlap_param_gather``) see its use."""
+
+    wgrad_into_main_grad = False  # set by fuse_wgrad_accumulation()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.wgrad_into_main_grad and self.weight.requires_grad:
+            return linear_into_main_grad(input, self.weight, self.bias)
+        return super().forward(input)
+
+
 class AtenMatmul:
     """Mixin for megatron's parallel linears: the local matmul as ``F.linear`` when megatron's
     autograd function has no communication or fused accumulation to do."""
@@ -131,12 +144,10 @@ class AtenRowParallelLinear(AtenMatmul, RowParallelLinear):
 
 
 def fuse_wgrad_accumulation(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Switch on the accumulation into ``main_grad`` for every aten-path linear and adaLN modulation
-    of ``module`` (``model.fuse_wgrad_accumulation``), once megatron DDP has given the weights their
-    fp32 buffers; the weights whose gradients they now add themselves, for DDP to flag
-    ``grad_added_to_main_grad`` after each ``zero_grad_buffer``."""
-    from dit_mcore.models.modulation import AdaLNModulation
-
+    """Switch on the accumulation into ``main_grad`` for every aten-path linear and
+    :class:`MainGradLinear` (the adaLN modulations') of ``module`` (``model.fuse_wgrad_accumulation``),
+    once megatron DDP has given the weights their fp32 buffers; the weights whose gradients they now
+    add themselves, for DDP to flag ``grad_added_to_main_grad`` after each ``zero_grad_buffer``."""
     def buffered(weight) -> bool:
         return weight is not None and weight.requires_grad and getattr(weight, "main_grad", None) is not None
 
@@ -147,8 +158,7 @@ def fuse_wgrad_accumulation(module: torch.nn.Module) -> list[torch.nn.Parameter]
                 and getattr(linear.config, "fuse_wgrad_accumulation", True) and buffered(linear.weight)):
             linear.wgrad_into_main_grad = True
             fused.append(linear.weight)
-        elif (isinstance(linear, AdaLNModulation) and enabled and type(linear.linear) is torch.nn.Linear
-              and buffered(linear.linear.weight)):
+        elif isinstance(linear, MainGradLinear) and enabled and buffered(linear.weight):
             linear.wgrad_into_main_grad = True
-            fused.append(linear.linear.weight)
+            fused.append(linear.weight)
     return fused

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dit_mcore.models.aten_linear import MainGradLinear
+
 
 @dataclass
 class Conditioning:
@@ -97,22 +99,13 @@ class AdaLNModulation(nn.Module):
     def __init__(self, hidden_size: int, chunks: int):
         super().__init__()
         self.chunks = chunks
-        self.linear = nn.Linear(hidden_size, chunks * hidden_size)
+        # Its weight gradient may go into megatron DDP's main_grad inside the GEMM
+        # (model.fuse_wgrad_accumulation): a sixth to a third of a DiT's parameters (MovieGen-3B: 28%),
+        # whose gradient GEMM has the batch's sample count as K (memory-bound) and otherwise writes a
+        # bf16 gradient for DDP's hook to add (12 bytes per parameter against 8).
+        self.linear = MainGradLinear(hidden_size, chunks * hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
-        self.wgrad_into_main_grad = False
-        """Set by :func:`~dit_mcore.models.aten_linear.fuse_wgrad_accumulation` under megatron DDP: the
-        weight gradient added into ``main_grad`` by its GEMM. It is a sixth to a third of a DiT's
-        parameters (MovieGen-3B: 28%), and its gradient's K is the batch's sample count: a
-        memory-bound GEMM that otherwise writes a bf16 gradient for DDP's hook to add (12 bytes per
-        parameter against 8)."""
 
     def forward(self, cond: Conditioning) -> list[torch.Tensor]:
-        x = nn.functional.silu(cond.emb)
-        weight = self.linear.weight
-        if self.wgrad_into_main_grad and weight.requires_grad:
-            from dit_mcore.models.aten_linear import linear_into_main_grad
-            out = linear_into_main_grad(x, weight, self.linear.bias)
-        else:
-            out = self.linear(x)
-        return list(out.chunk(self.chunks, dim=-1))
+        return list(self.linear(nn.functional.silu(cond.emb)).chunk(self.chunks, dim=-1))
