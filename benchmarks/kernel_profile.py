@@ -49,7 +49,9 @@ def profile_steps(run_steps, device, n_steps: int = 3, top: int = 15) -> dict:
     time; kernels of several streams overlapping, e.g. NCCL beside compute, can take it past 1),
     ``host_syncs_per_step`` (stream synchronisations: ``.item()``, ``tolist()`` …; after each
     the device idles until the host queues more), ``event_waits_per_step`` (waits for one event,
-    e.g. a step's metrics read while the next step runs: the stream keeps its queue) and ``wall_ms_per_step``. On the CPU
+    e.g. a step's metrics read while the next step runs: the stream keeps its queue), ``wall_ms_per_step``
+    and ``runtime``: the CUDA runtime calls the host spent most time in (ms and calls per step; a
+    copy from pageable memory that waited for the stream shows as a long ``cudaMemcpyAsync``). On the CPU
     the same over CPU operators (``busy`` and the syncs are None)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
@@ -66,6 +68,8 @@ def profile_steps(run_steps, device, n_steps: int = 3, top: int = 15) -> dict:
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     syncs = sum(e.count for e in averages if e.key == "cudaStreamSynchronize")
     event_waits = sum(e.count for e in averages if e.key == "cudaEventSynchronize")
+    runtime = sorted((e for e in averages if e.key.startswith("cuda") and e.cpu_time_total > 0),
+                     key=lambda e: e.cpu_time_total, reverse=True)[:6] if cuda else []
     kinds: dict[str, float] = {}
     for e in events:
         kind = kind_of(e.key)
@@ -79,6 +83,8 @@ def profile_steps(run_steps, device, n_steps: int = 3, top: int = 15) -> dict:
         "host_syncs_per_step": syncs / n_steps if cuda else None,
         "event_waits_per_step": event_waits / n_steps if cuda else None,
         "wall_ms_per_step": wall * 1e3 / n_steps,
+        "runtime": [{"call": e.key, "host_ms_per_step": e.cpu_time_total / 1e3 / n_steps,
+                     "calls_per_step": e.count / n_steps} for e in runtime],
     }
 
 
@@ -88,6 +94,9 @@ def report(title: str, profile: dict) -> str:
             f"{profile['event_waits_per_step']:.1f} event waits" if profile["busy"] is not None else "")
     lines = [f"{title}: {profile['wall_ms_per_step']:.1f} ms/step{busy}"]
     lines += [f"  {k:<12} {v['ms_per_step']:8.2f} ms {100 * v['share']:5.1f}%" for k, v in profile["kinds"].items()]
+    if profile.get("runtime"):  # the host's time inside CUDA runtime calls: a long copy call blocked on the stream
+        lines.append("  host in CUDA calls: " + ", ".join(f"{r['call']} {r['host_ms_per_step']:.1f} ms "
+                                                        f"x{r['calls_per_step']:.0f}" for r in profile["runtime"]))
     lines += [f"    {r['ms_per_step']:8.2f} ms {100 * r['share']:5.1f}% x{r['calls_per_step']:<5.0f} [{r['kind']}] "
               f"{r['kernel']}" for r in profile["top"]]
     return "\n".join(lines)

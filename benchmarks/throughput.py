@@ -96,7 +96,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
             torch.cuda.reset_peak_memory_stats()
         graphs, retries = compiled_graphs(), alloc_retries()
         start = time.perf_counter()
-        with host_waits() as waited:
+        with host_phases(trainer) as host:
             history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
         if cuda:  # the last read is before the last update: count that update too
             torch.cuda.synchronize()
@@ -114,13 +114,25 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "state_gib": trainer.state_budget().total / 2 ** 30,  # weights, gradients, optimizer, EMA
                   "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None),
                   "warmup_steps": warmed, "graphs_compiled_while_timed": graphs, "alloc_retries_while_timed": retries,
-                  "host_waited_ms_per_step": waited[0] * 1e3 / steps if trainer.steps_on_device else None}
+                  "host_waited_ms_per_step": host["waits"] * 1e3 / steps if trainer.steps_on_device else None,
+                  "host_ms_per_step": {k: v * 1e3 / steps for k, v in host.items()}}
         if profile:
             result["profile"] = profile_steps(trainer.train_steps, trainer.device)
         del trainer
+    release_memory()
+    return result
+
+
+def release_memory() -> None:
+    """Free the last point's device memory for the next one in the same process: its trainer's
+    parameters, gradients and optimizer state are held by reference cycles (DDP's hooks) and by
+    dynamo's compiled code until collected (an H100 ran out of memory building the second
+    MovieGen-3B point of one process without this)."""
+    import gc
+    torch.compiler.reset()
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result
 
 
 def compiled_graphs() -> int:
@@ -135,30 +147,50 @@ def alloc_retries() -> int:
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
 
 
+HOST_PHASES = ("waits", "batch", "to_device", "forward_backward", "run_step", "settle")
+
+
 @contextlib.contextmanager
-def host_waits():
-    """Seconds the host spends waiting inside the block (a list of one float): for a step's metrics
-    (``HostRead.get``: with steps decided on the device, the one wait per step) and for an offloaded
-    EMA's host fold (``HostFold.wait``). Next to the profile's device busy share it tells who is behind:
-    a device idle while the host hardly waited was waiting for the host to queue the step (host-bound);
-    a host that waited long was not."""
+def host_phases(trainer):
+    """Seconds the host spends in each phase of the steps run inside the block (a dict, filled as they
+    run): ``waits`` for a step's metrics (``HostRead.get``: with steps decided on the device, the one
+    wait per step) and for an offloaded EMA's host fold (``HostFold.wait``); ``batch``: the loader's
+    global batch; ``to_device``: its micro-batches' copies (a pageable host-to-device copy can block
+    the host until the stream reaches it); ``forward_backward``: queuing megatron's schedule;
+    ``run_step`` and ``settle``: the trainer's whole step and its read. Next to the profile's device
+    busy share they tell who is behind: a device idle while the host hardly waited was waiting for the
+    host to queue work (host-bound), and the phase that takes the step's time is where."""
+    from energon_data.batch import MicroBatch
+    from dit_mcore.training import trainer as trainer_module
     from dit_mcore.training.host_fold import HostFold
     from kernels.host_copy import HostRead
-    total, originals = [0.0], {HostRead: HostRead.get, HostFold: HostFold.wait}
+    total = dict.fromkeys(HOST_PHASES, 0.0)
 
-    def timed(method):
-        def call(self):
+    def timed(name, method):
+        def call(*args, **kwargs):
             begin = time.perf_counter()
             try:
-                return method(self)
+                return method(*args, **kwargs)
             finally:
-                total[0] += time.perf_counter() - begin
+                total[name] += time.perf_counter() - begin
         return call
-    HostRead.get, HostFold.wait = timed(HostRead.get), timed(HostFold.wait)
+    get_schedule = trainer_module.get_forward_backward_func
+    patches = [(HostRead, "get", "waits"), (HostFold, "wait", "waits"), (MicroBatch, "to", "to_device"),
+               (trainer.loader, "next_global_batch", "batch"), (trainer, "_run_step", "run_step"),
+               (trainer, "_settle", "settle")]
+    originals = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in patches]
+    for owner, attr, name in patches:
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    trainer_module.get_forward_backward_func = lambda: timed("forward_backward", get_schedule())
     try:
         yield total
     finally:
-        HostRead.get, HostFold.wait = originals[HostRead], originals[HostFold]
+        trainer_module.get_forward_backward_func = get_schedule
+        for owner, attr, original in originals:
+            if original is None:
+                delattr(owner, attr)  # an instance's patch: its class's method shows again
+            else:
+                setattr(owner, attr, original)
 
 
 def warm_up(step, steps: int, most_extra: int = 10) -> int:
@@ -376,6 +408,8 @@ def main(argv=None) -> list[dict]:
             if row["graphs_compiled_while_timed"]:
                 print(f"  ({row['graphs_compiled_while_timed']} graphs compiled while timed: not a steady-state speed; "
                       "raise --warmup)", flush=True)
+            print("  host ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in row["host_ms_per_step"].items()),
+                  flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
     for path in plot(rows, out):

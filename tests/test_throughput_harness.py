@@ -32,29 +32,58 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["warmup_steps"] == 1 and r["graphs_compiled_while_timed"] == 0 and r["alloc_retries_while_timed"] == 0
         waited = r["host_waited_ms_per_step"]  # (None where the host decides each step: it reads every one)
         assert waited is None or 0.0 <= waited <= r["step_s"] * 1e3
+        host = r["host_ms_per_step"]  # the host's time per phase of a step: parts of the whole
+        assert set(host) == set(throughput.HOST_PHASES) and 0 < host["run_step"] <= r["step_s"] * 1e3
+        assert host["forward_backward"] + host["batch"] + host["to_device"] <= host["run_step"]
         assert r["state_gib"] == pytest.approx(count_params(get_family("dit"), "tiny")[0] * 20 / 2 ** 30)  # fp32: 20 B/param
 
 
-def test_host_waits_count_the_time_the_host_blocks_on_step_metrics(monkeypatch):
-    """``host_waited_ms_per_step``: the time inside ``HostRead.get`` (the host waiting for a step on
-    the device) and ``HostFold.wait`` (for an offloaded EMA's fold), summed over the block, the methods
-    given back as they were; the grid's rows carry it per step."""
+def test_host_phases_count_the_host_time_of_each_part_of_a_step(monkeypatch):
+    """``host_waited_ms_per_step`` and ``host_ms_per_step``: the time inside ``HostRead.get`` (the host
+    waiting for a step on the device) and ``HostFold.wait`` (an offloaded EMA's fold) as ``waits``, the
+    loader's batch, the micro-batches' copies, megatron's schedule, the trainer's step and its read,
+    summed over the block; every method given back as it was (the instance's patches removed)."""
     import time
+    from types import SimpleNamespace
+
+    from dit_mcore.training import trainer as trainer_module
+    from dit_mcore.training.host_fold import HostFold
+    from energon_data.batch import MicroBatch
     from kernels.host_copy import HostRead
 
     def slow(read):
         time.sleep(0.05)
         return [1.0]
     monkeypatch.setattr(HostRead, "get", slow)
-    read = object.__new__(HostRead)
-    from dit_mcore.training.host_fold import HostFold
     monkeypatch.setattr(HostFold, "wait", lambda fold: time.sleep(0.05))
-    fold_wait = HostFold.wait
-    with throughput.host_waits() as waited:
-        assert read.get() == [1.0] and read.get() == [1.0]
-        object.__new__(HostFold).wait()
-    assert 0.15 <= waited[0] < 0.6
-    assert HostRead.get is slow and HostFold.wait is fold_wait
+    monkeypatch.setattr(MicroBatch, "to", lambda batch, device: time.sleep(0.02) or batch)
+    monkeypatch.setattr(trainer_module, "get_forward_backward_func", lambda: lambda **kw: time.sleep(0.07))
+    get, wait, to, schedule = HostRead.get, HostFold.wait, MicroBatch.to, trainer_module.get_forward_backward_func
+
+    class Loader:
+        def next_global_batch(self):
+            time.sleep(0.03)
+            return [object.__new__(MicroBatch)]
+
+    class Trainer:
+        def __init__(self):
+            self.loader = Loader()
+
+        def _settle(self, step):
+            object.__new__(HostRead).get()
+
+        def _run_step(self):
+            batch = [b.to("cpu") for b in self.loader.next_global_batch()]
+            trainer_module.get_forward_backward_func()(data=batch)
+            object.__new__(HostFold).wait()
+    trainer = Trainer()
+    with throughput.host_phases(trainer) as host:
+        trainer._settle(trainer._run_step())
+    assert 0.1 <= host["waits"] < 0.3 and 0.03 <= host["batch"] < 0.1 and 0.02 <= host["to_device"] < 0.1
+    assert 0.07 <= host["forward_backward"] < 0.2 and 0.05 <= host["settle"] < 0.2
+    assert 0.17 <= host["run_step"] < 0.5  # batch + copies + schedule + the fold's wait
+    assert (HostRead.get, HostFold.wait, MicroBatch.to, trainer_module.get_forward_backward_func) == (get, wait, to, schedule)
+    assert vars(trainer) == {"loader": trainer.loader} and not vars(trainer.loader)
 
 
 def test_warm_up_goes_on_while_steps_still_compile(monkeypatch):
@@ -139,3 +168,21 @@ def test_kernel_profile_sorts_kernels_into_kinds_and_accounts_for_all_device_tim
     assert sum(k["share"] for k in prof["kinds"].values()) == pytest.approx(1.0)
     assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] and prof["busy"] is None
     assert "gemm" in prof["kinds"] and "ms/step" in kernel_profile.report("cpu", prof)
+
+
+def test_a_point_frees_its_trainer_before_the_next_one(monkeypatch):
+    """The next point of the same process must find the device empty: the trainer's parameters are held
+    by reference cycles (DDP's hooks) until collected, and an H100 ran out of memory building a second
+    MovieGen-3B point without the collection."""
+    import weakref
+
+    from dit_mcore.training import trainer as trainer_module
+    refs, init = [], trainer_module.Trainer.__init__
+
+    def watched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        refs.append(weakref.ref(next(self.model.parameters())))
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", watched)
+    throughput.measure({"family": "dit", "preset": "tiny", "image_size": 8, "packed_len": None, "batch": 2,
+                        "recompute": "none", "compile": False, "dtype": "fp32"}, 1, 1)
+    assert len(refs) == 1 and refs[0]() is None
