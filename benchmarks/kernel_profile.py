@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -86,6 +87,35 @@ def profile_steps(run_steps, device, n_steps: int = 3, top: int = 15) -> dict:
         "runtime": [{"call": e.key, "host_ms_per_step": e.cpu_time_total / 1e3 / n_steps,
                      "calls_per_step": e.count / n_steps} for e in runtime],
     }
+
+
+def host_profile_steps(run_steps, device, n_steps: int = 3, top: int = 25) -> list[dict]:
+    """Where the host's time goes over ``run_steps(n_steps)`` (Python's deterministic profiler):
+    the ``top`` functions by their own time (ms and calls per step, and the time with what they
+    call). Where the device idles while the host hardly waits (``throughput.py``'s host phases),
+    the host is the pace, and these are the functions to cut. The profiler slows Python calls
+    (a few µs each), not the kernels they queue, so it shows the share, not the speed."""
+    import cProfile
+    import pstats
+    sync_device(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_steps(n_steps)
+    sync_device(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, total s, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})" if file != "~" else name,
+             "calls_per_step": calls / n_steps, "own_ms_per_step": own * 1e3 / n_steps,
+             "total_ms_per_step": total * 1e3 / n_steps}
+            for (file, line, name), (_, calls, own, total, _) in rows]
+
+
+def host_report(rows: list[dict], top: int = 15) -> str:
+    """The host profile as text: own ms per step, with callees, calls per step, function."""
+    return "\n".join(["  host functions (own ms/step, with callees, calls/step):"] +
+                     [f"    {r['own_ms_per_step']:8.2f} {r['total_ms_per_step']:9.2f} x{r['calls_per_step']:<7.0f} "
+                      f"{r['function'][:110]}" for r in rows[:top]])
 
 
 def report(title: str, profile: dict) -> str:

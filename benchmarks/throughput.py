@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_profile import profile_steps, report  # noqa: E402  (benchmarks/ is the script folder)
+from kernel_profile import host_profile_steps, host_report, profile_steps, report  # noqa: E402  (benchmarks/ is the script folder)
 from results_io import device_name, result_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,9 +77,11 @@ def run_config(point: dict, run_dir: str):
         parallel=ParallelConfig())
 
 
-def measure(point: dict, warmup: int, steps: int, peak_override: float | None = None, profile: bool = False) -> dict:
+def measure(point: dict, warmup: int, steps: int, peak_override: float | None = None, profile: bool = False,
+            host_profile: bool = False) -> dict:
     """Build the trainer for ``point`` and time ``steps`` steps after ``warmup`` (then, with
-    ``profile``, profile three more: ``kernel_profile.profile_steps``)."""
+    ``profile``, profile three more: ``kernel_profile.profile_steps``; with ``host_profile``, the
+    host's functions over three more: ``kernel_profile.host_profile_steps``)."""
     from dit_mcore.training.flops import peak_tflops
     from dit_mcore.training.trainer import Trainer
 
@@ -118,6 +120,8 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "host_ms_per_step": {k: v * 1e3 / steps for k, v in host.items()}}
         if profile:
             result["profile"] = profile_steps(trainer.train_steps, trainer.device)
+        if host_profile:
+            result["host_profile"] = host_profile_steps(trainer.train_steps, trainer.device)
         del trainer
     release_memory()
     return result
@@ -355,6 +359,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak for MFU (default: the GPU table; CPU: none unless given)")
     p.add_argument("--autotune", action="store_true", help="the largest micro-batch that fits, per point")
+    p.add_argument("--host-profile", action="store_true",
+                   help="profile the host's Python over three more steps (cProfile): where a host-bound step goes")
     p.add_argument("--diffusers", action="store_true", help="diffusers' DiT side by side on dense points")
     p.add_argument("--profile", action="store_true",
                    help="per point, the device time per kind of kernel and the top kernels of three more steps")
@@ -386,7 +392,8 @@ def main(argv=None) -> list[dict]:
         for point in points:
             if args.autotune:
                 point = {**point, "batch": autotune(point)}
-            row = {**measure(point, args.warmup, args.steps, args.peak_tflops, args.profile), "command": command,
+            row = {**measure(point, args.warmup, args.steps, args.peak_tflops, args.profile, args.host_profile),
+                   "command": command,
                    "autotuned": args.autotune}
             if args.diffusers and not point["packed_len"] and not point["fp8"]:  # diffusers has no FP8 pair
                 row.update(diffusers_side_by_side(point, args.steps))
@@ -412,6 +419,8 @@ def main(argv=None) -> list[dict]:
                   flush=True)
             if "profile" in row:
                 print(report("  profile", row["profile"]), flush=True)
+            if "host_profile" in row:
+                print(host_report(row["host_profile"]), flush=True)
     for path in plot(rows, out):
         print("plot:", path)
     return rows

@@ -176,6 +176,36 @@ def test_mock_source_dense_and_packed_train_and_4_channel_preview(tmp_path):
     assert torch.isfinite(torch.tensor(packed.train_step()["loss"]))
 
 
+def test_the_mock_source_draws_the_next_batch_ahead_and_stays_exact():
+    """The next global batch is drawn on a thread while this one trains; each batch is still a
+    function of its index alone: equal to a fresh source's at that position, after a resume (a jump
+    back) and a skip ahead, whatever was drawn ahead."""
+    from dit_mcore.training.data import MockLatentSource
+
+    def source():
+        return MockLatentSource(channels=4, image_size=8, num_classes=10, patch_size=(1, 2, 2),
+                                shapes=[[1, 8, 8], [2, 8, 8]], max_seq_len=64, global_batch_size=4,
+                                micro_batch_size=2, dp_rank=0, dp_size=1, seed=3)
+
+    def tokens(batches):
+        return [b.tokens for b in batches]
+    reference = [tokens(source()._global_batch(k)) for k in range(5)]
+    src = source()
+    first = src.next_global_batch()
+    assert src._ahead is not None and src._ahead[0] == 1  # batch 1 is being drawn already
+    drawn = src._ahead[1]
+    second = src.next_global_batch()
+    assert drawn.done() and src.consumed_batches == 2
+    for got, k in ((first, 0), (second, 1)):
+        assert all(torch.equal(a, b) for a, b in zip(tokens(got), reference[k]))
+    state = src.state_dict()
+    src.next_global_batch()
+    src.load_state_dict(state)  # back to batch 2 (batch 3 was drawn ahead: not used)
+    assert all(torch.equal(a, b) for a, b in zip(tokens(src.next_global_batch()), reference[2]))
+    src.consumed_batches = 4  # a skip: the batch drawn ahead (3) is not the one asked for
+    assert all(torch.equal(a, b) for a, b in zip(tokens(src.next_global_batch()), reference[4]))
+
+
 def test_preview_spreads_many_classes_and_shows_latents_in_grey():
     assert preview_classes(10).tolist() == list(range(10))
     spread = preview_classes(1000)

@@ -182,3 +182,24 @@ def test_wgrad_accumulates_in_fp32_inside_the_gemm(compiled):
     hook_err = (hook.double() - exact).abs().max().item()
     assert fused_err < hook_err / 4, (fused_err, hook_err)
     assert not buffer[:32].any() and not buffer[32 + 384 * 256:].any()
+
+
+def test_a_batch_moves_to_the_gpu_without_blocking_the_host():
+    """``MicroBatch.to(cuda)`` goes through pinned memory: the host queues the copies behind a busy
+    stream and goes on (from pageable memory the driver may make it wait for the stream), and the
+    device gets the batch's values."""
+    import time
+
+    from energon_data.batch import MicroBatch
+    g = torch.Generator().manual_seed(0)
+    batch = MicroBatch.packed(torch.randn(16000, 64, generator=g), torch.tensor([0, 5000, 16000]).int(),
+                              torch.tensor([[1, 50, 100], [1, 100, 110]]), torch.tensor([3, 4]))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of device time queued ahead of the copies
+    begin = time.perf_counter()
+    moved = batch.to("cuda")
+    queued = time.perf_counter() - begin
+    assert moved.tokens.is_cuda and moved.positions.is_cuda and not moved.grids.is_cuda
+    assert queued < 0.1, f"the host waited {queued:.3f} s for the copies"
+    torch.cuda.synchronize()
+    assert torch.equal(moved.tokens.cpu(), batch.tokens) and torch.equal(moved.positions.cpu(), batch.positions)

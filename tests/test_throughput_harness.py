@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import throughput  # noqa: E402
@@ -123,7 +124,6 @@ def test_every_option_set_of_the_gpu_session_passes_validation_and_torch_compile
     GPU's minutes are spent on them: the run config's rules and torch.compile's own type checks."""
     import re
 
-    import torch
 
     from dit_mcore.training.validate import run_problems
     from test_training import tiny_run
@@ -148,7 +148,6 @@ def test_autotune_finds_the_largest_batch_that_fits(monkeypatch):
 
 
 def test_kernel_profile_sorts_kernels_into_kinds_and_accounts_for_all_device_time():
-    import torch
 
     import kernel_profile
     names = {"nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN": "gemm",
@@ -168,6 +167,29 @@ def test_kernel_profile_sorts_kernels_into_kinds_and_accounts_for_all_device_tim
     assert sum(k["share"] for k in prof["kinds"].values()) == pytest.approx(1.0)
     assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] and prof["busy"] is None
     assert "gemm" in prof["kinds"] and "ms/step" in kernel_profile.report("cpu", prof)
+
+
+def _slow_host_part():
+    import time
+    time.sleep(0.01)
+
+
+def test_the_host_profile_names_the_functions_a_step_spends_its_host_time_in():
+    """``--host-profile``: the host's functions over the steps, by their own time per step; a step
+    that sleeps 10 ms twice in one function shows it on top, called twice per step."""
+    import kernel_profile
+
+    def steps(n):
+        for _ in range(n):
+            _slow_host_part()
+            _slow_host_part()
+            sum(range(1000))
+    rows = kernel_profile.host_profile_steps(steps, torch.device("cpu"), n_steps=3)
+    top = next(r for r in rows if "_slow_host_part" in r["function"])
+    assert top["calls_per_step"] == 2 and 19 <= top["total_ms_per_step"] < 60
+    assert rows[0]["function"].endswith("sleep>") or "sleep" in rows[0]["function"]  # the sleep's own time
+    assert rows == sorted(rows, key=lambda r: -r["own_ms_per_step"])
+    assert "_slow_host_part" in kernel_profile.host_report(rows)
 
 
 def test_a_point_frees_its_trainer_before_the_next_one(monkeypatch):
