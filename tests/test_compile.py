@@ -108,10 +108,10 @@ def test_compiled_text_families_train_as_eager(tmp_path, family, preset):
 
 
 def test_a_compiled_layer_takes_a_new_packing_without_recompiling():
-    """Packed micro-batches differ in their sample boundaries (host ints) and counts: attention runs
-    them outside the layer's graphs, so after one generalising recompile a new packing reuses the
-    compiled layer (traced, each new packing would recompile it until dynamo's limit, then run eager;
-    seen on an H200 at a third of the speed)."""
+    """Packed micro-batches differ in their sample boundaries (host ints) and counts: the attention
+    operator reads them from a plan tensor, so after one generalising recompile a new packing reuses
+    the compiled layer (traced, each new packing would recompile it until dynamo's limit, then run
+    eager; seen on an H200 at a third of the speed)."""
     import torch._dynamo
 
     from megatron_env import single_process_world
@@ -209,3 +209,26 @@ def test_compiled_gelu_is_the_sigmoid_form_of_the_same_function():
     torch.testing.assert_close(torch.autograd.grad(traced.sum(), x)[0], torch.autograd.grad(reference.sum(), x)[0],
                                rtol=0, atol=1e-13)
     assert torch.equal(gelu_tanh(x), reference)  # eager: torch's kernel
+
+
+def test_a_packed_text_layer_compiles_to_one_graph_and_trains_as_eager(tmp_path):
+    """MovieGen's layer on packed video with text: self- and cross-attention on packed segments are
+    operators inside the compiled layer (kernels.planned_attention), not breaks. Called outside the
+    graph, they cut each layer into pieces, and the break inside megatron's attention (its offloading
+    context) left the rest of it eager: an H100's host then took ~12 ms per layer and the device
+    waited for it."""
+    import torch._dynamo.utils
+    from energon_data.config import DataConfig
+
+    def run(name, compile_):
+        cfg = tiny_run(tmp_path / name, max_steps=3)
+        cfg.model.family, cfg.model.preset, cfg.model.compile = "llama", "llama-tiny", compile_
+        cfg.model.in_channels = 4
+        cfg.data = DataConfig(name="mock", image_size=8, mock_latent_shapes=[[1, 8, 8], [2, 8, 8]], max_seq_len=64,
+                              global_batch_size=2, micro_batch_size=1)
+        return losses(Trainer(cfg).fit())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = run("compiled", True)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, dict(torch._dynamo.utils.counters["graph_break"])
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(run("eager", False)), rtol=1e-5, atol=0)

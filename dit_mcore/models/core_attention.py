@@ -21,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from kernels.context_parallel import context_parallel_attention
 from dit_mcore.models.st_attention import STPattern, st_attention
 from kernels.local_attention import Segments, segment_attention
+from kernels.planned_attention import plan, planned_attention
 
 
 @dataclass
@@ -31,6 +32,13 @@ class KernelsPackedSeqParams(PackedSeqParams):
     segments: Optional[Segments] = None
     st: Optional[STPattern] = None
     """ST-DiT: where each sample's frames lie (spatial and temporal attention)."""
+    plan: Optional[torch.Tensor] = None
+    """``segments`` as a plan (:func:`kernels.planned_attention.plan`), made with the params: compiled
+    layers hold the attention as one operator that reads it."""
+
+    def __post_init__(self):
+        if self.segments is not None and self.plan is None:
+            self.plan = plan(self.segments)
 
 
 def packed_seq_params(batch) -> KernelsPackedSeqParams:
@@ -86,12 +94,27 @@ class KernelsCoreAttention(MegatronModule):
             return self._attend(query, key, value, None)
         # A packed pattern is host ints that change with every micro-batch: traced, each new packing
         # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
-        # limit and ran at a third of its speed). The kernels take the plan as it is, outside the graph.
+        # limit and ran at a third of its speed). In a compiled layer the attention is one operator
+        # reading the pattern's plan (a tensor, kernels.planned_attention); context-parallel and ST
+        # attention run outside the graph (a break: the layer runs in pieces).
+        if torch.compiler.is_compiling() and self._plannable(packed_seq_params):
+            return self._attend(query, key, value, packed_seq_params, planned=True)
         return _attend_outside_graphs(self, query, key, value, packed_seq_params)
 
-    def _attend(self, query, key, value, packed_seq_params):
+    def _plannable(self, packed_seq_params) -> bool:
+        return not self.cp_groups and self.st_kind is None and getattr(packed_seq_params, "plan", None) is not None
+
+    def _local(self, q, k, v, packed_seq_params, segments, planned: bool):
+        """Single-device attention of ``[b, s, h, d]`` inputs: the planned operator or the autograd op."""
+        if planned:
+            return planned_attention(q, k, v, packed_seq_params.plan, softmax_scale=self.softmax_scale,
+                                     backend=self.backend)
+        return segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale, backend=self.backend,
+                                 return_lse=False)
+
+    def _attend(self, query, key, value, packed_seq_params, planned: bool = False):
         if self.cross:
-            return self._cross(query, key, value, packed_seq_params)
+            return self._cross(query, key, value, packed_seq_params, planned)
         if self.st_kind is not None:
             pattern = getattr(packed_seq_params, "st", None)
             if pattern is None:
@@ -105,7 +128,7 @@ class KernelsCoreAttention(MegatronModule):
         else:  # [s, b, h, d] -> [b, s, h, d]
             q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         segments = None
-        if packed_seq_params is not None:
+        if packed_seq_params is not None and not planned:
             p = packed_seq_params
             segments = getattr(p, "segments", None) or Segments.from_cu_seqlens(
                 p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
@@ -114,24 +137,22 @@ class KernelsCoreAttention(MegatronModule):
                                              softmax_scale=self.softmax_scale, backend=self.backend,
                                              **self.cp_groups)
         else:
-            out = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
-                                    backend=self.backend, return_lse=False)
+            out = self._local(q, k, v, packed_seq_params, segments, planned)
         if thd:
             return out.squeeze(0).flatten(-2)
         return out.transpose(0, 1).flatten(-2)
 
-    def _cross(self, query, key, value, packed_seq_params):
+    def _cross(self, query, key, value, packed_seq_params, planned: bool = False):
         """Queries ``[s, b, h, d]`` (rows in the stream order ``b`` then ``s``) against the text stream
         ``[L, 1, h, d]``, with the block-diagonal pattern in ``packed_seq_params.segments``."""
-        segments = getattr(packed_seq_params, "segments", None)
-        if segments is None:
+        segments = None if planned else getattr(packed_seq_params, "segments", None)
+        if segments is None and not planned:
             raise ValueError("cross-attention needs packed_seq_params.segments (which text each query "
                              "sample attends to); build it with dit_mcore.models.text.cross_segments")
         s, b = query.shape[:2]
         q = query.transpose(0, 1).reshape(1, b * s, *query.shape[2:])
         k, v = (x.reshape(1, -1, *x.shape[-2:]) for x in (key, value))
-        out = segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale,
-                                backend=self.backend, return_lse=False)
+        out = self._local(q, k, v, packed_seq_params, segments, planned)
         return out.view(b, s, -1).transpose(0, 1)
 
 

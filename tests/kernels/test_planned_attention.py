@@ -1,0 +1,65 @@
+"""The packed attention as one operator (``kernels.planned_attention``): the same output and
+gradients as ``segment_attention`` (itself checked against float64), eagerly and inside
+``torch.compile`` as a node of one graph; a new packing reuses the compiled graph; a plan that is no
+longer kept is named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import segment_attention
+from kernels import planned_attention as pa
+from test_local_attention import CASES, _inputs
+
+PACKED = [name for name, case in CASES.items() if case[5] is not None]
+
+
+def _out_and_grads(fn, q, k, v, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    (out * dout).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("case", PACKED)
+def test_the_planned_operator_equals_segment_attention_eager_and_compiled(case):
+    b, s_q, s_kv, h, hk, segments = CASES[case]
+    q, k, v, dout = _inputs(b, s_q, s_kv, h, hk, seed=5)
+    ref_out, ref_grads = _out_and_grads(
+        lambda *t: segment_attention(*t, segments=segments, return_lse=False), q, k, v, dout)
+    plan = pa.plan(segments)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, plan: pa.planned_attention(q * 1.0, k, v, plan) * 2.0, fullgraph=True)
+    for fn, scale in ((lambda *t: pa.planned_attention(*t, plan), 1.0), (lambda *t: compiled(*t, plan), 2.0)):
+        out, grads = _out_and_grads(fn, q, k, v, dout)
+        torch.testing.assert_close(out, ref_out * scale, rtol=1e-6, atol=1e-6)
+        for got, ref in zip(grads, ref_grads):
+            torch.testing.assert_close(got, ref * scale, rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_packing_reuses_the_compiled_graph():
+    """The plan is a tensor: no guard on which packing it names, so a compiled graph takes any."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, plan: pa.planned_attention(q, k, v, plan).sum(), fullgraph=True)
+    _, _, _, h, hk, first = CASES["runs_mixed_tail_pad"]
+    q, k, v, _ = _inputs(1, 20, 20, h, hk)
+    compiled(q, k, v, pa.plan(first))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    from kernels import Segments
+    for cu in ([0, 10, 20], [0, 3, 6, 9, 12, 15, 18, 20], [0, 20]):
+        segments = Segments.from_cu_seqlens(torch.tensor(cu), torch.tensor(cu))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = compiled(q, k, v, pa.plan(segments))
+        torch.testing.assert_close(got, segment_attention(q, k, v, segments=segments, return_lse=False).sum())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_a_plan_no_longer_kept_is_named(monkeypatch):
+    monkeypatch.setattr(pa, "KEEP", 2)
+    segments = CASES["runs_mixed_tail_pad"][5]
+    old = pa.plan(segments)
+    pa.plan(segments), pa.plan(segments)
+    with pytest.raises(RuntimeError, match="no longer kept.*KEEP"):
+        pa.segments_of(old)
