@@ -11,9 +11,12 @@ graph against 5-7.5 ms in pieces.
 Here the packing travels as a *plan*: a 0-dim int64 host tensor naming the ``Segments`` in a
 registry (:func:`plan`). A tensor is a graph input like any other (no guard on its value, so no
 recompile), and the operator (``torch.library.custom_op``) looks the pattern up when it runs, on
-the kernels of :func:`kernels.local_attention.attention_forward` / ``attention_backward``. The
-registry keeps the most recent plans (:data:`KEEP`), far more than the micro-batches a pipeline
-keeps in flight.
+the kernels of :func:`kernels.local_attention.attention_forward` / ``attention_backward``.
+
+A plan must outlive its backward: the trainer forgets the plans at the start of each step
+(:func:`forget_plans`; a step's backward passes are all done by then, also under pipeline
+parallelism and full recompute), and the registry keeps at most :data:`KEEP` plans for other
+callers. A pattern's device-side plans (``Segments.varlen``) live as long as its plan.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from .local_attention import attention_backward, attention_forward
 from .segments import Segments
 
 KEEP = 4096
-"""Plans kept: a plan's backward must run before :data:`KEEP` newer plans are made."""
+"""Plans kept at most (a text model makes two per micro-batch): a plan's backward must run before
+:data:`KEEP` newer plans are made or :func:`forget_plans` is called."""
 
 _PLANS: "OrderedDict[int, Segments]" = OrderedDict()
 _KEYS = itertools.count()
@@ -36,6 +40,9 @@ _KEYS = itertools.count()
 def plan(segments: Segments) -> torch.Tensor:
     """A plan naming ``segments`` for :func:`planned_attention`: a 0-dim int64 host tensor (build it
     once per micro-batch, outside compiled code, and pass it to every layer)."""
+    if torch.compiler.is_compiling():  # traced, the key would be a constant of the graph: every call its packing
+        raise RuntimeError("kernels.planned_attention.plan must be called outside compiled code (once per "
+                           "micro-batch), and the plan passed in")
     key = next(_KEYS)
     _PLANS[key] = segments
     while len(_PLANS) > KEEP:
@@ -43,16 +50,22 @@ def plan(segments: Segments) -> torch.Tensor:
     return torch.tensor(key, dtype=torch.int64)
 
 
+def forget_plans() -> None:
+    """Drop every plan (and the device tensors of their patterns): once no backward is pending."""
+    _PLANS.clear()
+
+
 def segments_of(plan_id: torch.Tensor) -> Segments:
     """The ``Segments`` a plan names."""
-    key = int(plan_id)
-    if key not in _PLANS:
-        raise RuntimeError(f"attention plan {key} is no longer kept: more than {KEEP} packed micro-batches were "
-                           "planned after it before its backward ran; raise kernels.planned_attention.KEEP")
-    return _PLANS[key]
+    segments = _PLANS.get(int(plan_id))
+    if segments is None:
+        raise RuntimeError(f"attention plan {int(plan_id)} is no longer kept: its backward ran after forget_plans() "
+                           f"or after {KEEP} newer plans; raise kernels.planned_attention.KEEP")
+    return segments
 
 
-@torch.library.custom_op("dit_kernels::planned_attention", mutates_args=())
+# cudagraph_unsafe: a graph captured around it would replay the first packing's host ints
+@torch.library.custom_op("dit_kernels::planned_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_id: torch.Tensor, scale: float,
              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = attention_forward(q, k, v, segments=segments_of(plan_id), softmax_scale=scale, backend=backend)
@@ -65,7 +78,8 @@ def _(q, k, v, plan_id, scale, backend):
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
-@torch.library.custom_op("dit_kernels::planned_attention_backward", mutates_args=())
+@torch.library.custom_op("dit_kernels::planned_attention_backward", mutates_args=(),
+                         tags=(torch.Tag.cudagraph_unsafe,))
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, plan_id: torch.Tensor, scale: float,
               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,12 +96,12 @@ def _(dout, q, k, v, out, lse, plan_id, scale, backend):
 def _setup_context(ctx, inputs, output):
     q, k, v, plan_id, scale, backend = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # the fused backward takes no gradient on it
     ctx.save_for_backward(q, k, v, out, lse, plan_id)
     ctx.scale, ctx.backend = scale, backend
 
 
 def _gradients(ctx, dout, dlse):
-    # lse is not an output of planned_attention (no gradient reaches it): the fused backward applies
     q, k, v, out, lse, plan_id = ctx.saved_tensors
     dq, dk, dv = _backward(dout, q, k, v, out, lse, plan_id, ctx.scale, ctx.backend)
     return dq, dk, dv, None, None, None

@@ -208,3 +208,19 @@ def test_a_point_frees_its_trainer_before_the_next_one(monkeypatch):
     throughput.measure({"family": "dit", "preset": "tiny", "image_size": 8, "packed_len": None, "batch": 2,
                         "recompute": "none", "compile": False, "dtype": "fp32"}, 1, 1)
     assert len(refs) == 1 and refs[0]() is None
+
+
+def test_the_host_overhead_benchmark_times_both_attention_placements(tmp_path):
+    """``benchmarks/host_overhead.py``: the compiled packed text DiT's host time with packed attention
+    outside the graph and as the planned operator, one JSON with their ratio (timing itself is the
+    benchmark's, not asserted)."""
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    result = host_overhead.main(["--layers", "2", "--packed-len", "128", "--warmup", "2", "--steps", "1",
+                                 "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    for mode in ("outside", "planned"):
+        assert 0 < result[mode]["forward_backward_ms"] <= result[mode]["step_ms"]
+    assert result["ratio_outside_over_planned"] == pytest.approx(
+        result["outside"]["forward_backward_ms"] / result["planned"]["forward_backward_ms"])

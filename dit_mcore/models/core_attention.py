@@ -10,7 +10,7 @@ which every rank holds, so it never communicates (``kernels.cross_attention``'s 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -32,12 +32,12 @@ class KernelsPackedSeqParams(PackedSeqParams):
     segments: Optional[Segments] = None
     st: Optional[STPattern] = None
     """ST-DiT: where each sample's frames lie (spatial and temporal attention)."""
-    plan: Optional[torch.Tensor] = None
-    """``segments`` as a plan (:func:`kernels.planned_attention.plan`), made with the params: compiled
-    layers hold the attention as one operator that reads it."""
+    plan: Optional[torch.Tensor] = field(default=None, init=False)
+    """``segments`` as a plan (:func:`kernels.planned_attention.plan`), made with the params (and made
+    anew by ``dataclasses.replace``): compiled layers hold the attention as one operator that reads it."""
 
     def __post_init__(self):
-        if self.segments is not None and self.plan is None:
+        if self.segments is not None:
             self.plan = plan(self.segments)
 
 

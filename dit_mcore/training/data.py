@@ -172,6 +172,11 @@ class MockLatentSource(_GlobalBatchCounter):
         self._ahead = (step + 1, self._pool.submit(self._global_batch, step + 1))
         return out
 
+    def state_dict(self) -> dict:
+        if self._ahead is not None:  # no draw running while a checkpoint is taken: an asynchronous save forks
+            self._ahead[1].result()
+        return super().state_dict()
+
     def _global_batch(self, step: int) -> list[MicroBatch]:
         per_rank = self.global_batch_size // self.dp_size
         out, n_micro = [], per_rank // self.micro_batch_size

@@ -52,6 +52,7 @@ from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 from kernels.host_copy import HostRead, to_device
+from kernels.planned_attention import forget_plans
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -351,6 +352,7 @@ class Trainer:
         its outcome reaches the LR schedule, the EMA and the divergence guard in the same order as
         when every step is read at once. Elsewhere (apex/TE or foreach Adam) the host reads the
         gradient norm and decides, as megatron does."""
+        forget_plans()  # the last step's packed-attention plans: its backward passes are done
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

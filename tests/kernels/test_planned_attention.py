@@ -63,3 +63,26 @@ def test_a_plan_no_longer_kept_is_named(monkeypatch):
     pa.plan(segments), pa.plan(segments)
     with pytest.raises(RuntimeError, match="no longer kept.*KEEP"):
         pa.segments_of(old)
+
+
+def test_plans_are_made_outside_compiled_code_and_anew_for_new_params(monkeypatch):
+    """A plan made while tracing would be a constant of the graph (every call the first packing):
+    refused. Params made by ``dataclasses.replace`` with other segments get their own plan."""
+    import dataclasses
+
+    from dit_mcore.models.core_attention import KernelsPackedSeqParams
+    first, other = CASES["runs_mixed_tail_pad"][5], CASES["padded_slots_varlen"][5]
+    params = KernelsPackedSeqParams(qkv_format="sbhd", segments=first)
+    assert pa.segments_of(params.plan) is first
+    assert pa.segments_of(dataclasses.replace(params, segments=other).plan) is other
+    assert KernelsPackedSeqParams(qkv_format="sbhd").plan is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match="outside compiled code"):
+        pa.plan(first)
+
+
+def test_forgotten_plans_are_named_when_read():
+    plan = pa.plan(CASES["runs_mixed_tail_pad"][5])
+    pa.forget_plans()
+    with pytest.raises(RuntimeError, match="forget_plans"):
+        pa.segments_of(plan)
