@@ -18,14 +18,12 @@ import argparse
 import contextlib
 import dataclasses
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from results_io import device_name, write_result  # noqa: E402  (benchmarks/ is the script folder)
-from throughput import host_phases, release_memory, run_config  # noqa: E402
+import throughput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,37 +49,22 @@ def emulated_varlen_kernels():
 
 
 def measure(mode: str, layers: int, packed_len: int, warmup: int, steps: int) -> dict:
-    """Host milliseconds per step (and per layer) of the compiled trainer with packed attention ``mode``."""
+    """Host milliseconds per step (and per layer) of the compiled trainer with packed attention ``mode``,
+    timed by ``throughput.measure`` (warmed up past compiles; the host's time per phase)."""
     from dit_mcore.models.core_attention import KernelsCoreAttention
-    from dit_mcore.training.trainer import Trainer
 
     plannable = KernelsCoreAttention._plannable
     if mode == "outside":
         KernelsCoreAttention._plannable = lambda self, params: False
-    torch.compiler.reset()
     try:
-        point = {"family": "llama", "preset": "llama-tiny", "image_size": 8, "packed_len": packed_len, "batch": 1,
-                 "recompute": "none", "compile": True, "dtype": "bf16" if torch.cuda.is_available() else "fp32"}
-        with tempfile.TemporaryDirectory() as run_dir:
-            cfg = run_config(point, run_dir)
-            cfg = dataclasses.replace(
-                cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
-                data=dataclasses.replace(cfg.data, mock_latent_shapes=[[1, 8, 8], [4, 8, 8], [8, 8, 8]]))
-            trainer = Trainer(cfg)
-            for _ in range(warmup):
-                trainer.train_step()
-            start = time.perf_counter()
-            with host_phases(trainer) as host:
-                trainer.train_steps(steps)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            del trainer
+        row = throughput.measure({"family": "llama", "preset": "llama-tiny", "num_layers": layers, "image_size": 8,
+                                  "frame_side": 8, "packed_len": packed_len, "batch": 1, "recompute": "none",
+                                  "compile": True, "dtype": "bf16" if torch.cuda.is_available() else "fp32"},
+                                 warmup, steps)
     finally:
         KernelsCoreAttention._plannable = plannable
-        release_memory()
-    return {"step_ms": elapsed * 1e3 / steps, "forward_backward_ms": host["forward_backward"] * 1e3 / steps,
-            "forward_backward_ms_per_layer": host["forward_backward"] * 1e3 / steps / layers}
+    queued = row["host_ms_per_step"]["forward_backward"]
+    return {"step_ms": row["step_s"] * 1e3, "forward_backward_ms": queued, "forward_backward_ms_per_layer": queued / layers}
 
 
 def main(argv=None) -> dict:
@@ -92,14 +75,20 @@ def main(argv=None) -> dict:
     p.add_argument("--packed-len", type=int, default=512, help="tokens per pack (of 1, 4 and 8 frames of 16 tokens: >= 128)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each placement, interleaved; the median is reported")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     result = {"device": device_name(), "layers": args.layers, "packed_len": args.packed_len,
               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "kernels": "real" if torch.cuda.is_available() else "varlen emulated by zero outputs"}
-    for mode in ("outside", "planned"):
-        with emulated_varlen_kernels() if not torch.cuda.is_available() else contextlib.nullcontext():
-            result[mode] = measure(mode, args.layers, args.packed_len, args.warmup, args.steps)
+    runs = {"outside": [], "planned": []}
+    with emulated_varlen_kernels() if not torch.cuda.is_available() else contextlib.nullcontext():
+        for _ in range(args.repeats):  # interleaved: a busy spell of the host falls on both
+            for mode, times in runs.items():
+                times.append(measure(mode, args.layers, args.packed_len, args.warmup, args.steps))
+    for mode, times in runs.items():  # the run of median host time
+        result[mode] = sorted(times, key=lambda r: r["forward_backward_ms"])[len(times) // 2]
+        result[mode]["forward_backward_ms_runs"] = [r["forward_backward_ms"] for r in times]
         print(f"{mode:8s} step {result[mode]['step_ms']:7.1f} ms, forward+backward queued in "
               f"{result[mode]['forward_backward_ms']:7.1f} ms ({result[mode]['forward_backward_ms_per_layer']:.2f} "
               "ms per layer)", flush=True)

@@ -53,14 +53,16 @@ def run_config(point: dict, run_dir: str):
                                            RunConfig, TrainerConfig)
     side, packed_len, batch = point["image_size"], point["packed_len"], point["batch"]
     accumulation = point.get("accumulation", 1)  # micro-batches per optimizer step
+    frame = point.get("frame_side", 32)  # packed: latent frames of frame x frame
     if packed_len:  # video-like samples of 1/4/8 frames of 32x32 latents (patch 2: 256 tokens per frame)
-        data = DataConfig(name="mock", image_size=32, mock_latent_shapes=[[1, 32, 32], [4, 32, 32], [8, 32, 32]],
+        data = DataConfig(name="mock", image_size=frame, mock_latent_shapes=[[t, frame, frame] for t in (1, 4, 8)],
                           max_seq_len=packed_len, global_batch_size=batch * accumulation, micro_batch_size=batch)
     else:
         data = DataConfig(name="mock", image_size=side, global_batch_size=batch * accumulation, micro_batch_size=batch)
     return RunConfig(
         model=ModelConfig(family=point.get("family", "dit"), preset=point["preset"],
-                          input_size=32 if packed_len else side, compile=point["compile"],
+                          num_layers=point.get("num_layers"),  # None: the preset's
+                          input_size=frame if packed_len else side, compile=point["compile"],
                           compile_mode=point.get("compile_mode") if point["compile"] else None,
                           compile_options=point.get("compile_options") if point["compile"] else None,
                           fp8=point.get("fp8"), attention_backend=point.get("attention"),

@@ -217,7 +217,7 @@ def test_the_host_overhead_benchmark_times_both_attention_placements(tmp_path):
     import host_overhead
 
     out = tmp_path / "host.json"
-    result = host_overhead.main(["--layers", "2", "--packed-len", "128", "--warmup", "2", "--steps", "1",
+    result = host_overhead.main(["--layers", "2", "--packed-len", "128", "--warmup", "2", "--steps", "1", "--repeats", "1",
                                  "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     for mode in ("outside", "planned"):
