@@ -7,7 +7,7 @@ import torch
 from dit_mcore.config import ConfigError
 from dit_mcore.models import Conditioning
 from dit_mcore.models.registry import get_family
-from dit_mcore.models.st_attention import STPattern, st_attention
+from dit_mcore.models.st_attention import STPattern, st_attention, st_plans
 from dit_mcore.models.text import TextContext
 from dit_mcore.training.flops import dit_flops
 from energon_data.batch import MicroBatch
@@ -55,6 +55,38 @@ def test_spatial_and_temporal_attention_equal_per_frame_and_per_position_attenti
     torch.testing.assert_close(img, v[14:, 0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_planned_spatial_and_temporal_attention_equal_the_autograd_path(compiled):
+    """The ST attention as planned operators (what compiled layers run): the same outputs and
+    gradients as the autograd path, eagerly and compiled as one graph (``fullgraph``), whose inputs
+    the plans are, so another packing reuses it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def attend(q, k, v, kind, pattern, plans):
+        return st_attention(q, k, v, kind=kind, pattern=pattern, plans=plans)
+    planned = torch.compile(attend, fullgraph=True, dynamic=False) if compiled else attend
+    patterns = (STPattern(starts=(0, 14), grids=((3, 4), (1, 6)), length=20),  # video, padding, image
+                STPattern(starts=(0, 8), grids=((2, 4), (3, 4)), length=20))  # another packing, same length
+    for pattern in patterns:
+        q, k, v = (torch.randn(20, 1, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        dout = torch.randn(20, 1, 16, dtype=torch.float64)
+        for kind in ("spatial", "temporal"):
+            want = torch.autograd.grad((attend(q, k, v, kind, pattern, None) * dout).sum(), (q, k, v))
+            with torch._dynamo.config.patch(error_on_recompile=pattern is patterns[1]):
+                out = planned(q, k, v, kind, pattern, st_plans(pattern, q.device))
+            torch.testing.assert_close(out, attend(q, k, v, kind, pattern, None), rtol=1e-10, atol=1e-12)
+            for got, ref in zip(torch.autograd.grad((out * dout).sum(), (q, k, v)), want):
+                torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_context_parallel_pattern_has_no_plans():
+    """Under context parallel the ST attention communicates and runs between the compiled graphs."""
+    assert st_plans(STPattern((0,), ((2, 4),), 4, cp_group=object()), "cpu") is None
+    assert st_plans(STPattern((0,), ((2, 4),), 4, cp_group=object(), query_range=(0, 4)), "cpu") is None
+
+
 def test_layer_has_spatial_temporal_cross_and_is_identity_at_init(world):
     cfg, model = _model()
     layer = model.layers[0]
@@ -65,7 +97,7 @@ def test_layer_has_spatial_temporal_cross_and_is_identity_at_init(world):
     h = torch.randn(x.shape[1], 2, cfg.hidden_size)
     text = TextContext.from_list([torch.randn(3, TEXT_DIM), torch.randn(2, TEXT_DIM)])
     ctx, cparams = model._text(text, None, x.shape[1], 2, 2)
-    params = model._st_params(None, None, grid, x.shape[1], 2)
+    params = model._st_params(None, None, grid, x.shape[1], 2, x.device)
     cond = Conditioning(model.conditioning(torch.tensor([1.0, 2.0]), None))
     out = layer(h, cond, context=ctx, context_params=cparams, packed_seq_params=params)
     assert torch.equal(out, h)

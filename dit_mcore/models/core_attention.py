@@ -19,7 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from kernels.context_parallel import context_parallel_attention
-from dit_mcore.models.st_attention import STPattern, st_attention
+from dit_mcore.models.st_attention import STPattern, STPlans, st_attention
 from kernels.local_attention import Segments, segment_attention
 from kernels.planned_attention import plan, planned_attention
 
@@ -32,6 +32,9 @@ class KernelsPackedSeqParams(PackedSeqParams):
     segments: Optional[Segments] = None
     st: Optional[STPattern] = None
     """ST-DiT: where each sample's frames lie (spatial and temporal attention)."""
+    st_plans: Optional[STPlans] = None
+    """ST-DiT on one rank: ``st`` as plans (:func:`dit_mcore.models.st_attention.st_plans`), which
+    compiled layers read, as ``plan`` below."""
     plan: Optional[torch.Tensor] = field(default=None, init=False)
     """``segments`` as a plan (:func:`kernels.planned_attention.plan`), made with the params (and made
     anew by ``dataclasses.replace``): compiled layers hold the attention as one operator that reads it."""
@@ -95,14 +98,16 @@ class KernelsCoreAttention(MegatronModule):
         # A packed pattern is host ints that change with every micro-batch: traced, each new packing
         # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
         # limit and ran at a third of its speed). In a compiled layer the attention is one operator
-        # reading the pattern's plan (a tensor, kernels.planned_attention); context-parallel and ST
-        # attention run outside the graph (a break: the layer runs in pieces).
+        # reading the pattern's plan (a tensor, kernels.planned_attention); context-parallel attention
+        # (plain or ST) runs outside the graph (a break: the layer runs in pieces).
         if torch.compiler.is_compiling() and self._plannable(packed_seq_params):
             return self._attend(query, key, value, packed_seq_params, planned=True)
         return _attend_outside_graphs(self, query, key, value, packed_seq_params)
 
     def _plannable(self, packed_seq_params) -> bool:
-        return not self.cp_groups and self.st_kind is None and getattr(packed_seq_params, "plan", None) is not None
+        if self.st_kind is not None:
+            return getattr(packed_seq_params, "st_plans", None) is not None
+        return not self.cp_groups and getattr(packed_seq_params, "plan", None) is not None
 
     def _local(self, q, k, v, packed_seq_params, segments, planned: bool):
         """Single-device attention of ``[b, s, h, d]`` inputs: the planned operator or the autograd op."""
@@ -121,7 +126,8 @@ class KernelsCoreAttention(MegatronModule):
                 raise ValueError(f"{self.st_kind} attention needs packed_seq_params.st (the samples' frame "
                                  "grids, dit_mcore.models.st_attention.STPattern)")
             return st_attention(query, key, value, kind=self.st_kind, pattern=pattern,
-                                softmax_scale=self.softmax_scale, backend=self.backend)
+                                softmax_scale=self.softmax_scale, backend=self.backend,
+                                plans=packed_seq_params.st_plans if planned else None)
         thd = query.dim() == 3
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = (x.unsqueeze(0) for x in (query, key, value))

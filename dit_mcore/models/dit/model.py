@@ -28,7 +28,7 @@ from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.seeding import draw_base_seed, init_stream
-from dit_mcore.models.st_attention import STPattern, mesh_order
+from dit_mcore.models.st_attention import STPattern, mesh_order, st_plans
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from energon_data.tokens import grid_positions
 from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
@@ -149,8 +149,9 @@ class DiT(MegatronModule):
         self._check_grid(grid, s)
         return grid_positions(grid)
 
-    def _st_params(self, params, batch, grid, total: int, rows: int) -> KernelsPackedSeqParams:
-        """The frames of every sample in the stream this rank's attention sees (ST-DiT)."""
+    def _st_params(self, params, batch, grid, total: int, rows: int, device) -> KernelsPackedSeqParams:
+        """The frames of every sample in the stream this rank's attention sees (ST-DiT), with their
+        plans on one rank (compiled layers hold the attention without a break)."""
         start, end = self.token_shard.attention_range(total)
         cp = self.config.context_parallel_size
         if batch is not None:  # packed: without CP one rank's attention sees the whole stream
@@ -163,7 +164,7 @@ class DiT(MegatronModule):
                                     cp_group=parallel_state.get_context_parallel_group(), query_range=(start, end))
             else:
                 pattern = STPattern(tuple(batch.starts), grids, end - start)
-            return dataclasses.replace(params, qkv_format="sbhd", st=pattern)
+            return dataclasses.replace(params, qkv_format="sbhd", st=pattern, st_plans=st_plans(pattern, device))
         frames, positions = grid[0], grid[1] * grid[2]
         if cp > 1:
             outer, inner = self._st_mesh_sizes()
@@ -181,7 +182,7 @@ class DiT(MegatronModule):
                                 inner_group=inner_group)
         else:
             pattern = STPattern(tuple(i * total for i in range(rows)), ((frames, positions),) * rows, rows * total)
-        return KernelsPackedSeqParams(qkv_format="sbhd", st=pattern)
+        return KernelsPackedSeqParams(qkv_format="sbhd", st=pattern, st_plans=st_plans(pattern, device))
 
     def _st_mesh_sizes(self) -> tuple[int, int]:
         """``(outer, inner)``: ranks over which an ST-DiT row's frames and each frame's positions split."""
@@ -255,7 +256,7 @@ class DiT(MegatronModule):
         params = packed_seq_params(packed) if packed is not None else None
         order = None
         if self.config.spatial_temporal:
-            params = self._st_params(params, packed, grid, tokens.shape[0], tokens.shape[1])
+            params = self._st_params(params, packed, grid, tokens.shape[0], tokens.shape[1], tokens.device)
             order = None if packed is not None else self._mesh_order(grid)
         rotary = None
         if self.config.position_embedding == "rope3d":
