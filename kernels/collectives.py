@@ -56,6 +56,23 @@ def all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group) -> 
     return _AllToAll.apply(x, scatter_dim % nd, gather_dim % nd, group)
 
 
+def functional_all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """:func:`all_to_all` as torch's functional collective, which ``torch.compile`` traces into its
+    graph (the op above would break it); differentiable the same way. (Not seen by a counter that
+    wraps ``torch.distributed``'s functions.)"""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"all_to_all: dim {scatter_dim} has size {x.shape[scatter_dim]}, not divisible by "
+                         f"the group size {world}; pad it or change the parallel degree")
+    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    recv = all_to_all_single_autograd(send, None, None, group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
 # --------------------------------------------------------------------------------------------
 # all-gather / reduce-scatter along a dim (raw, used inside hand-written backwards)
 

@@ -22,9 +22,11 @@ import math
 import torch.distributed as dist
 
 from .all_gather import all_gather_attention
+from .collectives import functional_all_to_all
 from .local_attention import Segments, local_attention, segment_attention
+from .planned_attention import planned_attention
 from .ring import ring_attention
-from .ulysses import check_heads, ulysses_attention
+from .ulysses import check_heads, heads_to_sequence, sequence_to_heads, ulysses_attention
 
 CP_METHODS = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
@@ -41,28 +43,14 @@ def context_parallel_attention(q, k, v, *, method, cp_group, cu_seqlens=None, re
     prebuilt :class:`Segments` in global coordinates, instead of ``cu_seqlens`` (callers that run
     many layers on one batch build it once; its kernel plans are cached on it).
     """
-    if method not in CP_METHODS:
-        raise ValueError(f"method={method!r} is unknown; choose one of {CP_METHODS}")
-    if cp_group is None:
-        raise ValueError("cp_group is required (use dist.group.WORLD or a new_group of the CP ranks)")
+    _validate(q, k, v, method, cp_group, a2a_group, p2p_group)
     degree = dist.get_world_size(cp_group)
     b, s_local, h, d = q.shape
-    if s_local < 1:
-        raise ValueError(f"the local shard is empty (s_local={s_local}): the sequence is shorter than the CP "
-                         f"degree {degree}; pad the sequence to a multiple of {degree} or lower the degree")
-    if k.shape[1] != s_local or v.shape != k.shape:
-        raise ValueError(f"q, k, v must hold the same local tokens: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)} (self-attention; use cross_attention for replicated text K/V)")
-    if h % k.shape[2]:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[2]})")
     if segments is None:
         segments = _global_segments(cu_seqlens, cu_seqlens_padded, b, s_local * degree)
     elif cu_seqlens is not None or cu_seqlens_padded is not None:
         raise ValueError("pass the packed pattern once: either segments or cu_seqlens(_padded)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    if method == "a2a+p2p":  # validated even at degree 1 so a bad layout fails on the smallest run too
-        _check_hybrid_groups(cp_group, a2a_group, p2p_group, h, k.shape[2])
-
     if degree == 1:
         out, lse = segment_attention(q, k, v, segments=segments, softmax_scale=scale, backend=backend)
     elif method == "p2p":
@@ -78,6 +66,44 @@ def context_parallel_attention(q, k, v, *, method, cp_group, cu_seqlens=None, re
                                             softmax_scale=scale, backend=backend, return_lse=return_lse),
                           return_lse)
     return _maybe_lse((out, lse), return_lse)
+
+
+def planned_context_parallel_attention(q, k, v, plan_id, *, method, cp_group, group_keys: dict, a2a_group=None,
+                                       p2p_group=None, softmax_scale=None, backend="auto"):
+    """:func:`context_parallel_attention`'s ``out`` as operators that compiled graphs hold without a
+    break (:mod:`kernels.planned_attention`): the packing is a plan (``plan_id``; dense input:
+    ``planned_attention.NO_SEGMENTS``), the ring and the all-gather are the planned operator on a group
+    key (``group_keys``: ``planned_attention.group_key`` of each group passed, by argument name), and
+    Ulysses' all-to-alls are functional collectives traced into the graph."""
+    _validate(q, k, v, method, cp_group, a2a_group, p2p_group)
+    kw = dict(softmax_scale=softmax_scale, backend=backend)
+    if method in ("p2p", "all_gather"):
+        return planned_attention(q, k, v, plan_id, method=method, group=group_keys["cp_group"], **kw)
+    usp = method == "a2a+p2p"  # Ulysses over the a2a group, a ring over the p2p group inside it
+    a2a = a2a_group if usp else cp_group
+    qh, kh, vh = heads_to_sequence(q, k, v, a2a, a2a=functional_all_to_all)
+    out = planned_attention(qh, kh, vh, plan_id, method="p2p" if usp else "local",
+                            group=group_keys["p2p_group"] if usp else None, **kw)
+    return sequence_to_heads(out, None, a2a, a2a=functional_all_to_all)[0]
+
+
+def _validate(q, k, v, method, cp_group, a2a_group, p2p_group):
+    if method not in CP_METHODS:
+        raise ValueError(f"method={method!r} is unknown; choose one of {CP_METHODS}")
+    if cp_group is None:
+        raise ValueError("cp_group is required (use dist.group.WORLD or a new_group of the CP ranks)")
+    degree = dist.get_world_size(cp_group)
+    s_local = q.shape[1]
+    if s_local < 1:
+        raise ValueError(f"the local shard is empty (s_local={s_local}): the sequence is shorter than the CP "
+                         f"degree {degree}; pad the sequence to a multiple of {degree} or lower the degree")
+    if k.shape[1] != s_local or v.shape != k.shape:
+        raise ValueError(f"q, k, v must hold the same local tokens: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (self-attention; use cross_attention for replicated text K/V)")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    if method == "a2a+p2p":  # validated even at degree 1 so a bad layout fails on the smallest run too
+        _check_hybrid_groups(cp_group, a2a_group, p2p_group, q.shape[2], k.shape[2])
 
 
 def _maybe_lse(out_lse, return_lse):

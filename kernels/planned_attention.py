@@ -13,6 +13,12 @@ registry (:func:`plan`). A tensor is a graph input like any other (no guard on i
 recompile), and the operator (``torch.library.custom_op``) looks the pattern up when it runs, on
 the kernels of :func:`kernels.local_attention.attention_forward` / ``attention_backward``.
 
+Context-parallel attention runs as the same operator (``method`` ``"p2p"``, the ring, or
+``"all_gather"``) on a process group named by a constant key (:func:`group_key`); Ulysses and USP
+put their all-to-alls in the graph as functional collectives around it
+(:func:`kernels.context_parallel.planned_context_parallel_attention`). Dense input (no packing) is
+the plan :data:`NO_SEGMENTS`.
+
 A plan must outlive its backward: the trainer forgets the plans at the start of each step
 (:func:`forget_plans`; a step's backward passes are all done by then, also under pipeline
 parallelism and full recompute), and the registry keeps at most :data:`KEEP` plans for other
@@ -25,8 +31,10 @@ from collections import OrderedDict
 
 import torch
 
+from .all_gather import all_gather_backward, all_gather_forward
 from .attention_kernels import softmax_scale_or_default
 from .local_attention import attention_backward, attention_forward
+from .ring import ring_backward, ring_forward
 from .segments import Segments
 
 KEEP = 4096
@@ -35,6 +43,25 @@ KEEP = 4096
 
 _PLANS: "OrderedDict[int, Segments]" = OrderedDict()
 _KEYS = itertools.count()
+_NONE = -1
+NO_SEGMENTS = torch.tensor(_NONE, dtype=torch.int64)
+"""The plan of dense input: every query attends to every key."""
+
+METHODS = ("local", "p2p", "all_gather")
+"""``local``: one device; ``p2p``: the ring over a context-parallel group; ``all_gather``: K/V gathered
+from it (:mod:`kernels.ring`, :mod:`kernels.all_gather`)."""
+_CP = {"p2p": (ring_forward, ring_backward), "all_gather": (all_gather_forward, all_gather_backward)}
+_GROUPS: list = []
+
+
+def group_key(group) -> int:
+    """A constant naming ``group`` for the operator: the same for every layer on the same group, so
+    the layers share one compiled graph. Call it outside compiled code (when a layer is built)."""
+    for key, known in enumerate(_GROUPS):
+        if known is group:
+            return key
+    _GROUPS.append(group)
+    return len(_GROUPS) - 1
 
 
 def plan(segments: Segments) -> torch.Tensor:
@@ -55,8 +82,10 @@ def forget_plans() -> None:
     _PLANS.clear()
 
 
-def segments_of(plan_id: torch.Tensor) -> Segments:
-    """The ``Segments`` a plan names."""
+def segments_of(plan_id: torch.Tensor) -> Segments | None:
+    """The ``Segments`` a plan names (None: :data:`NO_SEGMENTS`)."""
+    if int(plan_id) == _NONE:
+        return None
     segments = _PLANS.get(int(plan_id))
     if segments is None:
         raise RuntimeError(f"attention plan {int(plan_id)} is no longer kept: its backward ran after forget_plans() "
@@ -64,16 +93,44 @@ def segments_of(plan_id: torch.Tensor) -> Segments:
     return segments
 
 
+def _run_forward(q, k, v, plan_id, scale, backend, method, group):
+    if method == "local":
+        return attention_forward(q, k, v, segments=segments_of(plan_id), softmax_scale=scale, backend=backend)
+    return _CP[method][0](q, k, v, segments=segments_of(plan_id), scale=scale, backend=backend, group=_GROUPS[group])
+
+
+def _run_backward(dout, q, k, v, out, lse, plan_id, scale, backend, method, group):
+    if method == "local":
+        return attention_backward(dout, q, k, v, out, lse, segments=segments_of(plan_id), softmax_scale=scale,
+                                  backend=backend)
+    return _CP[method][1](dout, q, k, v, out, lse, segments=segments_of(plan_id), scale=scale, backend=backend,
+                          group=_GROUPS[group])
+
+
+def _owned(outputs, inputs) -> tuple:
+    """The outputs contiguous (the layouts the fakes tell the compiler), each in memory of its own: a
+    custom operator's outputs may not alias its inputs or one another (the ring's dK and dV are
+    halves of one buffer)."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs}
+    owned = []
+    for t in outputs:
+        t = t.contiguous()
+        if t.untyped_storage().data_ptr() in taken:
+            t = t.clone()
+        taken.add(t.untyped_storage().data_ptr())
+        owned.append(t)
+    return tuple(owned)
+
+
 # cudagraph_unsafe: a graph captured around it would replay the first packing's host ints
 @torch.library.custom_op("dit_kernels::planned_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_id: torch.Tensor, scale: float,
-             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = attention_forward(q, k, v, segments=segments_of(plan_id), softmax_scale=scale, backend=backend)
-    return out.contiguous(), lse.contiguous()  # the layouts the fake below tells the compiler
+             backend: str, method: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _owned(_run_forward(q, k, v, plan_id, scale, backend, method, group), (q, k, v))
 
 
 @_forward.register_fake
-def _(q, k, v, plan_id, scale, backend):
+def _(q, k, v, plan_id, scale, backend, method, group):
     b, s, h = q.shape[:3]
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
@@ -81,38 +138,45 @@ def _(q, k, v, plan_id, scale, backend):
 @torch.library.custom_op("dit_kernels::planned_attention_backward", mutates_args=(),
                          tags=(torch.Tag.cudagraph_unsafe,))
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, plan_id: torch.Tensor, scale: float,
-              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = attention_backward(dout.contiguous(), q, k, v, out, lse, segments=segments_of(plan_id),
-                                    softmax_scale=scale, backend=backend)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+              lse: torch.Tensor, plan_id: torch.Tensor, scale: float, backend: str, method: str,
+              group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _owned(_run_backward(dout.contiguous(), q, k, v, out, lse, plan_id, scale, backend, method, group),
+                  (dout, q, k, v, out, lse))
 
 
 @_backward.register_fake
-def _(dout, q, k, v, out, lse, plan_id, scale, backend):
+def _(dout, q, k, v, out, lse, plan_id, scale, backend, method, group):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, plan_id, scale, backend = inputs
+    q, k, v, plan_id, *ctx.constants = inputs  # scale, backend, method, group
     out, lse = output
     ctx.mark_non_differentiable(lse)  # the fused backward takes no gradient on it
     ctx.save_for_backward(q, k, v, out, lse, plan_id)
-    ctx.scale, ctx.backend = scale, backend
 
 
 def _gradients(ctx, dout, dlse):
-    q, k, v, out, lse, plan_id = ctx.saved_tensors
-    dq, dk, dv = _backward(dout, q, k, v, out, lse, plan_id, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _backward(dout, *ctx.saved_tensors, *ctx.constants)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _forward.register_autograd(_gradients, setup_context=_setup_context)
 
 
 def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan_id: torch.Tensor, *,
-                      softmax_scale=None, backend: str = "auto") -> torch.Tensor:
+                      softmax_scale=None, backend: str = "auto", method: str = "local",
+                      group: int | None = None) -> torch.Tensor:
     """Differentiable ``out [b, s_q, h, d]`` of :func:`kernels.local_attention.segment_attention`
     (``return_lse=False``) for the packing ``plan_id`` names (:func:`plan`), as one operator: inside
-    ``torch.compile`` it is a node of the graph, not a break."""
-    return _forward(q, k, v, plan_id, softmax_scale_or_default(softmax_scale, q), backend)[0]
+    ``torch.compile`` it is a node of the graph, not a break. ``method`` ``"p2p"`` / ``"all_gather"``:
+    the context-parallel attention of this rank's contiguous shard over the group ``group`` names
+    (:func:`group_key`), the plan's segments in global coordinates (as
+    :func:`kernels.context_parallel.context_parallel_attention`)."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is unknown; choose one of {METHODS}")
+    if (method == "local") != (group is None):
+        raise ValueError(f"method={method!r} " + ("takes no group" if group is not None else
+                                                  "needs group=kernels.planned_attention.group_key(cp_group)"))
+    return _forward(q, k, v, plan_id, softmax_scale_or_default(softmax_scale, q), backend, method,
+                    -1 if group is None else group)[0]

@@ -37,28 +37,69 @@ def _block_segments(segments, rank, src, q_len, kv_len):
     return segments.restrict(rank * q_len, (rank + 1) * q_len, src * kv_len, (src + 1) * kv_len)
 
 
+def ring_forward(q, k, v, *, segments, scale, backend, group):
+    """``(out, lse)``: K/V round the ring, the blocks' partial results merged in fp32."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    s_local = q.shape[1]
+    bufs = [torch.stack([k, v]).contiguous(), None]
+    if world > 1:
+        bufs[1] = torch.empty_like(bufs[0])
+        ring = RingExchange(group, tag=_KV_TAG)
+    out = lse = None
+    for step in range(world):
+        kv = bufs[step % 2]
+        if step < world - 1:
+            ring.start(kv, bufs[(step + 1) % 2])
+        seg = _block_segments(segments, rank, (rank - step) % world, s_local, s_local)
+        block_out, block_lse = attention_forward(q, kv[0], kv[1], segments=seg, softmax_scale=scale, backend=backend)
+        out, lse = merge_attention(out, lse, block_out, block_lse)
+        if step < world - 1:
+            ring.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, *, segments, scale, backend, group, dlse=None):
+    """``(dq, dk, dv)`` of :func:`ring_forward`: K/V round the ring again, a fp32 dK/dV buffer beside them."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    s_local = q.shape[1]
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kv_bufs = [torch.stack([k, v]).contiguous(), None]
+    dkv_bufs = [torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device), None]
+    if world > 1:
+        kv_bufs[1] = torch.empty_like(kv_bufs[0])
+        dkv_bufs[1] = torch.empty_like(dkv_bufs[0])
+        kv_ring = RingExchange(group, tag=_KV_TAG)
+        dkv_ring = RingExchange(group, tag=_DKV_TAG)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    for step in range(world):
+        kv = kv_bufs[step % 2]
+        if step < world - 1:
+            kv_ring.start(kv, kv_bufs[(step + 1) % 2])
+        seg = _block_segments(segments, rank, (rank - step) % world, s_local, s_local)
+        dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, segments=seg, softmax_scale=scale,
+                                              dlse=dlse, backend=backend)
+        dq += dq_b
+        if step > 0:
+            dkv_ring.wait()  # partial dK/dV of this block from the ranks before us
+        dkv = dkv_bufs[step % 2]
+        dkv[0] += dk_b
+        dkv[1] += dv_b
+        if world > 1:
+            dkv_ring.start(dkv, dkv_bufs[(step + 1) % 2])
+        if step < world - 1:
+            kv_ring.wait()
+    if world > 1:
+        dkv_ring.wait()  # our own block's dK/dV, complete, from the previous rank
+    dkv = dkv_bufs[world % 2] if world > 1 else dkv_bufs[0]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, segments, scale, backend, group):
         ctx.set_materialize_grads(False)  # an unused lse must arrive as dlse=None (fused backward)
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        s_local = q.shape[1]
-        bufs = [torch.stack([k, v]).contiguous(), None]
-        if world > 1:
-            bufs[1] = torch.empty_like(bufs[0])
-            ring = RingExchange(group, tag=_KV_TAG)
-        out = lse = None
-        for step in range(world):
-            kv = bufs[step % 2]
-            if step < world - 1:
-                ring.start(kv, bufs[(step + 1) % 2])
-            seg = _block_segments(segments, rank, (rank - step) % world, s_local, s_local)
-            block_out, block_lse = attention_forward(q, kv[0], kv[1], segments=seg, softmax_scale=scale,
-                                                     backend=backend)
-            out, lse = merge_attention(out, lse, block_out, block_lse)
-            if step < world - 1:
-                ring.wait()
-        out = out.to(q.dtype)
+        out, lse = ring_forward(q, k, v, segments=segments, scale=scale, backend=backend, group=group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.segments, ctx.scale, ctx.backend, ctx.group = segments, scale, backend, group
         return out, lse
@@ -67,41 +108,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None and dlse is None:
             return None, None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        s_local = q.shape[1]
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        kv_bufs = [torch.stack([k, v]).contiguous(), None]
-        dkv_bufs = [torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device), None]
-        if world > 1:
-            kv_bufs[1] = torch.empty_like(kv_bufs[0])
-            dkv_bufs[1] = torch.empty_like(dkv_bufs[0])
-            kv_ring = RingExchange(group, tag=_KV_TAG)
-            dkv_ring = RingExchange(group, tag=_DKV_TAG)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for step in range(world):
-            kv = kv_bufs[step % 2]
-            if step < world - 1:
-                kv_ring.start(kv, kv_bufs[(step + 1) % 2])
-            seg = _block_segments(ctx.segments, rank, (rank - step) % world, s_local, s_local)
-            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, segments=seg,
-                                                  softmax_scale=ctx.scale, dlse=dlse, backend=ctx.backend)
-            dq += dq_b
-            if step > 0:
-                dkv_ring.wait()  # partial dK/dV of this block from the ranks before us
-            dkv = dkv_bufs[step % 2]
-            dkv[0] += dk_b
-            dkv[1] += dv_b
-            if world > 1:
-                dkv_ring.start(dkv, dkv_bufs[(step + 1) % 2])
-            if step < world - 1:
-                kv_ring.wait()
-        if world > 1:
-            dkv_ring.wait()  # our own block's dK/dV, complete, from the previous rank
-        dkv = dkv_bufs[world % 2] if world > 1 else dkv_bufs[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dq, dk, dv = ring_backward(dout, *ctx.saved_tensors, segments=ctx.segments, scale=ctx.scale,
+                                   backend=ctx.backend, group=ctx.group, dlse=dlse)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q, k, v, *, group, segments: Segments | None = None, softmax_scale: float, backend="auto"):

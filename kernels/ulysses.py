@@ -25,8 +25,9 @@ def check_heads(heads: int, kv_heads: int, degree: int) -> None:
                          f"(kv heads are replicated when degree > kv heads); change the degree")
 
 
-def heads_to_sequence(q, k, v, group):
-    """Sequence-sharded q/k/v ``[b, s, h, d]`` -> head-sharded ``[b, U*s, h/U, d]`` in one all-to-all."""
+def heads_to_sequence(q, k, v, group, a2a=all_to_all):
+    """Sequence-sharded q/k/v ``[b, s, h, d]`` -> head-sharded ``[b, U*s, h/U, d]`` in one all-to-all
+    (``a2a``: :func:`kernels.collectives.all_to_all` or its functional form)."""
     degree = dist.get_world_size(group)
     b, s, h, d = q.shape
     hk = k.shape[2]
@@ -36,15 +37,15 @@ def heads_to_sequence(q, k, v, group):
         hk = degree
     parts = [t.reshape(b, s, degree, t.shape[2] // degree, d) for t in (q, k, v)]
     qkv = torch.cat(parts, dim=3).reshape(b, s, degree * (h + 2 * hk) // degree, d)
-    qkv = all_to_all(qkv, scatter_dim=2, gather_dim=1, group=group)
+    qkv = a2a(qkv, scatter_dim=2, gather_dim=1, group=group)
     return qkv.split([h // degree, hk // degree, hk // degree], dim=2)
 
 
-def sequence_to_heads(out, lse, group):
+def sequence_to_heads(out, lse, group, a2a=all_to_all):
     """Inverse of :func:`heads_to_sequence` for the output (and lse when not None)."""
-    out = all_to_all(out, scatter_dim=1, gather_dim=2, group=group)
+    out = a2a(out, scatter_dim=1, gather_dim=2, group=group)
     if lse is not None:
-        lse = all_to_all(lse, scatter_dim=2, gather_dim=1, group=group)
+        lse = a2a(lse, scatter_dim=2, gather_dim=1, group=group)
     return out, lse
 
 

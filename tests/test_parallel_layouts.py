@@ -68,7 +68,7 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           moe_aux_loss_coeff=0.1 if moe else None,
                           init_model_with_meta_device=parallel.pop("meta_init", None),
                           aten_linears=parallel.pop("aten_linears", None),
-                          st_attention=parallel.pop("st_attention", None)),
+                          st_attention=parallel.pop("st_attention", None), compile=parallel.pop("compile", False)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
                           adam_impl=parallel.pop("adam_impl", "fused")),
@@ -142,6 +142,8 @@ def _no_whole_tensors():
 def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool = False) -> dict:
     """``steps`` steps from random weights; with ``samples``, EMA samples after ``STEPS`` steps.
     FSDP runs also save after their first step, and must train on exactly as if they had not."""
+    import torch._dynamo.utils
+    torch._dynamo.utils.counters.clear()
     trainer = Trainer(cfg)
     # Standard init is layout-independent: every chunk of every stage starts its conditioning
     # embedders like the one-process model.
@@ -164,6 +166,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "replicated": replicated, "init": init, "ema_samples": samples,
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
             "optimizers": [type(part.optimizer).__name__
                            for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]}
 
@@ -334,8 +337,10 @@ def _text_cases(world: int):
             "tp2_sp_cp2_a2a": "packed", "tp2_sp_pp2_distopt": "dense"}
     xattn = [(f"xattn_{name}_{data[name]}", data[name], dict(parallel))
              for name, parallel in (two if world == 2 else four).items()]
+    # compiled: each layer one graph under CP, the ring / Ulysses as planned operators (kernels.planned_attention)
     llama = {2: [("tp2_sp", "packed"), ("cp2_p2p", "packed"), ("cp2_a2a", "dense"), ("cp2_all_gather", "packed"),
-                 ("pp2", "packed"), ("fsdp2", "dense"), ("mfsdp2", "dense")],
+                 ("pp2", "packed"), ("fsdp2", "dense"), ("mfsdp2", "dense"), ("cp2_p2p_compiled", "packed"),
+                 ("cp2_a2a_compiled", "dense")],
              4: [("tp2_sp_cp2_a2a", "packed"), ("cp4_a2a_p2p", "packed")]}[world]
     # ST-DiT: CP switches frames <-> positions (dense video); one rank's spatial/temporal patterns of
     # mixed grids under SP and PP (packed).
@@ -350,7 +355,8 @@ def _text_cases(world: int):
     more = {"cp2_all_gather": {"context_parallel_size": 2, "cp_comm_type": "all_gather"},
             "cp4_a2a_p2p": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                             "hierarchical_context_parallel_sizes": [2, 2]}}
-    layouts = {**two, **four, **mesh, **more}
+    compiled = {f"{name}_compiled": {**two[name], "compile": True} for name in ("cp2_p2p", "cp2_a2a") if world == 2}
+    layouts = {**two, **four, **mesh, **more, **compiled}
     return xattn + [(f"{family}_{name}_{d}", d, dict(layouts[name]))
                     for family, cases in (("llama", llama), ("stdit", stdit)) for name, d in cases]
 
@@ -406,6 +412,8 @@ def test_layout_equals_one_process(world_results, text_results, tmp_path_factory
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]), rtol=1e-4,
                                    atol=1e-7, msg=lambda m: f"{name} rank {rank} grad norm: {m}")
         assert all(torch.equal(w, ref["init"][0]) for w in got["init"]), f"{name}: rank {rank} init differs"
+        if "compiled" in name:  # each layer one graph: no attention between graphs
+            assert got["graph_breaks"] == 0, f"{name} rank {rank}: {got['graph_breaks']} graph breaks"
         if "flat_adam" in name:  # every part stepped flat (not torch's AdamW after a refused install)
             assert set(got["optimizers"]) == {"FlatAdamW"}, got["optimizers"]
         # Replicated weights agree bit for bit across ranks (no TP drift under SP, no CP drift).

@@ -7,6 +7,8 @@ is non-causal and block-diagonal over packed samples, which ``kernels.local_atte
 ``kernels.context_parallel_attention`` with the config's ``cp_comm_type`` over megatron's CP groups.
 Cross-attention (``attention_type="cross"``) attends from this rank's queries to the whole text,
 which every rank holds, so it never communicates (``kernels.cross_attention``'s contract).
+Inside a compiled layer the same attention runs as planned operators (``kernels.planned_attention``),
+so the layer stays one graph: all but the ST-DiT's context-parallel attention.
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
-from kernels.context_parallel import context_parallel_attention
+from kernels.context_parallel import context_parallel_attention, planned_context_parallel_attention
 from dit_mcore.models.st_attention import STPattern, STPlans, st_attention
 from kernels.local_attention import Segments, segment_attention
-from kernels.planned_attention import plan, planned_attention
+from kernels.planned_attention import NO_SEGMENTS, group_key, plan, planned_attention
 
 
 @dataclass
@@ -87,27 +89,31 @@ class KernelsCoreAttention(MegatronModule):
             if self.cp_method == "a2a+p2p":
                 a2a, p2p = parallel_state.get_hierarchical_context_parallel_groups()
                 self.cp_groups.update(a2a_group=a2a, p2p_group=p2p)
+        self.cp_group_keys = {name: group_key(group) for name, group in self.cp_groups.items()}
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **_unused):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
                              "packed_seq_params.cu_seqlens_q/kv")
-        if packed_seq_params is None and not self.cross:
-            return self._attend(query, key, value, None)
         # A packed pattern is host ints that change with every micro-batch: traced, each new packing
         # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
-        # limit and ran at a third of its speed). In a compiled layer the attention is one operator
-        # reading the pattern's plan (a tensor, kernels.planned_attention); context-parallel attention
-        # (plain or ST) runs outside the graph (a break: the layer runs in pieces).
+        # limit and ran at a third of its speed); communication breaks a graph too. In a compiled
+        # layer the attention is operators reading the pattern's plan (a tensor) and naming the
+        # context-parallel group by a constant (kernels.planned_attention); ST attention under context
+        # parallel runs outside the graph (a break: the layer runs in pieces).
         if torch.compiler.is_compiling() and self._plannable(packed_seq_params):
             return self._attend(query, key, value, packed_seq_params, planned=True)
+        if packed_seq_params is None and not self.cross:
+            return self._attend(query, key, value, None)
         return _attend_outside_graphs(self, query, key, value, packed_seq_params)
 
     def _plannable(self, packed_seq_params) -> bool:
         if self.st_kind is not None:
             return getattr(packed_seq_params, "st_plans", None) is not None
-        return not self.cp_groups and getattr(packed_seq_params, "plan", None) is not None
+        if self.cp_groups and packed_seq_params is None:  # dense input under context parallel
+            return True
+        return getattr(packed_seq_params, "plan", None) is not None
 
     def _local(self, q, k, v, packed_seq_params, segments, planned: bool):
         """Single-device attention of ``[b, s, h, d]`` inputs: the planned operator or the autograd op."""
@@ -138,7 +144,12 @@ class KernelsCoreAttention(MegatronModule):
             p = packed_seq_params
             segments = getattr(p, "segments", None) or Segments.from_cu_seqlens(
                 p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
-        if self.cp_groups:
+        if self.cp_groups and planned:
+            out = planned_context_parallel_attention(
+                q, k, v, NO_SEGMENTS if packed_seq_params is None else packed_seq_params.plan, method=self.cp_method,
+                group_keys=self.cp_group_keys, softmax_scale=self.softmax_scale, backend=self.backend,
+                **self.cp_groups)
+        elif self.cp_groups:
             out = context_parallel_attention(q, k, v, method=self.cp_method, segments=segments,
                                              softmax_scale=self.softmax_scale, backend=self.backend,
                                              **self.cp_groups)

@@ -1,7 +1,7 @@
 """The packed attention as one operator (``kernels.planned_attention``): the same output and
 gradients as ``segment_attention`` (itself checked against float64), eagerly and inside
 ``torch.compile`` as a node of one graph; a new packing reuses the compiled graph; a plan that is no
-longer kept is named."""
+longer kept is named; every context-parallel method in its planned form traced as one graph (gloo)."""
 from __future__ import annotations
 
 import pytest
@@ -105,3 +105,57 @@ def test_the_planned_operator_equals_segment_attention_on_the_gpu_in_bf16(case):
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     for got, ref in zip(grads, ref_grads):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)  # bf16: the same kernels, summed in another order
+
+
+def _cp_child(rank, world):
+    """Every context-parallel method, dense and packed: the planned form compiled as one graph
+    (``fullgraph``) against ``context_parallel_attention`` eagerly, this rank's out and gradients."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from kernels import build_hybrid_groups, context_parallel_attention
+    from kernels.context_parallel import planned_context_parallel_attention
+
+    wide, narrow = build_hybrid_groups(range(world), world), build_hybrid_groups(range(world), 1)
+    methods = {"p2p": {}, "a2a": {}, "all_gather": {},
+               "a2a+p2p wide": dict(a2a_group=wide[0], p2p_group=wide[1]),  # Ulysses over all, a ring of one
+               "a2a+p2p narrow": dict(a2a_group=narrow[0], p2p_group=narrow[1])}  # a ring over all, Ulysses of one
+    lens = [5, 1, 9, 3]  # packed: samples straddle the ranks' pieces, tail padding
+    total, s_local = 20, 10
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    ends = [a + n for a, n in zip(starts, lens)]
+    packed = pa.Segments(tuple(starts), tuple(ends), tuple(starts), tuple(ends))
+    results = {}
+    for name, groups in methods.items():
+        method = name.split()[0]
+        keys = {n: pa.group_key(g) for n, g in groups.items()}
+        keys["cp_group"] = pa.group_key(dist.group.WORLD)
+        for data, segments in (("dense", None), ("packed", packed)):
+            g = torch.Generator().manual_seed(3)
+            b = 2 if segments is None else 1
+            q, k, v, dout = (torch.randn(b, total, n, 8, generator=g, dtype=torch.float64)[:, rank * s_local:
+                                                                                           (rank + 1) * s_local]
+                             for n in (4, 2, 2, 4))
+            ref_out, ref_grads = _out_and_grads(
+                lambda *t: context_parallel_attention(*t, method=method, cp_group=dist.group.WORLD,
+                                                      segments=segments, **groups), q, k, v, dout)
+            plan = pa.NO_SEGMENTS if segments is None else pa.plan(segments)
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda q, k, v, plan: planned_context_parallel_attention(
+                q, k, v, plan, method=method, cp_group=dist.group.WORLD, group_keys=keys, **groups),
+                fullgraph=True, backend="aot_eager")
+            out, grads = _out_and_grads(lambda *t: compiled(*t, plan), q, k, v, dout)
+            results[name, data] = [(out - ref_out).abs().max().item()] + [
+                (got - ref).abs().max().item() for got, ref in zip(grads, ref_grads)]
+    return results
+
+
+def test_planned_context_parallel_attention_is_one_graph_equal_to_the_eager_methods():
+    """Ring and all-gather as the planned operator on a group key, Ulysses (and USP) with functional
+    all-to-alls around it: traced without a break (``fullgraph``) and equal to the eager methods."""
+    from dist_utils import run_distributed
+
+    for rank, results in enumerate(run_distributed(_cp_child, 2)):
+        assert len(results) == 10
+        for case, errors in results.items():
+            assert max(errors) < 1e-12, (rank, case, errors)
