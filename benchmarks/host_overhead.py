@@ -11,6 +11,7 @@ nothing and the step's time is the host's. On a GPU the real kernels run and the
 host's time per phase (``throughput.py``'s ``host_ms_per_step``).
 
     python benchmarks/host_overhead.py                 # CPU: 24 layers, 512-token packs
+    python benchmarks/host_overhead.py --family stdit  # the ST-DiT (spatial, temporal and text attention)
 """
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ def emulated_varlen_kernels():
         ak.KERNELS["flash_cpu"] = cpu
 
 
-def measure(mode: str, layers: int, packed_len: int, warmup: int, steps: int) -> dict:
+PRESETS = {"llama": "llama-tiny", "stdit": "stdit-tiny"}
+
+
+def measure(mode: str, layers: int, packed_len: int, warmup: int, steps: int, family: str = "llama") -> dict:
     """Host milliseconds per step (and per layer) of the compiled trainer with packed attention ``mode``,
     timed by ``throughput.measure`` (warmed up past compiles; the host's time per phase)."""
     from dit_mcore.models.core_attention import KernelsCoreAttention
@@ -57,7 +61,7 @@ def measure(mode: str, layers: int, packed_len: int, warmup: int, steps: int) ->
     if mode == "outside":
         KernelsCoreAttention._plannable = lambda self, params: False
     try:
-        row = throughput.measure({"family": "llama", "preset": "llama-tiny", "num_layers": layers, "image_size": 8,
+        row = throughput.measure({"family": family, "preset": PRESETS[family], "num_layers": layers, "image_size": 8,
                                   "frame_side": 8, "packed_len": packed_len, "batch": 1, "recompute": "none",
                                   "compile": True, "dtype": "bf16" if torch.cuda.is_available() else "fp32"},
                                  warmup, steps)
@@ -71,6 +75,7 @@ def main(argv=None) -> dict:
     import warnings
     warnings.filterwarnings("ignore")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=sorted(PRESETS), default="llama")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--packed-len", type=int, default=512, help="tokens per pack (of 1, 4 and 8 frames of 16 tokens: >= 128)")
     p.add_argument("--warmup", type=int, default=4)
@@ -78,14 +83,14 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="runs of each placement, interleaved; the median is reported")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    result = {"device": device_name(), "layers": args.layers, "packed_len": args.packed_len,
+    result = {"device": device_name(), "family": args.family, "layers": args.layers, "packed_len": args.packed_len,
               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "kernels": "real" if torch.cuda.is_available() else "varlen emulated by zero outputs"}
     runs = {"outside": [], "planned": []}
     with emulated_varlen_kernels() if not torch.cuda.is_available() else contextlib.nullcontext():
         for _ in range(args.repeats):  # interleaved: a busy spell of the host falls on both
             for mode, times in runs.items():
-                times.append(measure(mode, args.layers, args.packed_len, args.warmup, args.steps))
+                times.append(measure(mode, args.layers, args.packed_len, args.warmup, args.steps, args.family))
     for mode, times in runs.items():  # the run of median host time
         result[mode] = sorted(times, key=lambda r: r["forward_backward_ms"])[len(times) // 2]
         result[mode]["forward_backward_ms_runs"] = [r["forward_backward_ms"] for r in times]
@@ -94,7 +99,8 @@ def main(argv=None) -> dict:
               "ms per layer)", flush=True)
     result["ratio_outside_over_planned"] = result["outside"]["forward_backward_ms"] / result["planned"]["forward_backward_ms"]
     print(f"host time to queue forward+backward, outside / planned: {result['ratio_outside_over_planned']:.2f}x")
-    print("wrote", write_result("host_overhead", result, args.out))
+    print("wrote", write_result("host_overhead" if args.family == "llama" else f"host_overhead_{args.family}", result,
+                                args.out))
     return result
 
 

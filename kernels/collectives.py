@@ -51,15 +51,18 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
     """Split ``x`` into ``P`` chunks along ``scatter_dim``, send chunk ``j`` to group rank ``j``,
     and concatenate what arrives along ``gather_dim`` in rank order. Differentiable: the backward
-    is the inverse all-to-all (scatter and gather dims swapped). Identity for a group of one."""
+    is the inverse all-to-all (scatter and gather dims swapped). Identity for a group of one.
+    Inside ``torch.compile``: :func:`functional_all_to_all`, which the graph holds (no break)."""
     nd = x.dim()
+    if torch.compiler.is_compiling():
+        return functional_all_to_all(x, scatter_dim=scatter_dim % nd, gather_dim=gather_dim % nd, group=group)
     return _AllToAll.apply(x, scatter_dim % nd, gather_dim % nd, group)
 
 
 def functional_all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
     """:func:`all_to_all` as torch's functional collective, which ``torch.compile`` traces into its
-    graph (the op above would break it); differentiable the same way. (Not seen by a counter that
-    wraps ``torch.distributed``'s functions.)"""
+    graph (the autograd function would break it); differentiable the same way. (Not seen by a
+    counter that wraps ``torch.distributed``'s functions.)"""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     world = dist.get_world_size(group)
@@ -112,7 +115,11 @@ class _GatherAlong(torch.autograd.Function):
 
 def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order; the backward sums the gradient
-    over ranks and keeps this rank's slice (reduce-scatter)."""
+    over ranks and keeps this rank's slice (reduce-scatter). Inside ``torch.compile``: torch's
+    functional all-gather, which the graph holds (no break)."""
+    if torch.compiler.is_compiling() and dist.get_world_size(group) > 1:
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        return all_gather_tensor_autograd(x.contiguous(), dim % x.dim(), group)
     return _GatherAlong.apply(x, dim, group)
 
 

@@ -22,7 +22,6 @@ import math
 import torch.distributed as dist
 
 from .all_gather import all_gather_attention
-from .collectives import functional_all_to_all
 from .local_attention import Segments, local_attention, segment_attention
 from .planned_attention import planned_attention
 from .ring import ring_attention
@@ -74,17 +73,18 @@ def planned_context_parallel_attention(q, k, v, plan_id, *, method, cp_group, gr
     break (:mod:`kernels.planned_attention`): the packing is a plan (``plan_id``; dense input:
     ``planned_attention.NO_SEGMENTS``), the ring and the all-gather are the planned operator on a group
     key (``group_keys``: ``planned_attention.group_key`` of each group passed, by argument name), and
-    Ulysses' all-to-alls are functional collectives traced into the graph."""
+    Ulysses' all-to-alls are functional collectives traced into the graph
+    (:func:`kernels.collectives.all_to_all`)."""
     _validate(q, k, v, method, cp_group, a2a_group, p2p_group)
     kw = dict(softmax_scale=softmax_scale, backend=backend)
     if method in ("p2p", "all_gather"):
         return planned_attention(q, k, v, plan_id, method=method, group=group_keys["cp_group"], **kw)
     usp = method == "a2a+p2p"  # Ulysses over the a2a group, a ring over the p2p group inside it
     a2a = a2a_group if usp else cp_group
-    qh, kh, vh = heads_to_sequence(q, k, v, a2a, a2a=functional_all_to_all)
+    qh, kh, vh = heads_to_sequence(q, k, v, a2a)  # traced: functional all-to-alls
     out = planned_attention(qh, kh, vh, plan_id, method="p2p" if usp else "local",
                             group=group_keys["p2p_group"] if usp else None, **kw)
-    return sequence_to_heads(out, None, a2a, a2a=functional_all_to_all)[0]
+    return sequence_to_heads(out, None, a2a)[0]
 
 
 def _validate(q, k, v, method, cp_group, a2a_group, p2p_group):

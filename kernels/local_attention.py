@@ -59,7 +59,7 @@ def _expand_kv(kernel: Kernel, q, k, v, head_dim: int):
 
 def _sum_heads(x, kv_heads, head_dim):
     """Sum the gradient of repeated kv heads back over each group."""
-    return x if x.shape[head_dim] == kv_heads else x.unflatten(head_dim, (kv_heads, -1)).sum(head_dim + 1)
+    return x if x.shape[head_dim] == kv_heads else torch.unflatten(x, head_dim, (kv_heads, -1)).sum(head_dim + 1)
 
 
 def _empty_result(q):

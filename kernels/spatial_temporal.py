@@ -108,7 +108,7 @@ class STLayout:
         if x.shape[1] != T * S:
             raise ValueError(f"STLayout.shard: expected {T}*{S}={T * S} tokens in dim 1, got {x.shape[1]}")
         (t0, t1), (s0, s1) = self.local_ranges()
-        g = x.unflatten(1, (T, S))[:, t0:t1, s0:s1]
+        g = torch.unflatten(x, 1, (T, S))[:, t0:t1, s0:s1]
         return g.flatten(1, 2)
 
     def plan(self, kind: str) -> str:
@@ -184,7 +184,7 @@ def _ulysses_spatial(q5, k5, v5, layout: STLayout, **kw):
                          f"the inner (Ulysses) group size ({Pu}); choose an inner size dividing both")
     S = layout.grid[1]
     # Interleave so that each rank's head block is [its q heads | its k heads | its v heads]: one a2a.
-    per_rank = [t.unflatten(3, (Pu, t.shape[3] // Pu)) for t in (q5, k5, v5)]
+    per_rank = [torch.unflatten(t, 3, (Pu, t.shape[3] // Pu)) for t in (q5, k5, v5)]
     qkv = torch.cat(per_rank, dim=4).flatten(3, 4)
     qkv = switch_shard(qkv, from_dim=2, to_dim=3, sizes=(S, qkv.shape[3]), group=group)
     qs, ks, vs = qkv.split([h // Pu, hk // Pu, hk // Pu], dim=3)
@@ -267,7 +267,7 @@ def st_attention(x: torch.Tensor, *, kind: str, layout: STLayout, qkv_proj: QKVP
         q, k, v = qkv_proj(x)
         return out_proj(st_qkv_attention(q, k, v, kind=kind, layout=layout, **kw))
     nT, nS = layout.local_grid()
-    g = x.unflatten(1, (nT, nS))
+    g = torch.unflatten(x, 1, (nT, nS))
     seq, bat, (A, B) = layout.switch_dims(kind)
 
     def compute(y):

@@ -11,7 +11,9 @@ gradient is ready and awaited only where the input gradient is needed.
 Every transfer is a pair of autograd functions, ``_Post`` (posts the all-to-all, output not
 yet valid) and ``_Wait`` (waits, then the data may be read); their backwards are the same pair
 reversed. All ranks build the same graph, so collectives are posted in the same order on every
-rank, in the forward and in the backward.
+rank, in the forward and in the backward. Inside ``torch.compile`` each transfer is torch's
+functional all-to-all instead (the graph holds it; its wait is placed where the result is first
+read).
 """
 from __future__ import annotations
 
@@ -70,13 +72,16 @@ class _Wait(torch.autograd.Function):
         return t.grad_bufs[1], None
 
 
-def _start(send: torch.Tensor, group) -> tuple[torch.Tensor, _Transfer]:
+def _start(send: torch.Tensor, group) -> tuple[torch.Tensor, _Transfer | None]:
+    if torch.compiler.is_compiling():  # traced: torch's functional all-to-all, waited where first read
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        return all_to_all_single_autograd(send.contiguous(), None, None, group), None
     transfer = _Transfer(group)
     return _Post.apply(send, transfer), transfer
 
 
-def _finish(recv: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
-    return _Wait.apply(recv, transfer)
+def _finish(recv: torch.Tensor, transfer: _Transfer | None) -> torch.Tensor:
+    return recv if transfer is None else _Wait.apply(recv, transfer)
 
 
 def pipelined_switch(g: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor], *, seq_dim: int,
@@ -95,7 +100,7 @@ def pipelined_switch(g: torch.Tensor, compute: Callable[[torch.Tensor], torch.Te
     # canonical [P, cA, cB, rest]: block j (dim 0) goes to rank j
     xc = torch.movedim(g, (sd, bd), (0, 1))
     xc = _pad_dim(_pad_dim(xc, 0, cA), 1, P * cB)
-    blocks = xc.unflatten(1, (P, cB)).transpose(0, 1)
+    blocks = torch.unflatten(xc, 1, (P, cB)).transpose(0, 1)
     bounds = [(i * cB // min(chunks, cB), (i + 1) * cB // min(chunks, cB)) for i in range(min(chunks, cB))]
 
     inflight = [_start(blocks[:, :, lo:hi], group) for lo, hi in bounds]
@@ -103,7 +108,7 @@ def pipelined_switch(g: torch.Tensor, compute: Callable[[torch.Tensor], torch.Te
     for recv, transfer in inflight:
         y = _finish(recv, transfer).flatten(0, 1)[:A]                  # [A, chunk, rest]
         o = torch.movedim(compute(torch.movedim(y, (0, 1), (sd, bd))), (sd, bd), (0, 1))
-        o = _pad_dim(o, 0, P * cA).unflatten(0, (P, cA))              # block j returns to rank j
+        o = torch.unflatten(_pad_dim(o, 0, P * cA), 0, (P, cA))            # block j returns to rank j
         returning.append(_start(o, group))
     back = torch.cat([_finish(r, t) for r, t in returning], dim=2)      # [P, cA, cB, rest']
     out = back.transpose(0, 1).flatten(1, 2)[:nA, :B]

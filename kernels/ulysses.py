@@ -25,9 +25,8 @@ def check_heads(heads: int, kv_heads: int, degree: int) -> None:
                          f"(kv heads are replicated when degree > kv heads); change the degree")
 
 
-def heads_to_sequence(q, k, v, group, a2a=all_to_all):
-    """Sequence-sharded q/k/v ``[b, s, h, d]`` -> head-sharded ``[b, U*s, h/U, d]`` in one all-to-all
-    (``a2a``: :func:`kernels.collectives.all_to_all` or its functional form)."""
+def heads_to_sequence(q, k, v, group):
+    """Sequence-sharded q/k/v ``[b, s, h, d]`` -> head-sharded ``[b, U*s, h/U, d]`` in one all-to-all."""
     degree = dist.get_world_size(group)
     b, s, h, d = q.shape
     hk = k.shape[2]
@@ -37,15 +36,15 @@ def heads_to_sequence(q, k, v, group, a2a=all_to_all):
         hk = degree
     parts = [t.reshape(b, s, degree, t.shape[2] // degree, d) for t in (q, k, v)]
     qkv = torch.cat(parts, dim=3).reshape(b, s, degree * (h + 2 * hk) // degree, d)
-    qkv = a2a(qkv, scatter_dim=2, gather_dim=1, group=group)
+    qkv = all_to_all(qkv, scatter_dim=2, gather_dim=1, group=group)
     return qkv.split([h // degree, hk // degree, hk // degree], dim=2)
 
 
-def sequence_to_heads(out, lse, group, a2a=all_to_all):
+def sequence_to_heads(out, lse, group):
     """Inverse of :func:`heads_to_sequence` for the output (and lse when not None)."""
-    out = a2a(out, scatter_dim=1, gather_dim=2, group=group)
+    out = all_to_all(out, scatter_dim=1, gather_dim=2, group=group)
     if lse is not None:
-        lse = a2a(lse, scatter_dim=2, gather_dim=1, group=group)
+        lse = all_to_all(lse, scatter_dim=2, gather_dim=1, group=group)
     return out, lse
 
 

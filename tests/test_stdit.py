@@ -81,10 +81,13 @@ def test_planned_spatial_and_temporal_attention_equal_the_autograd_path(compiled
                 torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_a_context_parallel_pattern_has_no_plans():
-    """Under context parallel the ST attention communicates and runs between the compiled graphs."""
-    assert st_plans(STPattern((0,), ((2, 4),), 4, cp_group=object()), "cpu") is None
-    assert st_plans(STPattern((0,), ((2, 4),), 4, cp_group=object(), query_range=(0, 4)), "cpu") is None
+def test_plans_under_context_parallel():
+    """Dense video under CP switches frames and positions (traced all-to-alls, no plans); a packed
+    stream's piece attends to keys gathered over the CP group, which the plans name."""
+    group = object()
+    assert st_plans(STPattern((0,), ((2, 4),), 4, cp_group=group), "cpu") is None
+    plans = st_plans(STPattern((0,), ((2, 4),), 8, cp_group=group, query_range=(0, 4)), "cpu")
+    assert plans.group is not None and plans.q_order.numel() == 4 and plans.kv_order.numel() == 8
 
 
 def test_layer_has_spatial_temporal_cross_and_is_identity_at_init(world):

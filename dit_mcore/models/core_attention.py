@@ -35,8 +35,8 @@ class KernelsPackedSeqParams(PackedSeqParams):
     st: Optional[STPattern] = None
     """ST-DiT: where each sample's frames lie (spatial and temporal attention)."""
     st_plans: Optional[STPlans] = None
-    """ST-DiT on one rank: ``st`` as plans (:func:`dit_mcore.models.st_attention.st_plans`), which
-    compiled layers read, as ``plan`` below."""
+    """ST-DiT: ``st`` as plans (:func:`dit_mcore.models.st_attention.st_plans`), which compiled layers
+    read, as ``plan`` below."""
     plan: Optional[torch.Tensor] = field(default=None, init=False)
     """``segments`` as a plan (:func:`kernels.planned_attention.plan`), made with the params (and made
     anew by ``dataclasses.replace``): compiled layers hold the attention as one operator that reads it."""
@@ -109,8 +109,10 @@ class KernelsCoreAttention(MegatronModule):
         return _attend_outside_graphs(self, query, key, value, packed_seq_params)
 
     def _plannable(self, packed_seq_params) -> bool:
-        if self.st_kind is not None:
-            return getattr(packed_seq_params, "st_plans", None) is not None
+        if self.st_kind is not None:  # plans, or dense video under CP: traced switches (functional all-to-alls)
+            pattern = getattr(packed_seq_params, "st", None)
+            return getattr(packed_seq_params, "st_plans", None) is not None or (
+                pattern is not None and pattern.cp_group is not None)
         if self.cp_groups and packed_seq_params is None:  # dense input under context parallel
             return True
         return getattr(packed_seq_params, "plan", None) is not None

@@ -41,7 +41,7 @@ from kernels.all_gather import all_gather_attention
 from kernels.collectives import gather_along
 from kernels.host_copy import to_device
 from kernels.local_attention import Segments, segment_attention
-from kernels.planned_attention import plan, planned_attention
+from kernels.planned_attention import group_key, plan, planned_attention
 from kernels.spatial_temporal import KINDS, STLayout, st_qkv_attention
 from kernels.spatial_temporal import st_attention as st_hidden_attention
 
@@ -97,32 +97,6 @@ def temporal_plan(pattern: STPattern, device) -> tuple[torch.Tensor, torch.Tenso
     return _temporal_plan(pattern, str(device))
 
 
-@dataclass(frozen=True, eq=False)
-class STPlans:
-    """One rank's spatial and temporal attention of a pattern as plans
-    (:func:`kernels.planned_attention.plan`) and the temporal reorder as device tensors: graph inputs
-    of a compiled layer, not constants, so a new packing or grid recompiles nothing and the attention
-    stays inside the layer's graph (no break)."""
-
-    spatial: torch.Tensor
-    """Plan of the frames' segments."""
-    temporal: torch.Tensor
-    """Plan of the (sample, position) segments in position-major order."""
-    order: torch.Tensor
-    """Stream index of each token in position-major order, on the device."""
-    inverse: torch.Tensor
-
-
-def st_plans(pattern: STPattern, device) -> Optional[STPlans]:
-    """The plans of ``pattern``'s attention on one rank (None under context parallel, whose attention
-    communicates and runs between the compiled graphs). Call it once per micro-batch, outside compiled
-    code, and pass it to every layer."""
-    if pattern.cp_group is not None or pattern.query_range is not None:
-        return None
-    order, inverse, segments = temporal_plan(pattern, device)
-    return STPlans(plan(spatial_segments(pattern)), plan(segments), order, inverse)
-
-
 @functools.lru_cache(maxsize=64)
 def _gathered_temporal_plan(pattern: STPattern, device: str):
     """Temporal attention of this rank's queries against the gathered stream: ``(order, sort,
@@ -140,6 +114,56 @@ def _gathered_temporal_plan(pattern: STPattern, device: str):
         q_ends.append(bisect.bisect_left(placed, e))
     segments = Segments(tuple(q_starts), tuple(q_ends), groups.kv_starts, groups.kv_ends)
     return to_device(order, device), to_device(sort, device), to_device(torch.argsort(sort), device), segments
+
+
+@dataclass(frozen=True, eq=False)
+class STPlans:
+    """A pattern's spatial and temporal attention as plans (:func:`kernels.planned_attention.plan`)
+    and its temporal reorders as device tensors: graph inputs of a compiled layer, not constants, so
+    a new packing or grid recompiles nothing and the attention stays inside the layer's graph."""
+
+    spatial: torch.Tensor
+    """Plan of the frames' segments."""
+    temporal: torch.Tensor
+    """Plan of the (sample, position) segments in position-major order."""
+    q_order: torch.Tensor
+    """The queries in position-major order (one rank: ``order``; packed under CP: the sort of the
+    rank's queries into the gathered stream's order)."""
+    kv_order: torch.Tensor
+    """The keys and values (packed under CP: the gathered stream's) in position-major order."""
+    inverse: torch.Tensor
+    """The outputs back in stream order."""
+    group: Optional[int] = None
+    """Packed under CP: :func:`kernels.planned_attention.group_key` of the CP group the keys and
+    values are gathered from."""
+
+
+def st_plans(pattern: STPattern, device) -> Optional[STPlans]:
+    """The plans of ``pattern``'s attention on one rank, or of a packed stream under context
+    parallel (None for dense video under CP, whose frame/position switches are traced as functional
+    all-to-alls). Call it once per micro-batch, outside compiled code, and pass it to every layer."""
+    if pattern.query_range is not None:
+        order, sort, unsort, segments = _gathered_temporal_plan(pattern, str(device))
+        return STPlans(plan(spatial_segments(pattern)), plan(segments), sort, order, unsort, group_key(pattern.cp_group))
+    if pattern.cp_group is not None:
+        return None
+    order, inverse, segments = temporal_plan(pattern, device)
+    return STPlans(plan(spatial_segments(pattern)), plan(segments), order, order, inverse)
+
+
+def _planned(q, k, v, kind: str, pattern: STPattern, plans: STPlans, **kw) -> torch.Tensor:
+    """``[1, n, h, d]`` streams (one rank's, or its piece of a packed stream under CP) through the
+    planned operators: the frames' segments (spatial; under CP against the gathered keys), or the
+    positions' segments after the position-major reorders (temporal)."""
+    if kind == "spatial":
+        if plans.group is None:
+            return planned_attention(q, k, v, plans.spatial, **kw)
+        return planned_attention(q, k, v, plans.spatial, method="all_gather", group=plans.group, **kw)
+    if plans.group is not None:
+        k, v = (gather_along(x, 1, pattern.cp_group) for x in (k, v))
+    q = q.index_select(1, plans.q_order)
+    k, v = (x.index_select(1, plans.kv_order) for x in (k, v))
+    return planned_attention(q, k, v, plans.temporal, **kw).index_select(1, plans.inverse)
 
 
 def _gathered(q, k, v, kind: str, pattern: STPattern, softmax_scale=None, backend="auto") -> torch.Tensor:
@@ -164,37 +188,36 @@ def mesh_order(frames: int, positions: int, outer: int, inner: int) -> torch.Ten
     return grid.permute(0, 2, 1, 3).reshape(-1)
 
 
-def _one_rank(q, k, v, kind: str, pattern: STPattern, plans: Optional[STPlans], **kw) -> torch.Tensor:
+def _one_rank(q, k, v, kind: str, pattern: STPattern, **kw) -> torch.Tensor:
     """``[1, n, h, d]`` streams on one rank: attention over the frames' segments (spatial) or, reordered
-    position-major, over the positions' segments (temporal); planned operators when ``plans`` is given."""
-    segments = None
-    if kind == "temporal":
-        order, inverse, segments = (plans.order, plans.inverse, None) if plans else temporal_plan(pattern, q.device)
-        q, k, v = (x.index_select(1, order) for x in (q, k, v))
-    if plans is not None:
-        out = planned_attention(q, k, v, plans.spatial if kind == "spatial" else plans.temporal, **kw)
-    else:
-        out = segment_attention(q, k, v, segments=segments or spatial_segments(pattern), return_lse=False, **kw)
-    return out if kind == "spatial" else out.index_select(1, inverse)
+    position-major, over the positions' segments (temporal)."""
+    if kind == "spatial":
+        return segment_attention(q, k, v, segments=spatial_segments(pattern), return_lse=False, **kw)
+    order, inverse, segments = temporal_plan(pattern, q.device)
+    q, k, v = (x.index_select(1, order) for x in (q, k, v))
+    return segment_attention(q, k, v, segments=segments, return_lse=False, **kw).index_select(1, inverse)
 
 
 def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_scale: Optional[float] = None,
                  backend: str = "auto", plans: Optional[STPlans] = None) -> torch.Tensor:
     """``kind`` attention of megatron-layout ``[s, b, h, d]`` q/k/v (rows in stream order ``b`` then
-    ``s``; packed: ``b = 1``) -> ``[s, b, h*d]``. ``plans`` (:func:`st_plans`, one rank only): the
-    attention as planned operators, which compiled graphs hold without a break."""
+    ``s``; packed: ``b = 1``) -> ``[s, b, h*d]``. ``plans`` (:func:`st_plans`): the attention as
+    planned operators, which compiled graphs hold without a break."""
     if kind not in KINDS:
         raise ValueError(f"ST attention kind must be one of {KINDS}, got {kind!r}")
     s, b = query.shape[:2]
     q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
     kw = dict(softmax_scale=softmax_scale, backend=backend)
-    if pattern.query_range is not None:
-        out = _gathered(q, k, v, kind, pattern, **kw)
-    elif pattern.cp_group is not None:
+    if pattern.cp_group is not None and pattern.query_range is None:  # dense video under CP: switches
         out = st_qkv_attention(q, k, v, kind=kind, layout=pattern.layout(), **kw)
     else:
         q, k, v = (x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v))
-        out = _one_rank(q, k, v, kind, pattern, plans, **kw)
+        if plans is not None:
+            out = _planned(q, k, v, kind, pattern, plans, **kw)
+        elif pattern.query_range is not None:
+            out = _gathered(q, k, v, kind, pattern, **kw)
+        else:
+            out = _one_rank(q, k, v, kind, pattern, **kw)
     return out.reshape(b, s, -1).transpose(0, 1)
 
 
