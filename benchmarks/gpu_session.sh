@@ -180,7 +180,8 @@ case "$phase" in
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   current)  # each part writes straight under $out (a killed call keeps what finished)
     timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
-      tests/kernels/test_planned_attention.py -k "without_blocking or staged or in_bf16" 2>&1 | tee "$out/tests.txt" \
+      tests/kernels/test_planned_attention.py tests/test_stdit.py -k "without_blocking or staged or in_bf16" 2>&1 \
+      | tee "$out/tests.txt" \
       | tail -n 8 || true
     # packed attention as one operator in the compiled layer vs outside the graph: the host's time per layer
     timeout 130 python3 benchmarks/host_overhead.py --warmup 3 --repeats 1 --out "$out/host_overhead.json" 2>&1 | tail -n 4 || true
