@@ -115,7 +115,9 @@ class DiTConfig(TransformerConfig):
     st_attention: str = "dsp"
     """ST-DiT under context parallel: ``"dsp"`` (each rank holds whole frames; all-to-all of the hidden
     states around the temporal attention's projections, DSP), ``"dsp_overlap"`` (the same cut into two
-    pipelined all-to-alls overlapping the projections), or ``"mesh"`` (two levels,
+    pipelined all-to-alls overlapping the projections; inside compiled layers it runs as ``"dsp"``:
+    there the all-to-alls are traced collectives, each waited where it is posted, so chunks would
+    only add work), or ``"mesh"`` (two levels,
     ``parallel.hierarchical_context_parallel_sizes=[inner, outer]``: frames over ``outer`` ranks,
     each frame's positions over ``inner`` ranks; spatial attention runs Ulysses over the inner group,
     temporal attention switches within the outer group; the degree may exceed the frame count).

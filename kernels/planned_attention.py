@@ -56,7 +56,8 @@ _GROUPS: list = []
 
 def group_key(group) -> int:
     """A constant naming ``group`` for the operator: the same for every layer on the same group, so
-    the layers share one compiled graph. Call it outside compiled code (when a layer is built)."""
+    the layers share one compiled graph. Call it outside compiled code (when a layer is built). The
+    registry only grows (by the process groups a process makes, a handful)."""
     for key, known in enumerate(_GROUPS):
         if known is group:
             return key

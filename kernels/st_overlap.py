@@ -11,9 +11,8 @@ gradient is ready and awaited only where the input gradient is needed.
 Every transfer is a pair of autograd functions, ``_Post`` (posts the all-to-all, output not
 yet valid) and ``_Wait`` (waits, then the data may be read); their backwards are the same pair
 reversed. All ranks build the same graph, so collectives are posted in the same order on every
-rank, in the forward and in the backward. Inside ``torch.compile`` each transfer is torch's
-functional all-to-all instead (the graph holds it; its wait is placed where the result is first
-read).
+rank, in the forward and in the backward. Traced by ``torch.compile`` the transfers break the
+graph; the ST-DiT's compiled layers switch in one chunk instead (``model.st_attention``).
 """
 from __future__ import annotations
 
@@ -72,16 +71,13 @@ class _Wait(torch.autograd.Function):
         return t.grad_bufs[1], None
 
 
-def _start(send: torch.Tensor, group) -> tuple[torch.Tensor, _Transfer | None]:
-    if torch.compiler.is_compiling():  # traced: torch's functional all-to-all, waited where first read
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-        return all_to_all_single_autograd(send.contiguous(), None, None, group), None
+def _start(send: torch.Tensor, group) -> tuple[torch.Tensor, _Transfer]:
     transfer = _Transfer(group)
     return _Post.apply(send, transfer), transfer
 
 
-def _finish(recv: torch.Tensor, transfer: _Transfer | None) -> torch.Tensor:
-    return recv if transfer is None else _Wait.apply(recv, transfer)
+def _finish(recv: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+    return _Wait.apply(recv, transfer)
 
 
 def pipelined_switch(g: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor], *, seq_dim: int,

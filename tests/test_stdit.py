@@ -115,6 +115,41 @@ def test_plans_under_context_parallel():
     assert plans.group is not None and plans.q_order.numel() == 4 and plans.kv_order.numel() == 8
 
 
+def _gathered_child(rank, world):
+    """A packed stream's piece under CP: the planned form (the all-gather operator, the functional
+    gather and the reorders as plans) compiled as one graph against the eager gathered path."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    pattern = STPattern(starts=(0, 12), grids=((3, 4), (2, 3)), length=20, cp_group=dist.group.WORLD,
+                        query_range=(rank * 10, (rank + 1) * 10))  # samples straddle the pieces; 2 padding tokens
+    g = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(20, 1, h, 8, generator=g, dtype=torch.float64)[rank * 10:(rank + 1) * 10]
+                     for h in (4, 4, 4, 4))
+    dout = dout.flatten(2)
+    errors = {}
+    for kind in ("spatial", "temporal"):
+        def attend(q, k, v, plans):
+            return st_attention(q, k, v, kind=kind, pattern=pattern, plans=plans)
+        torch._dynamo.reset()
+        compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+        results = []
+        for fn, plans in ((attend, None), (compiled, st_plans(pattern, "cpu"))):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, plans)
+            results.append([out.detach(), *torch.autograd.grad((out * dout).sum(), leaves)])
+        errors[kind] = [(a - b).abs().max().item() for a, b in zip(*results)]
+    return errors
+
+
+def test_planned_attention_of_a_packed_piece_under_context_parallel_equals_the_gathered_path():
+    from dist_utils import run_distributed
+
+    for rank, errors in enumerate(run_distributed(_gathered_child, 2)):
+        for kind, err in errors.items():
+            assert max(err) < 1e-12, (rank, kind, err)
+
+
 def test_layer_has_spatial_temporal_cross_and_is_identity_at_init(world):
     cfg, model = _model()
     layer = model.layers[0]

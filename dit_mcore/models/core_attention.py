@@ -7,8 +7,8 @@ is non-causal and block-diagonal over packed samples, which ``kernels.local_atte
 ``kernels.context_parallel_attention`` with the config's ``cp_comm_type`` over megatron's CP groups.
 Cross-attention (``attention_type="cross"``) attends from this rank's queries to the whole text,
 which every rank holds, so it never communicates (``kernels.cross_attention``'s contract).
-Inside a compiled layer the same attention runs as planned operators (``kernels.planned_attention``),
-so the layer stays one graph: all but the ST-DiT's context-parallel attention.
+Inside a compiled layer the same attention runs as planned operators (``kernels.planned_attention``)
+and traced functional collectives, so every layout compiles the layer to one graph.
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ class KernelsCoreAttention(MegatronModule):
         # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
         # limit and ran at a third of its speed); communication breaks a graph too. In a compiled
         # layer the attention is operators reading the pattern's plan (a tensor) and naming the
-        # context-parallel group by a constant (kernels.planned_attention); ST attention under context
-        # parallel runs outside the graph (a break: the layer runs in pieces).
+        # context-parallel group by a constant (kernels.planned_attention), and all-to-alls are
+        # functional collectives (kernels.collectives): the layer is one graph.
         if torch.compiler.is_compiling() and self._plannable(packed_seq_params):
             return self._attend(query, key, value, packed_seq_params, planned=True)
         if packed_seq_params is None and not self.cross:

@@ -38,6 +38,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from kernels.all_gather import all_gather_attention
+from kernels.attention_kernels import softmax_scale_or_default
 from kernels.collectives import gather_along
 from kernels.host_copy import to_device
 from kernels.local_attention import Segments, segment_attention
@@ -169,7 +170,7 @@ def _planned(q, k, v, kind: str, pattern: STPattern, plans: STPlans, **kw) -> to
 def _gathered(q, k, v, kind: str, pattern: STPattern, softmax_scale=None, backend="auto") -> torch.Tensor:
     """``kind`` attention of this rank's piece ``[1, n, h, d]`` of a packed stream under CP: keys and
     values gathered from the CP group (whose pieces tile the stream in rank order)."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = softmax_scale_or_default(softmax_scale, q)  # as the planned operator: compiled equals eager
     if kind == "spatial":  # frames are contiguous ranges of the stream: the kernels' all-gather CP
         return all_gather_attention(q, k, v, group=pattern.cp_group, segments=spatial_segments(pattern),
                                     softmax_scale=scale, backend=backend)[0]
@@ -234,6 +235,11 @@ class STSelfAttention(SelfAttention):
             raise ValueError("attention_output_gate is not supported by the ST-DiT's attention; set it to False")
         self.hidden_switch = not config.sequence_parallel and not self.checkpoint_core_attention
 
+    def _chunks(self) -> int:
+        """Pipelined chunks of the hidden-state switch: ``dsp_overlap``'s two, except in a compiled layer,
+        where the all-to-alls are traced collectives waited where they are posted (nothing overlaps)."""
+        return 2 if self.config.st_attention == "dsp_overlap" and not torch.compiler.is_compiling() else 1
+
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
         pattern = getattr(packed_seq_params, "st", None)
         kind = self.core_attention.st_kind
@@ -253,7 +259,7 @@ class STSelfAttention(SelfAttention):
             return (out if bias is None else out + bias).transpose(0, 1)
 
         out = st_hidden_attention(hidden_states.transpose(0, 1), kind=kind, layout=pattern.layout(), qkv_proj=qkv_proj,
-                                  out_proj=out_proj, chunks=2 if self.config.st_attention == "dsp_overlap" else 1,
+                                  out_proj=out_proj, chunks=self._chunks(),
                                   softmax_scale=self.core_attention.softmax_scale,
                                   backend=self.core_attention.backend)
         return out.transpose(0, 1), None
