@@ -21,7 +21,21 @@ def group_rank(group) -> int:
 # all-to-all
 
 
-def _all_to_all_raw(x, scatter_dim, gather_dim, group):
+def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _functional_exchange(send: torch.Tensor, group) -> torch.Tensor:
+    """torch's functional all-to-all: ``torch.compile`` traces it into its graph (the autograd function
+    below would break it), and it is differentiable itself. (Not seen by a counter that wraps
+    ``torch.distributed``'s functions.)"""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    return all_to_all_single_autograd(send, None, None, group)
+
+
+def _all_to_all_raw(x, scatter_dim, gather_dim, group, exchange=_exchange):
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -31,9 +45,7 @@ def _all_to_all_raw(x, scatter_dim, gather_dim, group):
     # Chunk j of the scatter dim goes to rank j; the received chunks are stacked in rank order
     # along a new leading dim, then folded into the gather dim.
     send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    return torch.cat(exchange(send, group).unbind(0), dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -52,28 +64,12 @@ def all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group) -> 
     """Split ``x`` into ``P`` chunks along ``scatter_dim``, send chunk ``j`` to group rank ``j``,
     and concatenate what arrives along ``gather_dim`` in rank order. Differentiable: the backward
     is the inverse all-to-all (scatter and gather dims swapped). Identity for a group of one.
-    Inside ``torch.compile``: :func:`functional_all_to_all`, which the graph holds (no break)."""
+    Inside ``torch.compile`` the exchange is torch's functional all-to-all, which the graph holds
+    (no break)."""
     nd = x.dim()
     if torch.compiler.is_compiling():
-        return functional_all_to_all(x, scatter_dim=scatter_dim % nd, gather_dim=gather_dim % nd, group=group)
+        return _all_to_all_raw(x, scatter_dim % nd, gather_dim % nd, group, _functional_exchange)
     return _AllToAll.apply(x, scatter_dim % nd, gather_dim % nd, group)
-
-
-def functional_all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    """:func:`all_to_all` as torch's functional collective, which ``torch.compile`` traces into its
-    graph (the autograd function would break it); differentiable the same way. (Not seen by a
-    counter that wraps ``torch.distributed``'s functions.)"""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    if x.shape[scatter_dim] % world:
-        raise ValueError(f"all_to_all: dim {scatter_dim} has size {x.shape[scatter_dim]}, not divisible by "
-                         f"the group size {world}; pad it or change the parallel degree")
-    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
-    recv = all_to_all_single_autograd(send, None, None, group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
 # --------------------------------------------------------------------------------------------
