@@ -6,12 +6,13 @@
 # Here, first:   python3 ../shared/tools/gpu_wheels.py          (py3.12 wheels into .whl/)
 # Then, per call (carry .whl):   bash benchmarks/gpu_session.sh <phase>
 #   current the code as it stands, first (~9 min): the GPU tests of the batch's pinned copies (the host queues
-#           them behind a busy stream), of the offloaded EMA's side stream and of the planned attention operator, the host's time per layer with packed
+#           them behind a busy stream), of the offloaded EMA's side stream, of the planned attention operator and of
+#           bf16 gradient buffers (the flat step's Triton kernel reading them), the host's time per layer with packed
 #           attention inside the compiled layer vs outside it (benchmarks/host_overhead.py), then MovieGen-3B at 8k tokens, batch 1,
-#           no recompute, bf16 moments, the EMA offloaded every 10 steps, with 1 and 4 micro-batches per optimizer
-#           step (last H100 lease: 29.2% and 38.2% MFU; the host queued a micro-batch's forward and backward in
-#           ~243-292 ms, about the device's time: host-bound), profiled on the device and on the host (cProfile:
-#           the functions to cut), with the host's time per phase of the step
+#           4 micro-batches per optimizer step, no recompute, bf16 moments, the EMA offloaded every 10 steps (last H100
+#           lease: 38.2% MFU; the host queued a micro-batch's forward and backward in ~243 ms, about the device's time:
+#           host-bound), with fp32 and bf16 gradient buffers (optim.main_grads_dtype, same process), profiled on the
+#           device and on the host (cProfile: the functions to cut), with the host's time per phase of the step
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
@@ -179,16 +180,17 @@ case "$phase" in
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   current)  # each part writes straight under $out (a killed call keeps what finished)
-    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
-      tests/kernels/test_planned_attention.py tests/test_stdit.py -k "without_blocking or staged or in_bf16" 2>&1 \
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
+      tests/kernels/test_planned_attention.py tests/test_stdit.py tests/test_flat_adam.py \
+      -k "without_blocking or staged or in_bf16 or gradient_buffers" 2>&1 \
       | tee "$out/tests.txt" \
       | tail -n 8 || true
     # packed attention as one operator in the compiled layer vs outside the graph: the host's time per layer
     timeout 130 python3 benchmarks/host_overhead.py --warmup 3 --repeats 1 --out "$out/host_overhead.json" 2>&1 | tail -n 4 || true
-    # the 3B at batch 1 is host-bound (the host queues a micro-batch in about the device's time): where the host's
-    # time goes, with 1 and 4 micro-batches per step; 10 timed steps hold exactly one EMA fold of every 10
-    timeout 370 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 1 --accumulation 1,4 --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
+    # the 3B at batch 1 was host-bound (the host queued a micro-batch in about the device's time): is it still, with
+    # attention in the graph? Then bf16 gradient buffers against fp32; 10 timed steps hold exactly one EMA fold of 10
+    timeout 360 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 1 --accumulation 4 --grads fp32,bf16 --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
       --ema-every 10 --profile --host-profile --warmup 3 --steps 10 --out "$out/throughput_3b_b1_host.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 80 || true ;;
   optimizer)

@@ -62,15 +62,16 @@ def ema_fold_traffic(n: int = 1 << 20) -> list:
     return [(k.fused, k.bytes / n) for k in recorder.kernels]
 
 
-def flat_step_traffic(n: int = 1 << 20, moments: torch.dtype = torch.float32) -> list:
+def flat_step_traffic(n: int = 1 << 20, moments: torch.dtype = torch.float32,
+                      grads: torch.dtype = torch.float32) -> list:
     """``(Triton kernel?, bytes per parameter)`` of each kernel Inductor schedules on an H100 for one
     flat AdamW step over ``n`` parameters (with gradient scale, skip flag and bf16 output; the moments
-    of ``moments``), counted on the CPU (``fusion_traffic.TrafficRecorder``)."""
+    of ``moments``, the gradients of ``grads``), counted on the CPU (``fusion_traffic.TrafficRecorder``)."""
     from fusion_traffic import TrafficRecorder
     from dit_mcore.training.flat_adam import adamw_flat
     recorder = TrafficRecorder()
     step = torch.compile(adamw_flat, backend=recorder.backend, fullgraph=True, dynamic=False)
-    step(torch.randn(n), torch.randn(n), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments),
+    step(torch.randn(n), torch.randn(n).to(grads), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments),
          torch.zeros(n, dtype=torch.uint8), torch.tensor([[1e-3, 0.1], [1e-3, 0.0]]), torch.tensor(1.0),
          torch.tensor(1.0), torch.tensor(0.0), torch.empty(n, dtype=torch.bfloat16), torch.tensor(0),
          beta1=0.9, beta2=0.999, eps=1e-8)

@@ -43,6 +43,8 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
      "model.compile_options={'triton.multi_kernel': 1}: takes effect only with model.compile=True"),
     ("optim", "adam_impl", "fusd", "optim.adam_impl='fusd': use one of ('auto', 'flat', 'fused', 'foreach'); did you mean 'fused'?"),
     ("optim", "exp_avg_dtype", "fp16", "optim.exp_avg_dtype='fp16': use one of ('fp32', 'bf16')"),
+    ("optim", "main_grads_dtype", "fp16", "optim.main_grads_dtype='fp16': use one of ('fp32', 'bf16')"),
+    ("optim", "main_grads_dtype", "bf16", "optim.main_grads_dtype='bf16' needs trainer.bf16=True"),
     ("data", "global_batch_size", 0, "data.global_batch_size=0: must be >= 1"),
     ("data", "global_batch_size", 12, "data.global_batch_size (12) must be a multiple of data.micro_batch_size"),
     ("data", "micro_batch_size", 0, "data.micro_batch_size=0: must be >= 1"),
@@ -172,6 +174,16 @@ def test_bad_compile_options_are_refused_before_compute(tmp_path, options, expec
     assert len(problems) == 1 and expected in problems[0], problems
     cfg.model.compile_options = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True,
                                  "triton.cudagraphs": False, "triton.cudagraph_trees": True}
+    assert run_problems(cfg, world_size=1) == []
+
+
+def test_bf16_gradient_buffers_under_fsdp_are_refused_before_compute(tmp_path):
+    cfg = tiny_run(tmp_path)
+    cfg.trainer.bf16, cfg.optim.main_grads_dtype, cfg.parallel.fsdp = True, "bf16", "megatron"
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "optim.main_grads_dtype='bf16' with parallel.fsdp='megatron'" in problems[0] \
+        and "set optim.main_grads_dtype=fp32" in problems[0], problems
+    cfg.parallel.fsdp = "none"
     assert run_problems(cfg, world_size=1) == []
 
 

@@ -229,6 +229,59 @@ def test_a_weight_moved_off_its_slot_falls_back_to_megatrons_copy(tmp_path):
                            slot.model.detach())  # the kernel did not write where nobody reads
 
 
+@pytest.mark.parametrize("distopt", [False, True])
+def test_bf16_gradient_buffers_step_in_the_kernel_as_megatrons_fp32_copies_do(tmp_path, distopt):
+    """``optim.main_grads_dtype=bf16``: megatron DDP's gradient buffers are bf16 (2 bytes per parameter,
+    as the state count says). The flat AdamW reads them in its kernel: after a step no main weight
+    holds an fp32 copy of its gradient and the kernel wrote the model weights; the gradient norm is
+    read from the bf16 buffers too. It trains as torch's fused AdamW stepping megatron's fp32 copies
+    of the same gradients (same losses and norms to rounding, same weights), and differently from fp32
+    buffers (the micro-batches' gradients accumulate in bf16), by under 1%."""
+    def run(name, grads, impl, steps=4):
+        cfg = tiny_run(tmp_path / name, distopt=distopt)
+        cfg.trainer.bf16, cfg.optim.adam_impl, cfg.optim.weight_decay = True, impl, 0.1
+        cfg.optim.main_grads_dtype = grads
+        trainer = Trainer(cfg)
+        _perturb(trainer)
+        return trainer, [trainer.train_step() for _ in range(steps)]
+
+    flat, history = run("flat", "bf16", "flat")
+    buffers = [b for chunk in flat.ddp_chunks for b in chunk.buffers]
+    assert {b.grad_data.dtype for b in buffers} == {torch.bfloat16}
+    assert flat.state_budget().gradients == pytest.approx(sum(b.grad_data.nbytes for b in buffers), rel=0.01)
+    inner = _inners(flat)[0]
+    assert isinstance(inner, FlatAdamW) and inner.reads_buffers() and inner.wrote_model_weights
+    assert all(m.main.grad is None for r in inner.ranges for m in r.members)
+    fused, fused_history = run("fused", "bf16", "fused")
+    assert type(_inners(fused)[0]) is torch.optim.AdamW
+    for key in ("loss", "grad_norm"):
+        _close(torch.tensor([h[key] for h in history]), torch.tensor([h[key] for h in fused_history]), 1e-5, 1e-7)
+    for a, b in zip(fused.model.parameters(), flat.model.parameters()):
+        _close(b, a, 1e-5, 8e-3)
+    _, fp32_history = run("fp32", "fp32", "flat")
+    norms = [(h["grad_norm"], f["grad_norm"]) for h, f in zip(history, fp32_history)]
+    assert any(a != b for a, b in norms) and all(abs(a - b) < 1e-2 * b for a, b in norms)
+
+
+def test_bf16_gradient_buffers_clip_alike_decided_on_the_host_or_the_device(tmp_path):
+    """No main weight holds a gradient to scale when the flat step reads bf16 buffers, so megatron's
+    host-decided clip goes through the kernel's gradient scale as the device-decided one does: every
+    step clipped (clip 1e-3), the non-finite step skipped by both, the same losses, norms and weights."""
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, pipelined=False, adam_impl="flat",
+                                             grads="bf16")
+    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True, pipelined=False,
+                                               adam_impl="flat", grads="bf16")
+    assert isinstance(_inners(host[4])[0], FlatAdamW) and getattr(_inners(host[4])[0], "grad_scale", None) is None
+    for run in (host, device):
+        assert [h["skipped"] for h in run[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and run[3] == 4
+        assert all(h["grad_norm"] > 1e-2 for h in run[0] if not h["skipped"])  # clipping was active
+    for key in ("loss", "grad_norm"):
+        _close(torch.tensor([h[key] for h in host[0] if not h["skipped"]]),
+               torch.tensor([h[key] for h in device[0] if not h["skipped"]]), 1e-5, 1e-7)
+    for got, ref in zip(host[1] + host[2], device[1] + device[2]):
+        _close(got, ref, 1e-5, 8e-3)
+
+
 def test_parts_it_does_not_fit_keep_torchs_fused_adamw(tmp_path, caplog):
     """FSDP has no megatron gradient buffer: the part keeps torch's fused AdamW, and says why."""
     cfg = tiny_run(tmp_path)
@@ -260,7 +313,7 @@ def test_on_an_h100_the_flat_step_is_one_triton_kernel():
     """What Inductor schedules for the step on an H100 (counted on the CPU): one Triton kernel moving
     33 bytes per parameter (gradient, weight and moments read; weight, moments and the bf16 copy
     written; the group byte) — the two passes it replaces move 34 (torch's fused AdamW, then a
-    casting copy per tensor); 25 with both moments in bf16."""
+    casting copy per tensor); 25 with both moments in bf16, 31 with bf16 gradients."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -272,6 +325,10 @@ def test_on_an_h100_the_flat_step_is_one_triton_kernel():
     kernels = flat_step_traffic(1 << 16, moments=torch.bfloat16)
     assert len(kernels) == 1 and kernels[0][0], kernels
     assert kernels[0][1] == pytest.approx(25, abs=0.01)
+    # bf16 gradient buffers (optim.main_grads_dtype): read in the same kernel, 2 bytes fewer
+    kernels = flat_step_traffic(1 << 16, grads=torch.bfloat16)
+    assert len(kernels) == 1 and kernels[0][0], kernels
+    assert kernels[0][1] == pytest.approx(31, abs=0.01)
 
 
 def test_a_range_holding_another_parts_weights_is_refused(tmp_path):
@@ -419,14 +476,16 @@ def test_bf16_moments_train_resume_exactly_and_checkpoint_in_fp32(tmp_path, dist
         assert len(rest) == 2 and all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(rest, fp32[2:]))
 
 
-def test_bf16_moments_step_each_parameter_where_the_layout_no_longer_holds(tmp_path):
+@pytest.mark.parametrize("grads", ["fp32", "bf16"])
+def test_bf16_moments_step_each_parameter_where_the_layout_no_longer_holds(tmp_path, grads):
     """A main weight moved off its slot (something re-pointed it): torch's fused AdamW cannot step bf16
-    moments, so the kernel steps each parameter over its own views, at the same places: the weights and
-    moments equal an untouched run's bit for bit, and megatron copies the weights."""
+    moments (nor read bf16 gradients), so the kernel steps each parameter over its own views, at the
+    same places: the weights and moments equal an untouched run's bit for bit, and megatron copies the
+    weights."""
     runs = []
     for moved in (False, True):
         cfg = tiny_run(tmp_path / str(moved))
-        cfg.trainer.bf16, cfg.optim.weight_decay = True, 0.1
+        cfg.trainer.bf16, cfg.optim.weight_decay, cfg.optim.main_grads_dtype = True, 0.1, grads
         cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = "bf16"
         trainer = Trainer(cfg)
         _perturb(trainer)

@@ -25,6 +25,8 @@ B = 3.31e9  # MovieGen-3B's parameters (tests/test_llama.py)
     (dict(bf16=True, moment_bytes=6), 20),                  # one of them
     (dict(bf16=True, ema_offload=True, moment_bytes=4), 14),
     (dict(bf16=True, distributed_optimizer=True, moment_bytes=4, shards=8), 2 + 4 + 8 / 8 + 4),
+    (dict(bf16=True, grad_bytes=2), 20),                    # optim.main_grads_dtype=bf16
+    (dict(bf16=True, distributed_optimizer=True, grad_bytes=2, shards=8), 2 + 2 + 12 / 8 + 4),
 ])
 def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     shards = layout.pop("shards", 1)
@@ -40,9 +42,13 @@ def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     saved = (kw.get("moment_bytes", 8) - 4) * B / state_shards
     assert budget.bf16_moments_save == (0 if kw["fsdp"] else pytest.approx(saved))
     assert state_budget([(int(B), shards)], **kw, lowerable_moments=False).bf16_moments_save == 0  # TE's/apex's Adam
+    # what bf16 gradient buffers would save: megatron DDP's (not FSDP's) in bf16 runs, where they are fp32
+    grads_saved = (kw.get("grad_bytes", 4) - 2) * B if kw["bf16"] and not kw["fsdp"] else 0
+    assert budget.bf16_grads_save == pytest.approx(grads_saved)
 
 
-@pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat"), (True, "flat_bf16")])
+@pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat"), (True, "flat_bf16"),
+                                       (True, "flat_bf16grads")])
 def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
     """After a step (Adam's moments exist): the model's weights, megatron DDP's gradient buffers, the
     optimizer's fp32 main weights and moments (the flat AdamW's ranges: moments and a group byte per
@@ -51,6 +57,8 @@ def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
     cfg.trainer.bf16, cfg.optim.adam_impl = bf16, impl.split("_")[0]
     if impl == "flat_bf16":  # both Adam moments in bf16
         cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = "bf16"
+    if impl == "flat_bf16grads":  # bf16 gradient buffers
+        cfg.optim.main_grads_dtype = "bf16"
     trainer = Trainer(cfg)
     trainer.train_step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
@@ -108,6 +116,13 @@ def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch
     with pytest.raises(ConfigError) as err:
         Trainer(cfg)
     assert "exp_avg" not in str(err.value)
+    cfg.trainer.bf16 = True  # bf16 gradient buffers offered to a bf16 run, and no longer once taken
+    with pytest.raises(ConfigError, match=r"optim.main_grads_dtype=bf16 \(-"):
+        Trainer(cfg)
+    cfg.optim.main_grads_dtype = "bf16"
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert "main_grads_dtype" not in str(err.value)
     monkeypatch.setattr(memory, "device_memory", lambda device: 2 ** 30)
     Trainer(tiny_run(tmp_path)).train_step()
 

@@ -169,6 +169,8 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "replicated": replicated, "init": init, "ema_samples": samples,
             "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+            "grad_dtypes": sorted({str(b.grad_data.dtype) for c in trainer.ddp_chunks  # megatron DDP's (FSDP: none)
+                                   if isinstance(getattr(c, "buffers", None), list) for b in c.buffers}),
             "optimizers": [type(part.optimizer).__name__
                            for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]}
 
@@ -243,6 +245,9 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         assert all(r.exp_avg.dtype == r.exp_avg_sq.dtype == torch.bfloat16 for r in inner.ranges)
         results["moments_bf16"] = {"weights": [p.detach().clone() for p in trainer.model.parameters()],
                                    "moments": [torch.cat([r.exp_avg.float(), r.exp_avg_sq.float()]) for r in inner.ranges]}
+        # bf16 gradient buffers: the distributed optimizer's reduce-scatter in bf16, the flat AdamW reading its shards
+        results["grads_bf16"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16", "dense", distopt=True,
+                                                              adam_impl="flat")))
     if extras and world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
                                      pipeline_model_parallel_size=2))
@@ -257,6 +262,11 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="megatron", fsdp_shard_size=2))
         results["resumed_megatron_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
     return results
+
+
+def _bf16_grads(cfg: RunConfig) -> RunConfig:
+    cfg.trainer.bf16, cfg.optim.main_grads_dtype = True, "bf16"
+    return cfg
 
 
 _REFERENCES = {}
@@ -505,6 +515,20 @@ def test_replicas_round_bf16_moments_alike(world_results):
     assert len(first["moments"]) > 0 and all(float(m.abs().sum()) > 0 for m in first["moments"])
     for a, b in zip(first["moments"] + first["weights"], second["moments"] + second["weights"]):
         assert torch.equal(a, b)
+
+
+def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates(world_results, tmp_path):
+    """DP2 with the distributed optimizer and bf16 gradient buffers (``optim.main_grads_dtype``): the
+    reduce-scatter runs in bf16 and the flat AdamW steps each rank's bf16 shard; the losses and norms
+    follow one process accumulating the same micro-batches in its bf16 buffer, to bf16's rounding of
+    the sums, and the replicas stay one model."""
+    got = world_results(2)[0][0]["grads_bf16"]
+    want = _train(_bf16_grads(layout_run(tmp_path, "dense")))
+    assert got["optimizers"] == ["FlatAdamW"] and got["grad_dtypes"] == want["grad_dtypes"] == ["torch.bfloat16"]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=2e-3, atol=0)
+    second = world_results(2)[0][1]["grads_bf16"]
+    assert torch.equal(got["replicated"], second["replicated"])
 
 
 @pytest.mark.parametrize("name", RESHARDED)

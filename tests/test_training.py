@@ -310,10 +310,12 @@ def test_a_training_step_reads_nothing_to_the_host_while_it_is_queued(tmp_path, 
     assert batches[0].to("meta").grids.device.type == "cpu"
 
 
-def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, pipelined: bool, adam_impl: str = "fused"):
+def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, pipelined: bool, adam_impl: str = "fused",
+                                      grads: str = "fp32"):
     cfg = tiny_run(run_dir, max_steps=5)
     cfg.optim.clip_grad, cfg.optim.warmup_steps = 1e-3, 3  # every step clipped; the LR moves each step
-    cfg.optim.adam_impl = adam_impl
+    cfg.optim.adam_impl, cfg.optim.main_grads_dtype = adam_impl, grads
+    cfg.trainer.bf16 = grads == "bf16"  # (bf16 gradient buffers: a bf16 model)
     trainer = Trainer(cfg)
     trainer.steps_on_device = on_device
     loss = trainer.objective.loss

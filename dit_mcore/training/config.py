@@ -203,6 +203,13 @@ class OptimConfig:
     lets it shrink (rounded to nearest, a decay of ``1 - adam_beta2`` = 0.1% per step is under bf16's
     half-step and the moment would only ever grow); its noise lasts the moment's ~1/(1 - beta2)
     steps of memory and gives each weight's step size a few percent of unbiased noise."""
+    main_grads_dtype: str = "fp32"
+    """The gradient buffers' dtype under megatron DDP (megatron's field name; its DDP's
+    ``grad_reduce_in_fp32``): "fp32", or "bf16" with ``trainer.bf16`` (the micro-batches' weight
+    gradients accumulate in bf16 and the data-parallel reduction moves half the bytes; 2 bytes per
+    parameter less on every rank). The flat AdamW reads the bf16 gradients in its kernel (no fp32
+    copy); torch's fused and foreach AdamW step megatron's fp32 copies of them, made each step. Not
+    with FSDP."""
 
 
 @dataclass
@@ -227,7 +234,8 @@ class TrainerConfig:
     """Seed of weights, data order and noise (each derived per step/rank, so resume is exact)."""
     bf16: bool = False
     """bf16 mixed precision: bf16 parameters and compute, fp32 main weights in the optimizer and
-    fp32 gradient reduction (megatron's mixed-precision optimizer). Meant for GPUs."""
+    fp32 gradient reduction unless ``optim.main_grads_dtype="bf16"`` (megatron's mixed-precision
+    optimizer). Meant for GPUs."""
     ema_decay: float = 0.9999
     """EMA decay of the weights used for sampling (per optimizer step)."""
     ema_every: int = 1

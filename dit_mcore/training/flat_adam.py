@@ -38,6 +38,12 @@ its other optimizers in their dtype, and loads cast. Where a gradient or main we
 view of its slot, the kernel steps each parameter over its own views at the same places (torch's
 fused AdamW, the fp32 moments' fallback, takes no bf16 moments).
 
+The gradient buffers may be bf16 (``optim.main_grads_dtype``: megatron DDP's ``grad_reduce_in_fp32``
+off). megatron would then copy every gradient into a new fp32 tensor each step (a main weight's
+``.grad`` must have its dtype); here the kernel reads the bf16 buffer itself and the gradient norm
+reads it too (:meth:`FlatAdamW.point_grads`, :meth:`FlatAdamW.grads_for_norm`), so no main weight
+holds a gradient.
+
 What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
 ~10 steps of memory and moves the weights by ~1e-4 relative; the second moment's lasts its ~1,000
 steps (``beta2 = 0.999``) and gives each weight's step size a few percent of noise, unbiased.
@@ -58,8 +64,8 @@ log = logging.getLogger(__name__)
 
 def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale, found_inf, out, place=None,
                *, beta1: float, beta2: float, eps: float) -> None:
-    """One AdamW step (decoupled weight decay, torch's fused-kernel math) over flat fp32 tensors, in
-    place. ``group`` (uint8) picks each element's row of ``hyper`` (``[lr, weight_decay]`` per
+    """One AdamW step (decoupled weight decay, torch's fused-kernel math) over flat fp32 tensors (the
+    gradients fp32 or bf16), in place. ``group`` (uint8) picks each element's row of ``hyper`` (``[lr, weight_decay]`` per
     parameter group); ``step`` is the step count after this update; ``grad_scale`` divides the
     gradients; where ``found_inf`` is nonzero nothing changes; ``out`` (optional) receives the updated
     weights in its dtype. Moments of a lower precision (bf16) are read into fp32 and stored with
@@ -69,7 +75,8 @@ def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale,
     # per group, then looked up per element (int32 indices: Inductor's C++ backend vectorizes them)
     index = group.int()
     decay, step_size = (1.0 - lr * wd)[index], (lr / (1.0 - beta1 ** step))[index]
-    g = grad if grad_scale is None else grad / grad_scale
+    g = grad.float()  # bf16 gradient buffers (optim.main_grads_dtype) are read in the kernel
+    g = g if grad_scale is None else g / grad_scale
     m = exp_avg.float().lerp(g, 1.0 - beta1)
     v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
     denom = v.sqrt() / (1.0 - beta2 ** step).sqrt() + eps
@@ -198,6 +205,31 @@ class FlatAdamW(torch.optim.AdamW):
         self._kernel = _kernel()
         self._warned = False
 
+    @staticmethod
+    def _reads_buffer(r: "FlatRange") -> bool:
+        """Whether ``r``'s gradients are read from the buffer alone: bf16 ones (``optim.main_grads_dtype``),
+        which an fp32 main weight cannot hold as its ``.grad``."""
+        return r.grad.dtype != torch.float32
+
+    def reads_buffers(self) -> bool:
+        return any(self._reads_buffer(r) for r in self.ranges)
+
+    def point_grads(self) -> None:
+        """megatron's copy of the model's gradients to the main weights (``prepare_grads``), where a
+        range's gradients are bf16: none is made, the kernel reads the buffer; fp32 ranges' main
+        weights get their buffer views, as megatron gives them."""
+        for r in self.ranges:
+            for m in r.members:
+                m.main.grad = None if self._reads_buffer(r) else r.grad[m.start:m.end].view(m.main.shape)
+
+    def grads_for_norm(self, tp_group=None) -> list:
+        """megatron's ``get_main_grads_for_grad_norm`` over the buffers: each main weight's gradient
+        (bf16 or fp32) unless the weight is shared or a tensor-parallel duplicate."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+        return [r.grad[m.start:m.end] for r in self.ranges for m in r.members
+                if param_is_not_shared(m.main) and param_is_not_tensor_parallel_duplicate(m.main, tp_group)]
+
     def _rehome_states(self) -> None:
         """Copy a state that a load replaced (torch's and megatron's loads assign new tensors) back
         into its slot of the flat buffers. The kernel counts steps once for all parameters, so their
@@ -220,10 +252,12 @@ class FlatAdamW(torch.optim.AdamW):
         for r in self.ranges:
             gbase, mbase, size = r.grad.data_ptr(), r.main.data_ptr(), r.main.element_size()
             obase = r.out.data_ptr() if r.out is not None else None
+            reads_buffer = self._reads_buffer(r)
             for m in r.members:
                 grad = m.main.grad
-                if (grad is None or grad.data_ptr() != gbase + m.start * grad.element_size()
-                        or m.main.data_ptr() != mbase + m.start * size):
+                grad_moved = not reads_buffer and (grad is None
+                                                   or grad.data_ptr() != gbase + m.start * grad.element_size())
+                if grad_moved or m.main.data_ptr() != mbase + m.start * size:
                     mains = False
                 elif obase is not None and (m.model.data_ptr() + m.model_offset * m.model.element_size()
                                             != obase + m.start * r.out.element_size()):
@@ -234,7 +268,8 @@ class FlatAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         self._rehome_states()
         mains, models = self._layout_holds()
-        low_precision = any(t.dtype != torch.float32 for t in (self.ranges[0].exp_avg, self.ranges[0].exp_avg_sq))
+        low_precision = (any(t.dtype != torch.float32 for t in (self.ranges[0].exp_avg, self.ranges[0].exp_avg_sq))
+                         or self.reads_buffers())
         if not mains and not low_precision:
             if not self._warned:
                 log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
@@ -254,15 +289,16 @@ class FlatAdamW(torch.optim.AdamW):
                 for r in self.ranges:
                     self._kernel(r.main, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
                                  found_inf, r.out if models else None, r.place, beta1=beta1, beta2=beta2, eps=eps)
-            else:  # bf16 moments, which torch's fused AdamW cannot step: the kernel per parameter
+            else:  # bf16 moments or gradients, which torch's fused AdamW cannot step: the kernel per parameter
                 if not self._warned:
                     log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
                                 "stepping each parameter apart")
                     self._warned = True
                 for r in self.ranges:
                     for m in r.members:
-                        if m.main.grad is not None:
-                            self._kernel(m.main.detach().view(-1), m.main.grad.view(-1), r.exp_avg[m.start:m.end],
+                        grad = r.grad[m.start:m.end] if self._reads_buffer(r) else m.main.grad
+                        if grad is not None:
+                            self._kernel(m.main.detach().view(-1), grad.view(-1), r.exp_avg[m.start:m.end],
                                          r.exp_avg_sq[m.start:m.end], r.group[m.start:m.end], hyper, self._steps[0],
                                          grad_scale, found_inf, None, r.place + m.start, beta1=beta1, beta2=beta2,
                                          eps=eps)
@@ -298,7 +334,11 @@ def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float3
         if why:
             log.info("optim.adam_impl=flat: %s; that part steps torch's fused AdamW", why)
             continue
-        part.optimizer = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks, moments))
+        part.optimizer = inner = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks, moments))
+        if inner.reads_buffers():  # bf16 gradient buffers: no fp32 copy of them, the norm reads them too
+            part._copy_model_grads_to_main_grads = inner.point_grads
+            part.get_main_grads_for_grad_norm = lambda inner=inner, part=part: inner.grads_for_norm(
+                getattr(part, "tp_group", None))
         copy = getattr(part, "_copy_main_params_to_model_params", None)
         if copy is not None:  # mixed precision: megatron copies right after the step
             part._copy_main_params_to_model_params = lambda inner=part.optimizer, copy=copy: (
@@ -332,8 +372,8 @@ def _unfit(part, ddp_chunks) -> Optional[str]:
     members = _members(part, ddp_chunks)
     if members is None or len(members) != len(params):
         return "some of its parameters are not in a megatron gradient buffer"
-    if any(slot.buffer.grad_dtype != torch.float32 for slot in members):
-        return "its gradient buffer is not fp32 (ddp grad_reduce_in_fp32)"
+    if any(slot.buffer.grad_dtype not in (torch.float32, torch.bfloat16) for slot in members):
+        return "its gradient buffer is neither fp32 nor bf16"
     if isinstance(part, DistributedOptimizer) and any(slot.buffer.param_data is None for slot in members):
         return "its distributed optimizer keeps no parameter buffer (the shards' bf16 weights have no flat home)"
     for ranged in _by_range(members).values():  # a range's kernel writes all of it: only this part's weights

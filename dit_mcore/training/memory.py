@@ -1,5 +1,5 @@
 """The memory a rank holds for the whole run, counted from its parameters before the first step:
-weights, megatron DDP's fp32 gradient buffer, fp32 main weights and Adam moments (sharded by the
+weights, megatron DDP's gradient buffer (fp32, or bf16), fp32 main weights and Adam moments (sharded by the
 distributed optimizer or FSDP) and the EMA shadow. A run whose state alone exceeds the device fails
 before it compiles anything, naming the settings that shrink it; otherwise the log says what is
 left for activations (MovieGen-3B on an 80 GB H100: 67.8 of 79.2 GiB, less than one 8k-token
@@ -38,6 +38,9 @@ class StateBudget:
     bf16_moments_save: float = 0.0
     """What keeping both Adam moments in bf16 would take off (0 where they are already, under FSDP, and
     where TE's or apex's FusedAdam steps)."""
+    bf16_grads_save: float = 0.0
+    """What bf16 gradient buffers (``optim.main_grads_dtype``) would take off (0 where they are already,
+    in fp32 runs and under FSDP)."""
 
     @property
     def total(self) -> float:
@@ -51,7 +54,7 @@ class StateBudget:
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
                  ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False,
-                 moment_bytes: int = 8, lowerable_moments: bool = True) -> StateBudget:
+                 moment_bytes: int = 8, lowerable_moments: bool = True, grad_bytes: int = 4) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and an fp32 gradient buffer whole on every data-parallel rank; the distributed
@@ -62,19 +65,21 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     ``moment_bytes``: both Adam moments' bytes per element (8 in fp32, 4 in bf16:
     ``optim.exp_avg_dtype`` / ``exp_avg_sq_dtype``); ``lowerable_moments``: whether the run's AdamW can
     keep them in bf16 (torch's under megatron, not TE's or apex's; not FSDP's), and the budget says what
-    that would save."""
-    w = g = m = a = e = saved = 0.0
+    that would save; ``grad_bytes``: the gradient buffer's bytes per element (2: bf16,
+    ``optim.main_grads_dtype``)."""
+    w = g = m = a = e = saved = grads_saved = 0.0
     savable = lowerable_moments and not fsdp
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1
         shard_all = shards if fsdp else 1
         w += numel * (2 if bf16 else 4) / shard_all
-        g += numel * 4 / shard_all
+        g += numel * (grad_bytes if not fsdp else 4) / shard_all
+        grads_saved += numel * (grad_bytes - 2) if bf16 and not fsdp else 0.0
         m += numel * 4 / shard_state if bf16 else 0.0
         a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
         saved += numel * (moment_bytes - 4) / shard_state if savable else 0.0
-    return StateBudget(w, g, m, a, e, saved)
+    return StateBudget(w, g, m, a, e, saved, grads_saved)
 
 
 def device_memory(device: torch.device) -> Optional[int]:
@@ -96,6 +101,7 @@ def check_state_fits(budget: StateBudget, total: Optional[int], *, fsdp: bool) -
     fixes = ([f"trainer.ema_offload=True (-{size(budget.ema)})"] if budget.ema else []) + \
         ([f"optim.exp_avg_dtype=bf16 and optim.exp_avg_sq_dtype=bf16 (-{size(budget.bf16_moments_save)})"]
          if budget.bf16_moments_save else []) + \
+        ([f"optim.main_grads_dtype=bf16 (-{size(budget.bf16_grads_save)})"] if budget.bf16_grads_save else []) + \
         ([] if fsdp else ["optim.use_distributed_optimizer=True over more data-parallel ranks or parallel.fsdp=torch "
                           "(shard the main weights, moments and EMA)"]) + \
         ["parallel.tensor_model_parallel_size / pipeline_model_parallel_size (fewer parameters per rank)"]

@@ -48,12 +48,14 @@ class DataParallel(DistributedDataParallel):
         self._flag_fused_wgrads()
 
 
-def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool) -> list:
+def wrap_data_parallel(chunks, model_config, parallel, *, use_distributed_optimizer: bool,
+                       grad_reduce_in_fp32: bool = True) -> list:
     """One data-parallel wrapper per pipeline chunk, with the schedule hooks megatron's own training
     loop installs: megatron DDP (only the first chunk bucketed, as megatron does), FSDP2 under
     ``parallel.fsdp="torch"`` or Megatron-FSDP under ``"megatron"`` (both shard the optimizer state
-    themselves)."""
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+    themselves). ``grad_reduce_in_fp32=False`` (``optim.main_grads_dtype="bf16"``): megatron DDP's
+    gradient buffers take the parameters' dtype."""
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
                                                overlap_grad_reduce=parallel.overlap_grad_reduce,
                                                overlap_param_gather=parallel.overlap_param_gather,
                                                use_distributed_optimizer=use_distributed_optimizer,
@@ -181,12 +183,24 @@ def step_if_finite(optimizer, loss_is_finite: bool, grad_norm: float) -> bool:
     finite, so a diverging step never reaches the weights or the Adam moments. True if updated."""
     if not loss_is_finite or not math.isfinite(grad_norm):
         return False
+    in_kernel = []  # flat steps on bf16 gradient buffers: no main weight holds a gradient to scale
     for part in _parts(optimizer):
         params = part.get_parameters()
-        if params and part.config.clip_grad > 0.0:
+        if not params or part.config.clip_grad <= 0.0:
+            continue
+        inner = part.optimizer
+        if isinstance(inner, flat_adam.FlatAdamW) and inner.reads_buffers():
+            inner.grad_scale = torch.tensor(max(1.0, (grad_norm + 1.0e-6) / part.config.clip_grad),
+                                            device=inner.ranges[0].grad.device)
+            in_kernel.append(inner)
+        else:
             clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
                                          use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    return optimizer.step_with_ready_grads()
+    try:
+        return optimizer.step_with_ready_grads()
+    finally:
+        for inner in in_kernel:
+            inner.grad_scale = None
 
 
 # ---- the step without a host read: clipping and the skip of a non-finite step on the device
@@ -221,7 +235,7 @@ def device_grad_norm(optimizer, device) -> torch.Tensor:
         for grad in grads:
             fsdp_group = get_data_parallel_group_if_dtensor(grad, fsdp_group)
         grads = [to_local_if_dtensor(g) for g in grads]
-        squares = (torch.stack(torch._foreach_norm(grads)).float().square().sum() if grads
+        squares = (torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum() if grads
                    else torch.zeros((), dtype=torch.float32, device=device))
         if fsdp_group is not None:
             torch.distributed.all_reduce(squares, group=fsdp_group)

@@ -49,9 +49,9 @@ def uses_torch_optimizer() -> bool:
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """apex's ``multi_tensor_l2norm`` contract (``(norm of all tensors, per-tensor norms)``) in two
-    foreach kernels and no host read."""
-    norms = torch._foreach_norm(tensor_lists[0])  # megatron calls it only with gradients to norm
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1)
+    foreach kernels and no host read; per-tensor norms in fp32, as apex's (of bf16 gradients too)."""
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)  # megatron norms only gradients with it
+    total = torch.linalg.vector_norm(torch.stack(norms)).reshape(1)
     return total, None
 
 

@@ -118,7 +118,8 @@ class Trainer:
         if not fsdp:
             self._materialize(parts, None if self.ema_sharded else shadow)
         self.ddp_chunks = wrap_data_parallel(self.model, self.model_config, cfg.parallel,
-                                             use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+                                             use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+                                             grad_reduce_in_fp32=cfg.optim.main_grads_dtype == "fp32")
         if fsdp:  # the EMA shadow is sharded like the model
             self.shadow_chunks = shard_fully(shadow, self.model_config, self.ddp_chunks[0].ddp_config,
                                              cfg.parallel.fsdp)
@@ -479,7 +480,7 @@ class Trainer:
             fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
             flat_adam=cfg.parallel.fsdp == "none" and adam == "flat",
             moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
-            lowerable_moments=uses_torch_optimizer())
+            lowerable_moments=uses_torch_optimizer(), grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4)
 
     def _fold_ema(self) -> None:
         """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded

@@ -186,6 +186,8 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
         r.need(value == "fp32" or o.adam_impl in ("auto", "flat"), f"optim.{name}", value,
                f"moments below fp32 are kept only by the flat AdamW, not optim.adam_impl={o.adam_impl!r}; set "
                "optim.adam_impl=flat (or auto), or keep fp32")
+    r.need(o.main_grads_dtype in MOMENT_DTYPES, "optim.main_grads_dtype", o.main_grads_dtype,
+           f"use one of {tuple(MOMENT_DTYPES)}")
     r.need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(o, name)
@@ -266,6 +268,13 @@ def run_problems(cfg, world_size: int) -> list[str]:
             raise ConfigError("optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' need torch's AdamW under megatron (the "
                               "flat step keeps them), but Transformer Engine or apex is installed and megatron steps "
                               "its FusedAdam (fp32 moments); set both to fp32")
+        if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
+            raise ConfigError("optim.main_grads_dtype='bf16' needs trainer.bf16=True (an fp32 model's gradients are "
+                              "fp32); set trainer.bf16=True or optim.main_grads_dtype=fp32")
+        if cfg.optim.main_grads_dtype == "bf16" and cfg.parallel.fsdp != "none":
+            raise ConfigError(f"optim.main_grads_dtype='bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: bf16 gradient "
+                              "buffers are megatron DDP's (FSDP reduces its own way); set optim.main_grads_dtype=fp32 "
+                              "or parallel.fsdp=none")
         if moments_below_fp32(cfg.optim) and cfg.parallel.fsdp != "none":
             raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: "
                               "FSDP steps torch's AdamW, whose moments are fp32; set both to fp32 (FSDP shards them "
