@@ -7,7 +7,7 @@
 # Then, per call (carry .whl):   bash benchmarks/gpu_session.sh <phase>
 #   current the code as it stands, first (~9 min): the GPU tests of the batch's pinned copies (the host queues
 #           them behind a busy stream), of the offloaded EMA's side stream, of the planned attention operator and of
-#           bf16 gradient buffers (the flat step's Triton kernel reading them), the host's time per layer with packed
+#           bf16 gradient buffers (the flat step's Triton kernel reading them) and of the offloaded sharded EMA, the host's time per layer with packed
 #           attention inside the compiled layer vs outside it (benchmarks/host_overhead.py), then MovieGen-3B at 8k tokens, batch 1,
 #           4 micro-batches per optimizer step, no recompute, bf16 moments, the EMA offloaded every 10 steps (last H100
 #           lease: 38.2% MFU; the host queued a micro-batch's forward and backward in ~243 ms, about the device's time:
@@ -182,7 +182,7 @@ case "$phase" in
   current)  # each part writes straight under $out (a killed call keeps what finished)
     timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
       tests/kernels/test_planned_attention.py tests/test_stdit.py tests/test_flat_adam.py \
-      -k "without_blocking or staged or in_bf16 or gradient_buffers" 2>&1 \
+      -k "without_blocking or staged or in_bf16 or gradient_buffers or sharded_ema" 2>&1 \
       | tee "$out/tests.txt" \
       | tail -n 8 || true
     # packed attention as one operator in the compiled layer vs outside the graph: the host's time per layer

@@ -108,12 +108,14 @@ def test_an_offloaded_ema_checkpoints_resumes_and_previews_on_the_gpu(tmp_path):
     assert all(p.device.type == "cpu" for p in resumed.ema.module.parameters())
 
 
-def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_path, monkeypatch, offload):
     """``trainer.ema_shard=True`` on CUDA (one rank, distributed optimizer), bf16: the shadow is built
     on the meta device (megatron's layers would allocate on the GPU); the compiled fold over the buffer
     shards equals the replicated EMA (close: CUDA need not be bitwise); the shadow is gathered into host
     memory for the checkpoint (NCCL) and loaded back into the shards, and a preview gathers it on the
-    GPU and frees it after."""
+    GPU and frees it after. ``offload``: the shards in host memory, folded there from pinned copies of
+    the rank's slices (side stream), gathered on the GPU."""
     from dit_mcore.training import ema_shards
     from dit_mcore.training.trainer import Trainer
     built, release = [], ema_shards.release
@@ -123,6 +125,7 @@ def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_pat
     def run(name, shard):
         cfg = tiny_run(tmp_path / name, max_steps=4, distopt=True)
         cfg.trainer.bf16, cfg.trainer.ema_every, cfg.trainer.ema_shard = True, 2, shard
+        cfg.trainer.ema_offload = offload and shard
         return cfg
     whole = Trainer(run("whole", False))  # (run before the next Trainer rebuilds the process groups)
     whole.fit()
@@ -132,7 +135,7 @@ def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_pat
         sharded.train_step()
     sharded.save()
     resumed = Trainer(run("sharded", True))
-    assert resumed.step == 2 and all(s.is_cuda for s in resumed.ema.shards.shards)
+    assert resumed.step == 2 and all(s.is_cuda != offload for s in resumed.ema.shards.shards)
     resumed.fit()
     with resumed.ema.placed(torch.device("cpu")) as shadow:
         for a, b in zip(whole.ema.module.parameters(), shadow.parameters()):

@@ -197,10 +197,12 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         # (automatic under the distributed optimizer) never; each EMA is the one without overlap
         ema_every = {}
         for name, extra in (("overlap", overlap), ("pipelined", overlap), ("replicated", overlap),
-                            ("plain", dict(distopt=True, overlap_grad_reduce=True))):
+                            ("plain", dict(distopt=True, overlap_grad_reduce=True)),
+                            ("offloaded", dict(distopt=True, overlap_grad_reduce=True))):
             cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
             cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
             cfg.trainer.ema_shard = False if name == "replicated" else None
+            cfg.trainer.ema_offload = name == "offloaded"  # (sharded too: each rank's shards in host memory)
             cfg.parallel.ddp_bucket_size = 2000  # ~45 buckets: shards and parameters cut by bucket bounds
             trainer = Trainer(cfg)
             _randomize(trainer)
@@ -218,13 +220,17 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
                     trainer.train_step()
             with trainer.ema.placed(torch.device("cpu")) as shadow:
                 ema_every[name] = {"forced": list(forced), "sharded": trainer.ema_sharded,
-                                   "ema": [p.detach().clone() for p in shadow.parameters()]}
+                                   "ema": [p.detach().clone() for p in shadow.parameters()],
+                                   "host_shards": trainer.ema_sharded and trainer.ema.host_fold is not None
+                                   and all(s.device.type == "cpu" for s in trainer.ema.shards.shards),
+                                   "shard_elements": sum(s.numel() for s in trainer.ema.shards.shards)
+                                   if trainer.ema_sharded else None}
             if name == "plain":  # what a save gathers here (data-parallel rank 0 writes) and a load reads
                 with trainer.ema.saving() as shadow:
                     ema_every["held"] = {"save": sum(p.numel() for p in shadow.parameters() if not p.is_meta),
                                          "load": len(trainer.ema.shards.overlapping()),
                                          "all": len(list(shadow.parameters()))}
-            if name in ("plain", "replicated"):  # through a checkpoint, resumed by DP2 with a sharded EMA
+            if name in ("plain", "replicated", "offloaded"):  # through a checkpoint, resumed by DP2 with a sharded EMA
                 trainer.save()
                 cfg.trainer.ema_shard = None
                 resumed = Trainer(cfg)
@@ -494,7 +500,7 @@ def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_res
     assert all(0 < n < per_rank[0]["ema_every_overlap"]["held"]["all"] for n in loads)  # (each: the tensors its shards cut)
     for result in per_rank:
         runs = result["ema_every_overlap"]
-        for name in ("plain", "replicated"):
+        for name in ("plain", "replicated", "offloaded"):
             resumed = runs[f"{name}_resumed"]
             assert resumed["sharded"] and resumed["buckets"] > 10
             for a, b in zip(runs[name]["ema"], resumed["ema"]):
@@ -505,6 +511,21 @@ def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_res
     assert one.step == 5 and not one.ema_sharded
     for a, b in zip(per_rank[0]["ema_every_overlap"]["plain"]["ema"], one.ema.module.parameters()):
         assert torch.equal(a, b)
+
+
+def test_an_offloaded_ema_shards_over_the_replicas_in_host_memory(world_results):
+    """``trainer.ema_offload`` with the distributed optimizer over DP2 (``ema_shard`` automatic): each
+    rank keeps and folds, in host memory and a thread, only the shard its optimizer updates (half the
+    elements each), and the EMA gathered whole is bit for bit the one kept on the device; it resumes
+    from its checkpoint exactly (asserted with the others above)."""
+    per_rank, _ = world_results(2)
+    whole = sum(p.numel() for p in per_rank[0]["ema_every_overlap"]["plain"]["ema"])
+    for result in per_rank:
+        runs = result["ema_every_overlap"]
+        assert runs["offloaded"]["sharded"] and runs["offloaded"]["host_shards"]
+        assert runs["offloaded"]["shard_elements"] < 0.6 * whole
+        for a, b in zip(runs["offloaded"]["ema"], runs["plain"]["ema"]):
+            assert torch.equal(a, b)
 
 
 def test_replicas_round_bf16_moments_alike(world_results):

@@ -252,17 +252,20 @@ class TrainerConfig:
     or a preview waits for it); previews move the shadow to the GPU for their duration. Choose
     ``ema_every`` so that k steps outlast a host fold: 6-8 ns per parameter on two CPU cores
     (``benchmarks/optimizer_step.py``), seconds for billions of parameters; the log names a fold
-    training had to wait for. Under megatron DDP only (FSDP shards the shadow already)."""
+    training had to wait for. Under megatron DDP only (FSDP shards the shadow already); with
+    ``ema_shard`` each rank keeps and folds only its shard in host memory (4 bytes per parameter / DP
+    per rank: a node's hosts hold one shadow, not one per GPU)."""
     ema_shard: Optional[bool] = None
     """Split the EMA shadow over the data-parallel ranks like the distributed optimizer's state: each
     rank keeps the fp32 average of the buffer shard its optimizer updates (4 bytes per parameter / DP
     instead of 4), folds it from the weights the optimizer just wrote (no parameter gather, a 1/DP
     pass), and the whole average is gathered only for previews and checkpoints (bucket by bucket;
     checkpoints hold whole tensors under the same keys, loadable into any layout; a save gathers on
-    each rank only what it writes, a load only what its shards need). None: on with
-    ``optim.use_distributed_optimizer`` over more than one data x context-parallel rank, unless
-    ``ema_offload`` or the model has frozen parameters or buffers; True needs the distributed
-    optimizer under megatron DDP. A preview still holds the whole EMA on the GPU while it samples."""
+    each rank only what it writes, a load only what its shards need); with ``ema_offload`` the shards
+    are in host memory. None: on with ``optim.use_distributed_optimizer`` over more than one data x
+    context-parallel rank, unless the model has frozen parameters or buffers; True needs the
+    distributed optimizer under megatron DDP. A preview still holds the whole EMA on the GPU while it
+    samples."""
     save_interval: int = 1000
     """Steps between checkpoints (a final one is always written)."""
     keep_checkpoints: int = 2

@@ -51,7 +51,8 @@ class EMA:
     only this data-parallel rank's shard of the average, the one its optimizer updates
     (:class:`~dit_mcore.training.ema_shards.ShadowShards`); ``shadow`` is then built on the meta device
     and the whole average exists only inside :meth:`placed` (for a checkpoint, :meth:`saving` and
-    :meth:`loading`: the tensors this rank writes or reads).
+    :meth:`loading`: the tensors this rank writes or reads). With ``offload`` too, the shards are in
+    host memory and fold there in a thread, from copies of this rank's slices of the weights.
     """
 
     def __init__(self, model: torch.nn.Module, shadow: torch.nn.Module, decay: float, *, offload: bool = False,
@@ -65,11 +66,10 @@ class EMA:
         self.host_fold = None
         self.shards = None
         if shard_over is not None:
-            if offload:
-                raise ValueError("trainer.ema_offload and trainer.ema_shard: choose one")
-            self.shards = ema_shards.ShadowShards(shard_over, model, shadow)
+            self.shards = ema_shards.ShadowShards(shard_over, model, shadow, on_host=offload)
             ema_shards.release(shadow)
             self._module = shadow.eval().requires_grad_(False)
+            self.host_fold = HostFold(self.shards.owned) if offload else None
             return
         to_shards((model, shadow))
         shadow.load_state_dict(model.state_dict())
@@ -103,7 +103,11 @@ class EMA:
         the update that wrote them, on a side stream (they then run beside the work queued next; not
         while the fold before still runs on the host: the fold copies them then); elsewhere nothing to do."""
         if self.host_fold is not None:
-            self.host_fold.stage([p.detach() for p in sharded_parameters(model)], block=False)
+            self.host_fold.stage(self._weights(model), block=False)
+
+    def _weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """What a fold reads: this rank's slices of the weights (sharded), else every (local) weight."""
+        return self.shards.owned if self.shards is not None else [p.detach() for p in sharded_parameters(model)]
 
     def fence(self) -> None:
         """Before the weights are written again (the next update): the current CUDA stream waits for
@@ -118,6 +122,7 @@ class EMA:
         every data-parallel rank enters) into parameters allocated on ``device`` and freed after it;
         otherwise where it is."""
         if self.shards is not None:
+            self.wait()
             try:
                 with ema_shards.allocated(self._module, device) as params:
                     self.shards.gather_into(params)
@@ -145,6 +150,7 @@ class EMA:
         if self.shards is None:
             yield self.module
             return
+        self.wait()
         with ema_shards.allocated(self._module, torch.device("cpu"), only=self.shards.written_here()) as params:
             self.shards.gather_into(params)
             yield self._module
@@ -156,6 +162,7 @@ class EMA:
         if self.shards is None:
             yield self.module
             return
+        self.wait()
         with ema_shards.allocated(self._module, torch.device("cpu"), only=self.shards.overlapping()) as params:
             yield self._module
             self.shards.scatter_from(params)
@@ -166,6 +173,7 @@ class EMA:
         the parameter buffers of the DDP wrappers the EMA was built over, which hold them)."""
         self.unfolded_decay = 1.0
         if self.shards is not None:
+            self.wait()
             self.shards.restart()
             return
         self.module.load_state_dict(model.state_dict())
@@ -200,18 +208,15 @@ class EMA:
         parameters cast to fp32 (the CPU would compile again for each new model); with ``offload``
         on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`: from the copies
         :meth:`stage` queued since the last write, else copied now, on a side stream; :meth:`fence`
-        before anything writes the weights again); sharded, the same
+        before anything writes the weights again); sharded, the same (on the device or offloaded)
         over this rank's shards of megatron's parameter buffer.
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
         if self.unfolded_decay == 1.0:
             return
-        if self.shards is not None:  # this rank's shards, from the weights its optimizer just wrote
-            weight, self.unfolded_decay = 1.0 - self.unfolded_decay, 1.0
-            _lerp(self.shards.shards, self.shards.owned, weight)
-            return
-        shadow = sharded_parameters(self._module)
-        params = [p.detach() for p in sharded_parameters(model)]
+        # sharded: this rank's shards, from the weights its optimizer just wrote
+        shadow = self.shards.shards if self.shards is not None else sharded_parameters(self._module)
+        params = self._weights(model)
         if len(params) != len(shadow):
             raise ValueError(f"EMA.fold: the model has {len(params)} parameters but the EMA shadow {len(shadow)}; "
                              "pass the model the EMA was built for")

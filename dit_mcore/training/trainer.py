@@ -493,11 +493,11 @@ class Trainer:
 
     def _ema_sharded(self) -> bool:
         """``trainer.ema_shard`` resolved: automatically, sharded wherever the distributed optimizer
-        shards the main weights over more than one rank (megatron DDP, no offload, a model it fits)."""
+        shards the main weights over more than one rank (megatron DDP, a model it fits; offloaded too)."""
         t = self.cfg.trainer
         if t.ema_shard is not None:
             return t.ema_shard
-        return (self.cfg.optim.use_distributed_optimizer and self.cfg.parallel.fsdp == "none" and not t.ema_offload
+        return (self.cfg.optim.use_distributed_optimizer and self.cfg.parallel.fsdp == "none"
                 and parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1
                 and ema_shards.unshardable(self.model) is None)
 

@@ -261,9 +261,6 @@ def run_problems(cfg, world_size: int) -> list[str]:
             raise ConfigError("trainer.ema_shard=True splits the EMA like the distributed optimizer's state: it needs "
                               "optim.use_distributed_optimizer=True under parallel.fsdp='none' (FSDP shards the EMA "
                               "already); set trainer.ema_shard=None to choose automatically")
-        if cfg.trainer.ema_shard and cfg.trainer.ema_offload:
-            raise ConfigError("trainer.ema_shard=True with trainer.ema_offload=True: choose one (the shard of each "
-                              "rank, or the whole EMA in host memory)")
         if moments_below_fp32(cfg.optim) and not uses_torch_optimizer():
             raise ConfigError("optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' need torch's AdamW under megatron (the "
                               "flat step keeps them), but Transformer Engine or apex is installed and megatron steps "
