@@ -29,9 +29,12 @@
 #   profile where the device time goes (~8 min): DiT-XL/2 b128 compiled with fused vs foreach AdamW, the
 #           3B packed point (batch 2), each with the time per kind of kernel and the top kernels; then
 #           diffusers side by side at batch 128, compiled, both profiled
-#   kernels the attention kernel choice (~6 min): GPU attention and compile
-#           tests; DiT-XL/2 b128 compiled with auto attention (cuDNN on Hopper) vs torch's flash kernel,
-#           profiled; diffusers side by side at batch 128, compiled
+#   kernels the attention kernel choice (~8 min): GPU attention and compile tests; MovieGen-3B at 8k tokens
+#           (batch 1, 4 micro-batches) with packed attention on torch's flash varlen kernel (auto) vs cuDNN's
+#           dense kernel per run of equal segments (sdpa_cudnn; GQA's kv heads repeated), profiled: flash's
+#           backward took 34 of the 3B's ~51 ms of attention per micro-batch on the H100, and cuDNN halved
+#           DiT-XL/2's attention on the H200 (36 -> 19 ms/step); a new run shape builds a cuDNN graph, which
+#           the timed steps carry; then DiT-XL/2 b128 compiled, auto vs torch's flash, profiled
 #   step    the trainer's step as it stands (~7 min): the fused-AdamW resume and the pipelined-step tests on
 #           CUDA; DiT-XL/2 compiled at batch 128 (device- vs host-decided step, `--step auto,host`) and 256
 #           (separate processes), the 3B packed point at batch 2, each profiled (host syncs, event waits and
@@ -121,13 +124,15 @@ case "$phase" in
       --steps 4 --profile --out "$out/train_step_xl_b128_compiled_profile.json" 2>&1 | grep -v -i warn \
       | tee "$out/train_step_profile.txt" | tail -n 60 || true ;;
   kernels)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_compile.py 2>&1 \
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_compile.py 2>&1 \
       | tee "$out/tests.txt" | tail -n 15 || true
+    timeout 300 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 1 --accumulation 4 --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
+      --ema-every 10 --attention auto,sdpa_cudnn --profile --warmup 3 --steps 10 \
+      --out "$out/throughput_3b_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b_attention.txt" | tail -n 60 || true
     timeout 170 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
       --dtype bf16 --attention auto,sdpa_flash --profile --warmup 6 --steps 12 \
-      --out "$out/throughput_xl_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/xl_attention.txt" | tail -n 60 || true
-    timeout 110 python3 benchmarks/train_step.py --preset DiT-XL/2 --batch 128 --dtype bf16 --compile --rounds 3 \
-      --steps 4 --out "$out/train_step_xl_b128_compiled.json" 2>&1 | grep -v -i warn | tail -n 5 || true ;;
+      --out "$out/throughput_xl_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/xl_attention.txt" | tail -n 60 || true ;;
   step)  # JSON lines and printouts come back under $OUT, the plots as one tarball (the tool brings back few files)
     work=/tmp/gpu_step; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider \
