@@ -11,8 +11,11 @@
 #           attention inside the compiled layer vs outside it (benchmarks/host_overhead.py), then MovieGen-3B at 8k tokens, batch 1,
 #           4 micro-batches per optimizer step, no recompute, bf16 moments, the EMA offloaded every 10 steps (last H100
 #           lease: 38.2% MFU; the host queued a micro-batch's forward and backward in ~243 ms, about the device's time:
-#           host-bound), with fp32 and bf16 gradient buffers (optim.main_grads_dtype, same process), profiled on the
-#           device and on the host (cProfile: the functions to cut), with the host's time per phase of the step
+#           host-bound), its packed attention on torch's flash varlen kernel (auto) and on cuDNN's dense kernel per run
+#           of equal segments (sdpa_cudnn, GQA's kv heads repeated; same process: flash's backward took 34 of the 3B's
+#           ~51 ms of attention per micro-batch on the H100, and cuDNN halved DiT-XL/2's attention on the H200; a new
+#           run shape builds a cuDNN graph, which the timed steps carry), profiled on the device and on the host
+#           (cProfile: the functions to cut), with the host's time per phase of the step
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
 #           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
@@ -29,12 +32,11 @@
 #   profile where the device time goes (~8 min): DiT-XL/2 b128 compiled with fused vs foreach AdamW, the
 #           3B packed point (batch 2), each with the time per kind of kernel and the top kernels; then
 #           diffusers side by side at batch 128, compiled, both profiled
-#   kernels the attention kernel choice (~8 min): GPU attention and compile tests; MovieGen-3B at 8k tokens
-#           (batch 1, 4 micro-batches) with packed attention on torch's flash varlen kernel (auto) vs cuDNN's
-#           dense kernel per run of equal segments (sdpa_cudnn; GQA's kv heads repeated), profiled: flash's
-#           backward took 34 of the 3B's ~51 ms of attention per micro-batch on the H100, and cuDNN halved
-#           DiT-XL/2's attention on the H200 (36 -> 19 ms/step); a new run shape builds a cuDNN graph, which
-#           the timed steps carry; then DiT-XL/2 b128 compiled, auto vs torch's flash, profiled
+#   kernels the attention kernel choice (~6 min): GPU attention and compile tests; DiT-XL/2 b128 compiled with
+#           auto attention (cuDNN on Hopper) vs torch's flash kernel, profiled; diffusers side by side at batch 128
+#   grads   bf16 gradient buffers (~6 min): MovieGen-3B at 8k tokens (batch 1, 4 micro-batches), fp32 vs bf16
+#           gradient buffers (optim.main_grads_dtype, same process: half the bytes zeroed, accumulated and read by
+#           the optimizer; 6.2 GiB less), profiled
 #   step    the trainer's step as it stands (~7 min): the fused-AdamW resume and the pipelined-step tests on
 #           CUDA; DiT-XL/2 compiled at batch 128 (device- vs host-decided step, `--step auto,host`) and 256
 #           (separate processes), the 3B packed point at batch 2, each profiled (host syncs, event waits and
@@ -62,7 +64,7 @@
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|grads|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -126,13 +128,16 @@ case "$phase" in
   kernels)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_compile.py 2>&1 \
       | tee "$out/tests.txt" | tail -n 15 || true
-    timeout 300 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 1 --accumulation 4 --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
-      --ema-every 10 --attention auto,sdpa_cudnn --profile --warmup 3 --steps 10 \
-      --out "$out/throughput_3b_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b_attention.txt" | tail -n 60 || true
     timeout 170 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
       --dtype bf16 --attention auto,sdpa_flash --profile --warmup 6 --steps 12 \
-      --out "$out/throughput_xl_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/xl_attention.txt" | tail -n 60 || true ;;
+      --out "$out/throughput_xl_attention.jsonl" 2>&1 | grep -v -i warn | tee "$out/xl_attention.txt" | tail -n 60 || true
+    timeout 110 python3 benchmarks/train_step.py --preset DiT-XL/2 --batch 128 --dtype bf16 --compile --rounds 3 \
+      --steps 4 --out "$out/train_step_xl_b128_compiled.json" 2>&1 | grep -v -i warn | tail -n 5 || true ;;
+  grads)
+    timeout 360 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 1 --accumulation 4 --grads fp32,bf16 --compile 1 --dtype bf16 --moments bf16 \
+      --ema-offload 1 --ema-every 10 --profile --warmup 3 --steps 10 --out "$out/throughput_3b_grads.jsonl" 2>&1 \
+      | grep -v -i warn | tee "$out/3b_grads.txt" | tail -n 60 || true ;;
   step)  # JSON lines and printouts come back under $OUT, the plots as one tarball (the tool brings back few files)
     work=/tmp/gpu_step; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider \
@@ -193,9 +198,9 @@ case "$phase" in
     # packed attention as one operator in the compiled layer vs outside the graph: the host's time per layer
     timeout 130 python3 benchmarks/host_overhead.py --warmup 3 --repeats 1 --out "$out/host_overhead.json" 2>&1 | tail -n 4 || true
     # the 3B at batch 1 was host-bound (the host queued a micro-batch in about the device's time): is it still, with
-    # attention in the graph? Then bf16 gradient buffers against fp32; 10 timed steps hold exactly one EMA fold of 10
+    # attention in the graph? Then cuDNN's attention against flash's; 10 timed steps hold exactly one EMA fold of 10
     timeout 360 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 1 --accumulation 4 --grads fp32,bf16 --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
+      --packed-lens 8192 --batches 1 --accumulation 4 --attention auto,sdpa_cudnn --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
       --ema-every 10 --profile --host-profile --warmup 3 --steps 10 --out "$out/throughput_3b_b1_host.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 80 || true ;;
   optimizer)
