@@ -1,6 +1,7 @@
 """A linear's weight gradient accumulated by its GEMM straight into megatron's ``main_grad``.
 
-megatron DDP keeps every parameter's gradient in an fp32 buffer (``param.main_grad``). Without apex
+megatron DDP keeps every parameter's gradient in one buffer (``param.main_grad``; fp32 unless
+``optim.main_grads_dtype=bf16``). Without apex
 (``fused_weight_gradient_mlp_cuda``, which megatron's ``gradient_accumulation_fusion`` requires),
 the weight-gradient GEMM writes a bf16 gradient and DDP's backward hook then adds it into the buffer
 with one more kernel per parameter: 12 bytes per parameter per micro-batch (13 ms of a MovieGen-3B
@@ -11,7 +12,8 @@ without the bf16 rounding of a separate gradient -- what apex's ``wgrad_gemm_acc
 It is a torch custom op that mutates ``main_grad``: ``torch.compile`` keeps it as one opaque call
 and mutates the buffer in place, no copy. The kernel, by case:
 
-- gradient and buffer of one dtype (fp32 training): ``main_grad.addmm_``, one GEMM, any device;
+- gradient and buffer of one dtype (fp32 training, or bf16 buffers): ``main_grad.addmm_``, one GEMM,
+  any device;
 - bf16/fp16 gradients into an fp32 buffer on a GPU whose torch ``addmm`` takes ``out_dtype`` with an
   fp32 input (probed once per device): the fused GEMM above;
 - otherwise (the CPU, older torch): the product in the gradients' dtype, then an add into the

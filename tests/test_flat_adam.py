@@ -252,6 +252,8 @@ def test_bf16_gradient_buffers_step_in_the_kernel_as_megatrons_fp32_copies_do(tm
     inner = _inners(flat)[0]
     assert isinstance(inner, FlatAdamW) and inner.reads_buffers() and inner.wrote_model_weights
     assert all(m.main.grad is None for r in inner.ranges for m in r.members)
+    with pytest.raises(RuntimeError, match="step_if_finite or step_on_device"):  # megatron's would clip nothing
+        flat.optimizer.step()
     fused, fused_history = run("fused", "bf16", "fused")
     assert type(_inners(fused)[0]) is torch.optim.AdamW
     for key in ("loss", "grad_norm"):
@@ -302,6 +304,8 @@ def test_auto_steps_flat_on_a_gpu_and_fused_elsewhere(tmp_path):
     gpu, cpu = (SimpleNamespace(parameters=lambda on=on: [SimpleNamespace(is_cuda=on)]) for on in (True, False))
     assert resolve_adam_impl("auto", [cpu, gpu]) == "flat" and resolve_adam_impl("auto", [cpu]) == "fused"
     assert resolve_adam_impl("foreach", [gpu]) == "foreach"
+    # where the state is one only the flat step keeps (bf16 moments) or keeps without copies (bf16 gradients)
+    assert resolve_adam_impl("auto", [cpu], True) == "flat"
     trainer = Trainer(tiny_run(tmp_path))
     assert trainer.cfg.optim.adam_impl == "auto"
     assert all(type(inner) is torch.optim.AdamW and all(g["fused"] for g in inner.param_groups)

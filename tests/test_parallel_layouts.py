@@ -254,6 +254,9 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         # bf16 gradient buffers: the distributed optimizer's reduce-scatter in bf16, the flat AdamW reading its shards
         results["grads_bf16"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16", "dense", distopt=True,
                                                               adam_impl="flat")))
+        # ... and under EP2: the dense and expert parts (chained) each read their own bf16 buffers
+        results["grads_bf16_ep2"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16_ep2", "dense", moe=True,
+                                                                  expert_model_parallel_size=2, adam_impl="flat")))
     if extras and world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
                                      pipeline_model_parallel_size=2))
@@ -538,17 +541,18 @@ def test_replicas_round_bf16_moments_alike(world_results):
         assert torch.equal(a, b)
 
 
-def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates(world_results, tmp_path):
-    """DP2 with the distributed optimizer and bf16 gradient buffers (``optim.main_grads_dtype``): the
-    reduce-scatter runs in bf16 and the flat AdamW steps each rank's bf16 shard; the losses and norms
-    follow one process accumulating the same micro-batches in its bf16 buffer, to bf16's rounding of
-    the sums, and the replicas stay one model."""
-    got = world_results(2)[0][0]["grads_bf16"]
-    want = _train(_bf16_grads(layout_run(tmp_path, "dense")))
-    assert got["optimizers"] == ["FlatAdamW"] and got["grad_dtypes"] == want["grad_dtypes"] == ["torch.bfloat16"]
+@pytest.mark.parametrize("case, moe", [("grads_bf16", False), ("grads_bf16_ep2", True)])
+def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates(world_results, tmp_path, case, moe):
+    """bf16 gradient buffers (``optim.main_grads_dtype``) on two ranks: DP2 with the distributed optimizer
+    (the reduce-scatter in bf16, the flat AdamW stepping each rank's bf16 shard) and EP2 (dense and expert
+    parts chained, each flat); the losses and norms follow one process accumulating the same micro-batches
+    in its bf16 buffers, to bf16's rounding of the sums, and the replicated weights stay one model."""
+    got = world_results(2)[0][0][case]
+    want = _train(_bf16_grads(layout_run(tmp_path, "dense", moe=moe, adam_impl="flat")))
+    assert set(got["optimizers"]) == {"FlatAdamW"} and got["grad_dtypes"] == want["grad_dtypes"] == ["torch.bfloat16"]
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=2e-3, atol=0)
-    second = world_results(2)[0][1]["grads_bf16"]
+    second = world_results(2)[0][1][case]
     assert torch.equal(got["replicated"], second["replicated"])
 
 

@@ -96,9 +96,10 @@ class ModelConfig:
     communication runs inside the matmul, biases in the GEMM epilogue (less memory traffic under
     ``compile``; ``dit_mcore.models.aten_linear``); None: on. False: megatron's autograd function."""
     fuse_wgrad_accumulation: Optional[bool] = None
-    """Under megatron DDP the aten-path linears accumulate their weight gradients into the fp32
-    ``main_grad`` buffers inside the backward (the GEMM adds, no extra pass per parameter;
-    megatron's gradient-accumulation fusion without apex); None: on. False: DDP's hook adds them."""
+    """Under megatron DDP the aten-path linears accumulate their weight gradients into the
+    ``main_grad`` buffers (fp32, or bf16: ``optim.main_grads_dtype``) inside the backward (the GEMM
+    adds, no extra pass per parameter; megatron's gradient-accumulation fusion without apex); None:
+    on. False: DDP's hook adds them."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
@@ -206,10 +207,11 @@ class OptimConfig:
     main_grads_dtype: str = "fp32"
     """The gradient buffers' dtype under megatron DDP (megatron's field name; its DDP's
     ``grad_reduce_in_fp32``): "fp32", or "bf16" with ``trainer.bf16`` (the micro-batches' weight
-    gradients accumulate in bf16 and the data-parallel reduction moves half the bytes; 2 bytes per
-    parameter less on every rank). The flat AdamW reads the bf16 gradients in its kernel (no fp32
-    copy); torch's fused and foreach AdamW step megatron's fp32 copies of them, made each step. Not
-    with FSDP."""
+    gradients accumulate in bf16 and the data-parallel reduction moves half the bytes). The flat
+    AdamW (``adam_impl`` "flat", or "auto", which then picks it on any device) reads the bf16
+    gradients in its kernel: 2 bytes per parameter less on every rank. torch's fused and foreach
+    AdamW (and TE's or apex's) step megatron's fp32 copies of them, made each step and held until
+    the next zeroing: more memory, not less. Not with FSDP."""
 
 
 @dataclass
@@ -249,10 +251,10 @@ class TrainerConfig:
     """Keep the EMA shadow (fp32, 4 bytes per parameter: 13 GiB of a 3.3B model) in host memory
     instead of on the GPU. A fold copies the weights to pinned host buffers behind the optimizer step
     and averages them in on the host in a thread while training goes on (the next fold, a checkpoint
-    or a preview waits for it); previews move the shadow to the GPU for their duration. Choose
-    ``ema_every`` so that k steps outlast a host fold: 6-8 ns per parameter on two CPU cores
-    (``benchmarks/optimizer_step.py``), seconds for billions of parameters; the log names a fold
-    training had to wait for. Under megatron DDP only (FSDP shards the shadow already); with
+    or a preview waits for it); previews move the shadow to the GPU for their duration (a sharded one
+    is gathered there). Choose ``ema_every`` so that k steps outlast a host fold: 6-8 ns per
+    parameter on two CPU cores (``benchmarks/optimizer_step.py``), seconds for billions of
+    parameters; the log names a fold training had to wait for. Under megatron DDP only (FSDP shards the shadow already); with
     ``ema_shard`` each rank keeps and folds only its shard in host memory (4 bytes per parameter / DP
     per rank: a node's hosts hold one shadow, not one per GPU)."""
     ema_shard: Optional[bool] = None

@@ -209,7 +209,8 @@ class EMA:
         on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`: from the copies
         :meth:`stage` queued since the last write, else copied now, on a side stream; :meth:`fence`
         before anything writes the weights again); sharded, the same (on the device or offloaded)
-        over this rank's shards of megatron's parameter buffer.
+        over this rank's shards of megatron's parameter buffer (``model`` is then not read: the shards
+        read the buffers of the DDP wrappers the EMA was built over).
         Under FSDP on this rank's shards; Megatron-FSDP's shadow weight buffers are refreshed only
         when the shadow is called (``fsdp.forward_view``), not every step."""
         if self.unfolded_decay == 1.0:

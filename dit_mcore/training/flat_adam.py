@@ -41,8 +41,10 @@ fused AdamW, the fp32 moments' fallback, takes no bf16 moments).
 The gradient buffers may be bf16 (``optim.main_grads_dtype``: megatron DDP's ``grad_reduce_in_fp32``
 off). megatron would then copy every gradient into a new fp32 tensor each step (a main weight's
 ``.grad`` must have its dtype); here the kernel reads the bf16 buffer itself and the gradient norm
-reads it too (:meth:`FlatAdamW.point_grads`, :meth:`FlatAdamW.grads_for_norm`), so no main weight
-holds a gradient.
+reads it too (:meth:`FlatAdamW.attach_main_grads`, :meth:`FlatAdamW.grads_for_norm`), so no main
+weight holds a gradient. megatron's own ``step``, ``clip_grad_norm`` and ``count_zeros`` would then
+find no gradients to clip or count: they are refused (the trainer steps through
+:func:`dit_mcore.training.optim.step_if_finite` and ``step_on_device``, which clip in the kernel).
 
 What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
 ~10 steps of memory and moves the weights by ~1e-4 relative; the second moment's lasts its ~1,000
@@ -128,11 +130,11 @@ _compiled = None
 
 
 def variants():
-    """Where the compiled step runs: it may hold 32 graphs, one per combination of the moments'
-    dtypes, whether a gradient scale, a skip flag and a bf16 output are passed, and 32- or 64-bit
-    indexing (a run uses one to three; a process that tries them all, the tests, a dozen), above
-    dynamo's default limit of 8 per function (past it a ``fullgraph`` compile fails)."""
-    return torch._dynamo.config.patch(recompile_limit=32)
+    """Where the compiled step runs: it may hold 64 graphs, one per combination of the gradients' and
+    the moments' dtypes, whether a gradient scale, a skip flag and a bf16 output are passed, and 32- or
+    64-bit indexing (a run uses one to three; a process that tries them all, the tests, a dozen or
+    two), above dynamo's default limit of 8 per function (past it a ``fullgraph`` compile fails)."""
+    return torch._dynamo.config.patch(recompile_limit=64)
 
 
 def _kernel():
@@ -214,7 +216,7 @@ class FlatAdamW(torch.optim.AdamW):
     def reads_buffers(self) -> bool:
         return any(self._reads_buffer(r) for r in self.ranges)
 
-    def point_grads(self) -> None:
+    def attach_main_grads(self) -> None:
         """megatron's copy of the model's gradients to the main weights (``prepare_grads``), where a
         range's gradients are bf16: none is made, the kernel reads the buffer; fp32 ranges' main
         weights get their buffer views, as megatron gives them."""
@@ -268,9 +270,9 @@ class FlatAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         self._rehome_states()
         mains, models = self._layout_holds()
-        low_precision = (any(t.dtype != torch.float32 for t in (self.ranges[0].exp_avg, self.ranges[0].exp_avg_sq))
-                         or self.reads_buffers())
-        if not mains and not low_precision:
+        needs_kernel = (any(t.dtype != torch.float32 for t in (self.ranges[0].exp_avg, self.ranges[0].exp_avg_sq))
+                        or self.reads_buffers())  # states torch's fused AdamW cannot step
+        if not mains and not needs_kernel:
             if not self._warned:
                 log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
                             "stepping torch's fused AdamW instead")
@@ -336,15 +338,26 @@ def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float3
             continue
         part.optimizer = inner = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks, moments))
         if inner.reads_buffers():  # bf16 gradient buffers: no fp32 copy of them, the norm reads them too
-            part._copy_model_grads_to_main_grads = inner.point_grads
+            part._copy_model_grads_to_main_grads = inner.attach_main_grads
             part.get_main_grads_for_grad_norm = lambda inner=inner, part=part: inner.grads_for_norm(
                 getattr(part, "tp_group", None))
+            for holder in {id(part): part, id(optimizer): optimizer}.values():
+                for name in ("step", "clip_grad_norm", "count_zeros"):
+                    setattr(holder, name, _clips_nothing(name))
         copy = getattr(part, "_copy_main_params_to_model_params", None)
         if copy is not None:  # mixed precision: megatron copies right after the step
             part._copy_main_params_to_model_params = lambda inner=part.optimizer, copy=copy: (
                 None if inner.take_written_weights() else copy())
         flattened += 1
     return flattened
+
+
+def _clips_nothing(name: str):
+    def refused(*args, **kwargs):
+        raise RuntimeError(f"megatron's optimizer.{name}() would find no gradient on the main weights: the flat AdamW "
+                           f"reads bf16 gradient buffers (optim.main_grads_dtype=bf16) in its kernel; step with "
+                           f"dit_mcore.training.optim.step_if_finite or step_on_device, which clip there")
+    return refused
 
 
 def _unfit(part, ddp_chunks) -> Optional[str]:

@@ -57,7 +57,7 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
                  moment_bytes: int = 8, lowerable_moments: bool = True, grad_bytes: int = 4) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
-    the weights and an fp32 gradient buffer whole on every data-parallel rank; the distributed
+    the weights and a gradient buffer (fp32, or bf16) whole on every data-parallel rank; the distributed
     optimizer shards the fp32 main weights (bf16 runs only) and both moments; FSDP shards all of it,
     the EMA too. ``ema_offload``: the EMA is in host memory; ``ema_sharded`` (``trainer.ema_shard``):
     the EMA sharded like the distributed optimizer's state; ``flat_adam`` (``optim.adam_impl=flat``):
@@ -66,15 +66,19 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     ``optim.exp_avg_dtype`` / ``exp_avg_sq_dtype``); ``lowerable_moments``: whether the run's AdamW can
     keep them in bf16 (torch's under megatron, not TE's or apex's; not FSDP's), and the budget says what
     that would save; ``grad_bytes``: the gradient buffer's bytes per element (2: bf16,
-    ``optim.main_grads_dtype``)."""
+    ``optim.main_grads_dtype``), which only the flat AdamW reads as they are: for any other step
+    megatron copies them into fp32 tensors, held from the step to the next zeroing (counted with the
+    gradients), so bf16 buffers are offered only where the step is flat."""
     w = g = m = a = e = saved = grads_saved = 0.0
     savable = lowerable_moments and not fsdp
+    reads_bf16 = flat_adam and lowerable_moments and not fsdp  # the flat AdamW reads bf16 buffers itself
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1
         shard_all = shards if fsdp else 1
         w += numel * (2 if bf16 else 4) / shard_all
         g += numel * (grad_bytes if not fsdp else 4) / shard_all
-        grads_saved += numel * (grad_bytes - 2) if bf16 and not fsdp else 0.0
+        g += numel * 4 / shard_state if grad_bytes == 2 and not fsdp and not reads_bf16 else 0.0  # megatron's copies
+        grads_saved += numel * (grad_bytes - 2) if bf16 and reads_bf16 else 0.0
         m += numel * 4 / shard_state if bf16 else 0.0
         a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)

@@ -13,6 +13,7 @@ from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_
 
 from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
 from dit_mcore.training import flat_adam, torch_optimizer
+from kernels.host_copy import to_device
 from kernels.wgrad_accumulation import gemm_accumulates
 
 log = logging.getLogger(__name__)
@@ -106,12 +107,13 @@ def shard_fully(chunks, model_config, ddp_config, kind: str) -> list:
     return [shard_module(chunk, model_config, ddp_config, groups) for chunk in chunks]
 
 
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes ``optim.exp_avg_dtype``, ``exp_avg_sq_dtype`` and ``main_grads_dtype`` name."""
 
 
 def moment_dtypes(optim) -> tuple:
     """``(exp_avg, exp_avg_sq)`` torch dtypes of ``optim`` (an ``OptimConfig``)."""
-    return MOMENT_DTYPES[optim.exp_avg_dtype], MOMENT_DTYPES[optim.exp_avg_sq_dtype]
+    return STATE_DTYPES[optim.exp_avg_dtype], STATE_DTYPES[optim.exp_avg_sq_dtype]
 
 
 def moments_below_fp32(optim) -> bool:
@@ -119,16 +121,30 @@ def moments_below_fp32(optim) -> bool:
     return moment_dtypes(optim) != (torch.float32, torch.float32)
 
 
-def resolve_adam_impl(impl: str, chunks, low_precision_moments: bool = False) -> str:
+def prefers_flat(optim) -> bool:
+    """Whether ``optim``'s state is one that only the flat step keeps (moments below fp32) or keeps
+    without copies (bf16 gradient buffers, which megatron copies into fp32 for the other steps)."""
+    return moments_below_fp32(optim) or optim.main_grads_dtype != "fp32"
+
+
+def resolve_adam_impl(impl: str, chunks, flat_state: bool = False) -> str:
     """``optim.adam_impl=auto``: "flat" where the weights are on a GPU (an H100 stepped DiT-XL/2's
     AdamW and weight copy 1.24x faster flat than fused, the whole step 1.02x:
-    ``benchmarks/results/h100_2026-11-27.md``) or where the moments are kept below fp32 (only the
-    flat step keeps them so), "fused" elsewhere (the CPU's generated kernel is half as fast as torch's
-    fused one). Other values are returned as given."""
+    ``benchmarks/results/h100_2026-11-27.md``) or where ``flat_state`` (:func:`prefers_flat`), "fused"
+    elsewhere (the CPU's generated kernel is half as fast as torch's fused one). Other values are
+    returned as given."""
     if impl != "auto":
         return impl
     on_gpu = any(p.is_cuda for chunk in chunks for p in chunk.parameters())
-    return "flat" if on_gpu or low_precision_moments else "fused"
+    return "flat" if on_gpu or flat_state else "fused"
+
+
+def clip_scale(grad_norm, clip: float):
+    """What the gradients are divided by to clip them to norm ``clip``: megatron's clip coefficient
+    inverted, ``max(1, (norm + 1e-6) / clip)`` (a float or a device tensor, as ``grad_norm``)."""
+    if isinstance(grad_norm, torch.Tensor):
+        return ((grad_norm + 1.0e-6) / clip).clamp(min=1.0)
+    return max(1.0, (grad_norm + 1.0e-6) / clip)
 
 
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
@@ -142,7 +158,7 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks, moments_below_fp32(optim))
+    impl = resolve_adam_impl(optim.adam_impl, ddp_chunks, prefers_flat(optim))
     if impl != optim.adam_impl:
         log.info("optim.adam_impl=%s: %s", optim.adam_impl, impl)
     moments = moment_dtypes(optim)
@@ -190,8 +206,8 @@ def step_if_finite(optimizer, loss_is_finite: bool, grad_norm: float) -> bool:
             continue
         inner = part.optimizer
         if isinstance(inner, flat_adam.FlatAdamW) and inner.reads_buffers():
-            inner.grad_scale = torch.tensor(max(1.0, (grad_norm + 1.0e-6) / part.config.clip_grad),
-                                            device=inner.ranges[0].grad.device)
+            inner.grad_scale = to_device(clip_scale(grad_norm, part.config.clip_grad), inner.ranges[0].grad.device,
+                                         torch.float32)
             in_kernel.append(inner)
         else:
             clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
@@ -256,7 +272,7 @@ def step_on_device(optimizer, loss: torch.Tensor, grad_norm: torch.Tensor) -> No
     inners = torch_optimizer.torch_adams(optimizer)
     for part, inner in zip(_parts(optimizer), inners):
         clip = part.config.clip_grad
-        inner.grad_scale = ((grad_norm + 1.0e-6) / clip).clamp(min=1.0) if clip > 0.0 else None
+        inner.grad_scale = clip_scale(grad_norm, clip) if clip > 0.0 else None
         inner.found_inf = found_inf
     try:
         optimizer.step_with_ready_grads()

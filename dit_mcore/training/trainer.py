@@ -45,7 +45,7 @@ from dit_mcore.training.text_preview import draw_text_preview, moving_digits_pro
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_and_norm, moment_dtypes,
-                                     moments_below_fp32, per_sample_loss_scale, resolve_adam_impl, shard_fully,
+                                     per_sample_loss_scale, prefers_flat, resolve_adam_impl, shard_fully,
                                      step_if_finite, step_on_device, steps_on_device, wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
 from dit_mcore.training.torch_optimizer import uses_torch_optimizer
@@ -472,7 +472,7 @@ class Trainer:
         if cfg.parallel.fsdp != "none" and cfg.parallel.fsdp_shard_size:
             dense = min(dense, cfg.parallel.fsdp_shard_size)
         expert = parallel_state.get_expert_data_parallel_world_size() if self.model_config.num_moe_experts else dense
-        adam = resolve_adam_impl(cfg.optim.adam_impl, self.model, moments_below_fp32(cfg.optim))
+        adam = resolve_adam_impl(cfg.optim.adam_impl, self.model, prefers_flat(cfg.optim))
         return memory.state_budget(
             ((p.numel(), dense if getattr(p, "allreduce", True) else expert)
              for chunk in self.model for p in chunk.parameters()),

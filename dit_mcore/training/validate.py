@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dit_mcore.config import ConfigError
-from dit_mcore.training.optim import MOMENT_DTYPES, moments_below_fp32
+from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
 from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
@@ -182,12 +182,12 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
            f"use one of {ADAM_IMPLS}{did_you_mean(o.adam_impl, ADAM_IMPLS)}")
     for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         value = getattr(o, name)
-        r.need(value in MOMENT_DTYPES, f"optim.{name}", value, f"use one of {tuple(MOMENT_DTYPES)}")
+        r.need(value in STATE_DTYPES, f"optim.{name}", value, f"use one of {tuple(STATE_DTYPES)}")
         r.need(value == "fp32" or o.adam_impl in ("auto", "flat"), f"optim.{name}", value,
                f"moments below fp32 are kept only by the flat AdamW, not optim.adam_impl={o.adam_impl!r}; set "
                "optim.adam_impl=flat (or auto), or keep fp32")
-    r.need(o.main_grads_dtype in MOMENT_DTYPES, "optim.main_grads_dtype", o.main_grads_dtype,
-           f"use one of {tuple(MOMENT_DTYPES)}")
+    r.need(o.main_grads_dtype in STATE_DTYPES, "optim.main_grads_dtype", o.main_grads_dtype,
+           f"use one of {tuple(STATE_DTYPES)}")
     r.need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(o, name)
