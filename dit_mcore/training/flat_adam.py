@@ -52,6 +52,7 @@ steps (``beta2 = 0.999``) and gives each weight's step size a few percent of noi
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -206,6 +207,7 @@ class FlatAdamW(torch.optim.AdamW):
             self.state[p] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         self._kernel = _kernel()
         self._warned = False
+        self._norm_views = None  # grads_for_norm's, made at its first call
 
     @staticmethod
     def _reads_buffer(r: "FlatRange") -> bool:
@@ -216,21 +218,29 @@ class FlatAdamW(torch.optim.AdamW):
     def reads_buffers(self) -> bool:
         return any(self._reads_buffer(r) for r in self.ranges)
 
+    @functools.cached_property
+    def _grad_views(self) -> list:
+        """``(main weight, its gradient's view of the buffer, whether the kernel reads it there)`` per
+        member, made once: the buffers are never reallocated."""
+        return [(m.main, r.grad[m.start:m.end].view(m.main.shape), self._reads_buffer(r))
+                for r in self.ranges for m in r.members]
+
     def attach_main_grads(self) -> None:
         """megatron's copy of the model's gradients to the main weights (``prepare_grads``), where a
         range's gradients are bf16: none is made, the kernel reads the buffer; fp32 ranges' main
         weights get their buffer views, as megatron gives them."""
-        for r in self.ranges:
-            for m in r.members:
-                m.main.grad = None if self._reads_buffer(r) else r.grad[m.start:m.end].view(m.main.shape)
+        for main, view, in_buffer in self._grad_views:
+            main.grad = None if in_buffer else view
 
     def grads_for_norm(self, tp_group=None) -> list:
         """megatron's ``get_main_grads_for_grad_norm`` over the buffers: each main weight's gradient
-        (bf16 or fp32) unless the weight is shared or a tensor-parallel duplicate."""
+        (bf16 or fp32) unless the weight is shared or a tensor-parallel duplicate (decided once)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
-        return [r.grad[m.start:m.end] for r in self.ranges for m in r.members
-                if param_is_not_shared(m.main) and param_is_not_tensor_parallel_duplicate(m.main, tp_group)]
+        if self._norm_views is None:
+            self._norm_views = [view for main, view, _ in self._grad_views
+                                if param_is_not_shared(main) and param_is_not_tensor_parallel_duplicate(main, tp_group)]
+        return self._norm_views
 
     def _rehome_states(self) -> None:
         """Copy a state that a load replaced (torch's and megatron's loads assign new tensors) back
