@@ -7,7 +7,8 @@
 # Then, per call (carry .whl):   bash benchmarks/gpu_session.sh <phase>
 #   current the code as it stands, first (~9 min): the GPU tests of the batch's pinned copies (the host queues
 #           them behind a busy stream), of the offloaded EMA's side stream, of the planned attention operator and of
-#           bf16 gradient buffers (the flat step's Triton kernel reading them) and of the offloaded sharded EMA, the host's time per layer with packed
+#           bf16 gradient buffers (the flat step's Triton kernel reading them) and of the offloaded sharded EMA,
+#           the host's time per layer with packed
 #           attention inside the compiled layer vs outside it (benchmarks/host_overhead.py), then MovieGen-3B at 8k tokens, batch 1,
 #           4 micro-batches per optimizer step, no recompute, bf16 moments, the EMA offloaded every 10 steps (last H100
 #           lease: 38.2% MFU; the host queued a micro-batch's forward and backward in ~243 ms, about the device's time:
@@ -200,7 +201,8 @@ case "$phase" in
     # the 3B at batch 1 was host-bound (the host queued a micro-batch in about the device's time): is it still, with
     # attention in the graph? Then cuDNN's attention against flash's; 10 timed steps hold exactly one EMA fold of 10
     timeout 360 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 1 --accumulation 4 --attention auto,sdpa_cudnn --compile 1 --dtype bf16 --moments bf16 --ema-offload 1 \
+      --packed-lens 8192 --batches 1 --accumulation 4 --attention auto,sdpa_cudnn --compile 1 --dtype bf16 \
+      --moments bf16 --ema-offload 1 \
       --ema-every 10 --profile --host-profile --warmup 3 --steps 10 --out "$out/throughput_3b_b1_host.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 80 || true ;;
   optimizer)

@@ -254,9 +254,9 @@ class TrainerConfig:
     or a preview waits for it); previews move the shadow to the GPU for their duration (a sharded one
     is gathered there). Choose ``ema_every`` so that k steps outlast a host fold: 6-8 ns per
     parameter on two CPU cores (``benchmarks/optimizer_step.py``), seconds for billions of
-    parameters; the log names a fold training had to wait for. Under megatron DDP only (FSDP shards the shadow already); with
-    ``ema_shard`` each rank keeps and folds only its shard in host memory (4 bytes per parameter / DP
-    per rank: a node's hosts hold one shadow, not one per GPU)."""
+    parameters; the log names a fold training had to wait for. Under megatron DDP only (FSDP shards
+    the shadow already); with ``ema_shard`` each rank keeps and folds only its shard in host memory
+    (4 bytes per parameter / DP per rank: a node's hosts hold one shadow, not one per GPU)."""
     ema_shard: Optional[bool] = None
     """Split the EMA shadow over the data-parallel ranks like the distributed optimizer's state: each
     rank keeps the fp32 average of the buffer shard its optimizer updates (4 bytes per parameter / DP

@@ -68,8 +68,8 @@ log = logging.getLogger(__name__)
 def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale, found_inf, out, place=None,
                *, beta1: float, beta2: float, eps: float) -> None:
     """One AdamW step (decoupled weight decay, torch's fused-kernel math) over flat fp32 tensors (the
-    gradients fp32 or bf16), in place. ``group`` (uint8) picks each element's row of ``hyper`` (``[lr, weight_decay]`` per
-    parameter group); ``step`` is the step count after this update; ``grad_scale`` divides the
+    gradients fp32 or bf16), in place. ``group`` (uint8) picks each element's row of ``hyper``
+    (``[lr, weight_decay]`` per parameter group); ``step`` is the step count after this update; ``grad_scale`` divides the
     gradients; where ``found_inf`` is nonzero nothing changes; ``out`` (optional) receives the updated
     weights in its dtype. Moments of a lower precision (bf16) are read into fp32 and stored with
     stochastic rounding whose random bits hash ``step`` and each element's place (``place``, an int64
