@@ -35,9 +35,10 @@
 #           diffusers side by side at batch 128, compiled, both profiled
 #   kernels the attention kernel choice (~6 min): GPU attention and compile tests; DiT-XL/2 b128 compiled with
 #           auto attention (cuDNN on Hopper) vs torch's flash kernel, profiled; diffusers side by side at batch 128
-#   grads   bf16 gradient buffers (~6 min): MovieGen-3B at 8k tokens (batch 1, 4 micro-batches), fp32 vs bf16
-#           gradient buffers (optim.main_grads_dtype, same process: half the bytes zeroed, accumulated and read by
-#           the optimizer; 6.2 GiB less), profiled
+#   grads   bf16 gradient buffers (~7 min): the optimizer step alone at MovieGen-3B's widths, the flat step on fp32
+#           vs bf16 buffers (benchmarks/optimizer_step.py: 33 vs 31 bytes per parameter); MovieGen-3B at 8k tokens
+#           (batch 1, 4 micro-batches), fp32 vs bf16 gradient buffers (optim.main_grads_dtype, same process: half the
+#           bytes zeroed, accumulated and read by the optimizer; 6.2 GiB less), profiled
 #   step    the trainer's step as it stands (~7 min): the fused-AdamW resume and the pipelined-step tests on
 #           CUDA; DiT-XL/2 compiled at batch 128 (device- vs host-decided step, `--step auto,host`) and 256
 #           (separate processes), the 3B packed point at batch 2, each profiled (host syncs, event waits and
@@ -135,7 +136,9 @@ case "$phase" in
     timeout 110 python3 benchmarks/train_step.py --preset DiT-XL/2 --batch 128 --dtype bf16 --compile --rounds 3 \
       --steps 4 --out "$out/train_step_xl_b128_compiled.json" 2>&1 | grep -v -i warn | tail -n 5 || true ;;
   grads)
-    timeout 360 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+    timeout 60 python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v -i warn \
+      | tail -n 12 || true
+    timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
       --packed-lens 8192 --batches 1 --accumulation 4 --grads fp32,bf16 --compile 1 --dtype bf16 --moments bf16 \
       --ema-offload 1 --ema-every 10 --profile --warmup 3 --steps 10 --out "$out/throughput_3b_grads.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/3b_grads.txt" | tail -n 60 || true ;;

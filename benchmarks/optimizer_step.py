@@ -11,7 +11,8 @@ by Inductor's count (its group byte, the bf16 output counted read and written) i
 kernel. The gain to expect is bandwidth (a generated elementwise kernel reached 4.1 TB/s there),
 not bytes. Third, the flat step with both moments in bf16 (``optim.exp_avg_dtype`` /
 ``exp_avg_sq_dtype``, stochastic rounding whose bits the kernel computes): 25 bytes per parameter,
-and 4 bytes less state. ``--traffic`` prints, without a GPU, what Inductor schedules for the flat step and the
+and 4 bytes less state. Fourth, the flat step reading bf16 gradient buffers (``optim.main_grads_dtype``):
+31 bytes per parameter. ``--traffic`` prints, without a GPU, what Inductor schedules for the flat step and the
 EMA fold on an H100: their Triton kernels and bytes per parameter.
 
     python benchmarks/optimizer_step.py                       # GPU: MovieGen-3B's widths, 8 layers
@@ -48,8 +49,9 @@ from dit_mcore.parallel.initialize import initialize_distributed  # noqa: E402
 from dit_mcore.training.config import OptimConfig  # noqa: E402
 from dit_mcore.training.optim import build_optimizer  # noqa: E402
 
-BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33, "flat_bf16": 25}
-CANDIDATES = {"fused": ("fused", "fp32"), "flat": ("flat", "fp32"), "flat_bf16": ("flat", "bf16")}  # impl, moments
+BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33, "flat_bf16": 25, "flat_bf16_grads": 31}
+CANDIDATES = {"fused": ("fused", "fp32", "fp32"), "flat": ("flat", "fp32", "fp32"), "flat_bf16": ("flat", "bf16", "fp32"),
+              "flat_bf16_grads": ("flat", "fp32", "bf16")}  # impl, moments, gradient buffers
 
 
 def ema_fold_traffic(n: int = 1 << 20) -> list:
@@ -89,7 +91,7 @@ def layer_stack(hidden: int, ffn: int, layers: int) -> torch.nn.Module:
     return torch.nn.ModuleList([layer() for _ in range(layers)])
 
 
-def build(impl: str, moments: str, args, device) -> tuple:
+def build(impl: str, moments: str, grads: str, args, device) -> tuple:
     """(megatron optimizer, DDP wrapper) over a fresh layer stack in bf16 with random gradients."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -97,8 +99,9 @@ def build(impl: str, moments: str, args, device) -> tuple:
     module = layer_stack(args.hidden, args.ffn, args.layers).to(device=device, dtype=torch.bfloat16)
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1, bf16=True,
                                params_dtype=torch.bfloat16)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
-    optim = OptimConfig(lr=1e-4, weight_decay=0.1, adam_impl=impl, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=grads == "fp32"), module)
+    optim = OptimConfig(lr=1e-4, weight_decay=0.1, adam_impl=impl, exp_avg_dtype=moments, exp_avg_sq_dtype=moments,
+                        main_grads_dtype=grads)
     optimizer, _ = build_optimizer([ddp], optim, bf16=True, max_steps=1000)
     for buffer in ddp.buffers:
         buffer.grad_data.normal_(generator=torch.Generator(device).manual_seed(1))
@@ -234,7 +237,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.traffic:
         kernels = {"flat_adamw": flat_step_traffic(), "flat_adamw_bf16_moments": flat_step_traffic(moments=torch.bfloat16),
-                   "ema_fold": ema_fold_traffic()}
+                   "flat_adamw_bf16_grads": flat_step_traffic(grads=torch.bfloat16), "ema_fold": ema_fold_traffic()}
         for name, found in kernels.items():
             for fused, per_param in found:
                 print(f"{name}: {'Triton' if fused else 'extern'} kernel, {per_param:.2f} bytes per parameter")
@@ -250,6 +253,7 @@ def main(argv=None) -> dict:
     weights = {name: [p.detach().float() for p in ddp.module.parameters()] for name, (_, ddp) in runs.items()}
     max_diff = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["flat"]))
     max_diff_bf16 = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["flat_bf16"]))
+    max_diff_grads = max((a - b).abs().max().item() for a, b in zip(weights["flat"], weights["flat_bf16_grads"]))
     times = {impl: [] for impl in runs}
     for _ in range(args.repeats):
         for impl, (optimizer, _) in runs.items():
@@ -262,17 +266,21 @@ def main(argv=None) -> dict:
     result = {"device": device_name(), "torch": torch.__version__, "parameters": params,
               "hidden": args.hidden, "ffn": args.ffn, "layers": args.layers,
               "command": "python benchmarks/optimizer_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "max_abs_weight_diff_after_3_steps": max_diff, "max_abs_weight_diff_bf16_moments": max_diff_bf16}
+              "max_abs_weight_diff_after_3_steps": max_diff, "max_abs_weight_diff_bf16_moments": max_diff_bf16,
+              "max_abs_weight_diff_bf16_grads": max_diff_grads}
     for impl, t in times.items():
         ms = statistics.median(t) * 1e3
         result[impl] = {"ms_per_step": ms, "gb_per_s": BYTES_PER_PARAM[impl] * params / (ms * 1e-3) / 1e9}
-        print(f"{impl:9s} {ms:8.3f} ms per optimizer step  {result[impl]['gb_per_s']:8.1f} GB/s "
+        print(f"{impl:15s} {ms:8.3f} ms per optimizer step  {result[impl]['gb_per_s']:8.1f} GB/s "
               f"({BYTES_PER_PARAM[impl]} B/param, {params / 1e6:.0f}M parameters)")
     result["ratio_fused_over_flat"] = result["fused"]["ms_per_step"] / result["flat"]["ms_per_step"]
     result["ratio_flat_over_flat_bf16"] = result["flat"]["ms_per_step"] / result["flat_bf16"]["ms_per_step"]
     print(f"fused+copy / flat: {result['ratio_fused_over_flat']:.3f}x   (max |weight diff| after 3 steps {max_diff:.2e})")
     print(f"flat / flat with bf16 moments: {result['ratio_flat_over_flat_bf16']:.3f}x   "
           f"(max |weight diff| to fused after 3 steps {max_diff_bf16:.2e})")
+    result["ratio_flat_over_flat_bf16_grads"] = result["flat"]["ms_per_step"] / result["flat_bf16_grads"]["ms_per_step"]
+    print(f"flat / flat on bf16 gradient buffers: {result['ratio_flat_over_flat_bf16_grads']:.3f}x   "
+          f"(max |weight diff| to flat after 3 steps {max_diff_grads:.2e}: the gradients drawn in bf16)")
     result["ema"] = ema_side_by_side(runs["flat"][1].module, args, device)
     print("wrote", write_result("optimizer_step", result, args.out))
     return result
