@@ -50,8 +50,8 @@ from dit_mcore.training.config import OptimConfig  # noqa: E402
 from dit_mcore.training.optim import build_optimizer  # noqa: E402
 
 BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33, "flat_bf16": 25, "flat_bf16_grads": 31}
-CANDIDATES = {"fused": ("fused", "fp32", "fp32"), "flat": ("flat", "fp32", "fp32"), "flat_bf16": ("flat", "bf16", "fp32"),
-              "flat_bf16_grads": ("flat", "fp32", "bf16")}  # impl, moments, gradient buffers
+CANDIDATES = {"fused": ("fused", "fp32", "fp32"), "flat": ("flat", "fp32", "fp32"),  # impl, moments, gradient buffers
+              "flat_bf16": ("flat", "bf16", "fp32"), "flat_bf16_grads": ("flat", "fp32", "bf16")}
 
 
 def ema_fold_traffic(n: int = 1 << 20) -> list:

@@ -1,13 +1,13 @@
 """A linear's weight gradient accumulated by its GEMM straight into megatron's ``main_grad``.
 
 megatron DDP keeps every parameter's gradient in one buffer (``param.main_grad``; fp32 unless
-``optim.main_grads_dtype=bf16``). Without apex
-(``fused_weight_gradient_mlp_cuda``, which megatron's ``gradient_accumulation_fusion`` requires),
-the weight-gradient GEMM writes a bf16 gradient and DDP's backward hook then adds it into the buffer
-with one more kernel per parameter: 12 bytes per parameter per micro-batch (13 ms of a MovieGen-3B
-step on an H200). :func:`accumulate_wgrad` lets the GEMM do the add (cuBLAS with the fp32 buffer as
-its C and D, beta 1): 8 bytes per parameter, no second kernel, and the products summed in fp32
-without the bf16 rounding of a separate gradient -- what apex's ``wgrad_gemm_accum_fp32`` does.
+``optim.main_grads_dtype=bf16``). Without apex (``fused_weight_gradient_mlp_cuda``, which megatron's
+``gradient_accumulation_fusion`` requires), the weight-gradient GEMM writes a bf16 gradient and DDP's
+backward hook then adds it into the buffer with one more kernel per parameter: 12 bytes per parameter
+per micro-batch (13 ms of a MovieGen-3B step on an H200). :func:`accumulate_wgrad` lets the GEMM do the
+add (cuBLAS with the fp32 buffer as its C and D, beta 1): 8 bytes per parameter, no second kernel, and
+the products summed in fp32 without the bf16 rounding of a separate gradient -- what apex's
+``wgrad_gemm_accum_fp32`` does.
 
 It is a torch custom op that mutates ``main_grad``: ``torch.compile`` keeps it as one opaque call
 and mutates the buffer in place, no copy. The kernel, by case:

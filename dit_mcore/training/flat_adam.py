@@ -69,11 +69,11 @@ def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale,
                *, beta1: float, beta2: float, eps: float) -> None:
     """One AdamW step (decoupled weight decay, torch's fused-kernel math) over flat fp32 tensors (the
     gradients fp32 or bf16), in place. ``group`` (uint8) picks each element's row of ``hyper``
-    (``[lr, weight_decay]`` per parameter group); ``step`` is the step count after this update; ``grad_scale`` divides the
-    gradients; where ``found_inf`` is nonzero nothing changes; ``out`` (optional) receives the updated
-    weights in its dtype. Moments of a lower precision (bf16) are read into fp32 and stored with
-    stochastic rounding whose random bits hash ``step`` and each element's place (``place``, an int64
-    tensor: :func:`place` of ``param[0]``)."""
+    (``[lr, weight_decay]`` per parameter group); ``step`` is the step count after this update;
+    ``grad_scale`` divides the gradients; where ``found_inf`` is nonzero nothing changes; ``out``
+    (optional) receives the updated weights in its dtype. Moments of a lower precision (bf16) are read
+    into fp32 and stored with stochastic rounding whose random bits hash ``step`` and each element's
+    place (``place``, an int64 tensor: :func:`place` of ``param[0]``)."""
     lr, wd = hyper[:, 0], hyper[:, 1]
     # per group, then looked up per element (int32 indices: Inductor's C++ backend vectorizes them)
     index = group.int()
