@@ -39,6 +39,10 @@
 #           vs bf16 buffers (benchmarks/optimizer_step.py: 33 vs 31 bytes per parameter); MovieGen-3B at 8k tokens
 #           (batch 1, 4 micro-batches), fp32 vs bf16 gradient buffers (optim.main_grads_dtype, same process: half the
 #           bytes zeroed, accumulated and read by the optimizer; 6.2 GiB less), profiled
+#   split   split main weights (optim.split_main_params, ~7 min): MovieGen-3B at 8k tokens with the leanest state
+#           (11 bytes per parameter: bf16 buffers, moments and the weights' int16 remainders; the EMA offloaded) at
+#           batch 2 against batch 1 (2 micro-batches per step): does a second sample per micro-batch fit on 80 GB,
+#           and what the host gains from it (the grads phase times the split step alone: 33 vs 29 B/param)
 #   step    the trainer's step as it stands (~7 min): the fused-AdamW resume and the pipelined-step tests on
 #           CUDA; DiT-XL/2 compiled at batch 128 (device- vs host-decided step, `--step auto,host`) and 256
 #           (separate processes), the 3B packed point at batch 2, each profiled (host syncs, event waits and
@@ -66,7 +70,7 @@
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|grads|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|grads|split|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -137,11 +141,17 @@ case "$phase" in
       --steps 4 --out "$out/train_step_xl_b128_compiled.json" 2>&1 | grep -v -i warn | tail -n 5 || true ;;
   grads)
     timeout 60 python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v -i warn \
-      | tail -n 12 || true
+      | tail -n 14 || true
     timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
       --packed-lens 8192 --batches 1 --accumulation 4 --grads fp32,bf16 --compile 1 --dtype bf16 --moments bf16 \
       --ema-offload 1 --ema-every 10 --profile --warmup 3 --steps 10 --out "$out/throughput_3b_grads.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/3b_grads.txt" | tail -n 60 || true ;;
+  split)  # the leanest state (bf16 gradient buffers and moments, split main weights, the EMA offloaded: 11 B/param,
+    # 34 GiB of the 3B) leaves room for two 8k-token samples per micro-batch: batch 2 against batch 1, 2 micro-batches
+    timeout 420 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 2,1 --accumulation 2 --grads bf16 --split-mains 1 --compile 1 --dtype bf16 \
+      --moments bf16 --ema-offload 1 --ema-every 10 --profile --warmup 3 --steps 10 \
+      --out "$out/throughput_3b_split_b2.jsonl" 2>&1 | grep -v -i warn | tee "$out/3b_split.txt" | tail -n 60 || true ;;
   step)  # JSON lines and printouts come back under $OUT, the plots as one tarball (the tool brings back few files)
     work=/tmp/gpu_step; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider \
@@ -195,10 +205,9 @@ case "$phase" in
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   current)  # each part writes straight under $out (a killed call keeps what finished)
     timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
-      tests/kernels/test_planned_attention.py tests/test_stdit.py tests/test_flat_adam.py \
-      -k "without_blocking or staged or in_bf16 or gradient_buffers or sharded_ema" 2>&1 \
-      | tee "$out/tests.txt" \
-      | tail -n 8 || true
+      tests/kernels/test_planned_attention.py tests/test_stdit.py tests/test_flat_adam.py tests/test_split_main.py \
+      -k "without_blocking or staged or in_bf16 or gradient_buffers or sharded_ema or kernel_steps_split" 2>&1 \
+      | tee "$out/tests.txt" | tail -n 8 || true
     # packed attention as one operator in the compiled layer vs outside the graph: the host's time per layer
     timeout 130 python3 benchmarks/host_overhead.py --warmup 3 --repeats 1 --out "$out/host_overhead.json" 2>&1 | tail -n 4 || true
     # the 3B at batch 1 was host-bound (the host queued a micro-batch in about the device's time): is it still, with

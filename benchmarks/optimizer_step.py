@@ -12,8 +12,9 @@ kernel. The gain to expect is bandwidth (a generated elementwise kernel reached 
 not bytes. Third, the flat step with both moments in bf16 (``optim.exp_avg_dtype`` /
 ``exp_avg_sq_dtype``, stochastic rounding whose bits the kernel computes): 25 bytes per parameter,
 and 4 bytes less state. Fourth, the flat step reading bf16 gradient buffers (``optim.main_grads_dtype``):
-31 bytes per parameter. ``--traffic`` prints, without a GPU, what Inductor schedules for the flat step and the
-EMA fold on an H100: their Triton kernels and bytes per parameter.
+31 bytes per parameter. Fifth, the flat step over split main weights (``optim.split_main_params``: the bf16
+weights plus int16 remainders, 2 bytes less state): 29. ``--traffic`` prints, without a GPU, what Inductor
+schedules for the flat step and the EMA fold on an H100: their Triton kernels and bytes per parameter.
 
     python benchmarks/optimizer_step.py                       # GPU: MovieGen-3B's widths, 8 layers
     python benchmarks/optimizer_step.py --hidden 256 --ffn 1024 --layers 4   # CPU-sized
@@ -49,9 +50,10 @@ from dit_mcore.parallel.initialize import initialize_distributed  # noqa: E402
 from dit_mcore.training.config import OptimConfig  # noqa: E402
 from dit_mcore.training.optim import build_optimizer  # noqa: E402
 
-BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33, "flat_bf16": 25, "flat_bf16_grads": 31}
-CANDIDATES = {"fused": ("fused", "fp32", "fp32"), "flat": ("flat", "fp32", "fp32"),  # impl, moments, gradient buffers
-              "flat_bf16": ("flat", "bf16", "fp32"), "flat_bf16_grads": ("flat", "fp32", "bf16")}
+BYTES_PER_PARAM = {"fused": 28 + 6, "flat": 33, "flat_bf16": 25, "flat_bf16_grads": 31, "flat_split": 29}
+CANDIDATES = {"fused": ("fused", "fp32", "fp32", False), "flat": ("flat", "fp32", "fp32", False),
+              "flat_bf16": ("flat", "bf16", "fp32", False), "flat_bf16_grads": ("flat", "fp32", "bf16", False),
+              "flat_split": ("flat", "fp32", "fp32", True)}  # impl, moments, gradient buffers, split main weights
 
 
 def ema_fold_traffic(n: int = 1 << 20) -> list:
@@ -65,18 +67,21 @@ def ema_fold_traffic(n: int = 1 << 20) -> list:
 
 
 def flat_step_traffic(n: int = 1 << 20, moments: torch.dtype = torch.float32,
-                      grads: torch.dtype = torch.float32) -> list:
+                      grads: torch.dtype = torch.float32, split: bool = False) -> list:
     """``(Triton kernel?, bytes per parameter)`` of each kernel Inductor schedules on an H100 for one
     flat AdamW step over ``n`` parameters (with gradient scale, skip flag and bf16 output; the moments
-    of ``moments``, the gradients of ``grads``), counted on the CPU (``fusion_traffic.TrafficRecorder``)."""
+    of ``moments``, the gradients of ``grads``; ``split``: the main weights as the bf16 output and an
+    int16 remainder), counted on the CPU (``fusion_traffic.TrafficRecorder``)."""
     from fusion_traffic import TrafficRecorder
-    from dit_mcore.training.flat_adam import adamw_flat
+    from dit_mcore.training.flat_adam import adamw_flat, variants
     recorder = TrafficRecorder()
     step = torch.compile(adamw_flat, backend=recorder.backend, fullgraph=True, dynamic=False)
-    step(torch.randn(n), torch.randn(n).to(grads), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments),
-         torch.zeros(n, dtype=torch.uint8), torch.tensor([[1e-3, 0.1], [1e-3, 0.0]]), torch.tensor(1.0),
-         torch.tensor(1.0), torch.tensor(0.0), torch.empty(n, dtype=torch.bfloat16), torch.tensor(0),
-         beta1=0.9, beta2=0.999, eps=1e-8)
+    with variants():  # (a process that compiled the step's other variants already)
+        step(None if split else torch.randn(n), torch.randn(n).to(grads), torch.zeros(n, dtype=moments),
+             torch.zeros(n, dtype=moments), torch.zeros(n, dtype=torch.uint8),
+             torch.tensor([[1e-3, 0.1], [1e-3, 0.0]]), torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0.0),
+             torch.randn(n).to(torch.bfloat16), torch.tensor(0), torch.zeros(n, dtype=torch.int16) if split else None,
+             beta1=0.9, beta2=0.999, eps=1e-8)
     return [(k.fused, k.bytes / n) for k in recorder.kernels]
 
 
@@ -91,7 +96,7 @@ def layer_stack(hidden: int, ffn: int, layers: int) -> torch.nn.Module:
     return torch.nn.ModuleList([layer() for _ in range(layers)])
 
 
-def build(impl: str, moments: str, grads: str, args, device) -> tuple:
+def build(impl: str, moments: str, grads: str, split_mains: bool, args, device) -> tuple:
     """(megatron optimizer, DDP wrapper) over a fresh layer stack in bf16 with random gradients."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -101,7 +106,7 @@ def build(impl: str, moments: str, grads: str, args, device) -> tuple:
                                params_dtype=torch.bfloat16)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=grads == "fp32"), module)
     optim = OptimConfig(lr=1e-4, weight_decay=0.1, adam_impl=impl, exp_avg_dtype=moments, exp_avg_sq_dtype=moments,
-                        main_grads_dtype=grads)
+                        main_grads_dtype=grads, split_main_params=split_mains)
     optimizer, _ = build_optimizer([ddp], optim, bf16=True, max_steps=1000)
     for buffer in ddp.buffers:
         buffer.grad_data.normal_(generator=torch.Generator(device).manual_seed(1))
@@ -237,7 +242,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.traffic:
         kernels = {"flat_adamw": flat_step_traffic(), "flat_adamw_bf16_moments": flat_step_traffic(moments=torch.bfloat16),
-                   "flat_adamw_bf16_grads": flat_step_traffic(grads=torch.bfloat16), "ema_fold": ema_fold_traffic()}
+                   "flat_adamw_bf16_grads": flat_step_traffic(grads=torch.bfloat16),
+                   "flat_adamw_split_main_weights": flat_step_traffic(split=True), "ema_fold": ema_fold_traffic()}
         for name, found in kernels.items():
             for fused, per_param in found:
                 print(f"{name}: {'Triton' if fused else 'extern'} kernel, {per_param:.2f} bytes per parameter")
@@ -254,6 +260,7 @@ def main(argv=None) -> dict:
     max_diff = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["flat"]))
     max_diff_bf16 = max((a - b).abs().max().item() for a, b in zip(weights["fused"], weights["flat_bf16"]))
     max_diff_grads = max((a - b).abs().max().item() for a, b in zip(weights["flat"], weights["flat_bf16_grads"]))
+    max_diff_split = max((a - b).abs().max().item() for a, b in zip(weights["flat"], weights["flat_split"]))
     times = {impl: [] for impl in runs}
     for _ in range(args.repeats):
         for impl, (optimizer, _) in runs.items():
@@ -267,7 +274,7 @@ def main(argv=None) -> dict:
               "hidden": args.hidden, "ffn": args.ffn, "layers": args.layers,
               "command": "python benchmarks/optimizer_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "max_abs_weight_diff_after_3_steps": max_diff, "max_abs_weight_diff_bf16_moments": max_diff_bf16,
-              "max_abs_weight_diff_bf16_grads": max_diff_grads}
+              "max_abs_weight_diff_bf16_grads": max_diff_grads, "max_abs_weight_diff_split": max_diff_split}
     for impl, t in times.items():
         ms = statistics.median(t) * 1e3
         result[impl] = {"ms_per_step": ms, "gb_per_s": BYTES_PER_PARAM[impl] * params / (ms * 1e-3) / 1e9}
@@ -281,6 +288,9 @@ def main(argv=None) -> dict:
     result["ratio_flat_over_flat_bf16_grads"] = result["flat"]["ms_per_step"] / result["flat_bf16_grads"]["ms_per_step"]
     print(f"flat / flat on bf16 gradient buffers: {result['ratio_flat_over_flat_bf16_grads']:.3f}x   "
           f"(max |weight diff| to flat after 3 steps {max_diff_grads:.2e}: the gradients drawn in bf16)")
+    result["ratio_flat_over_flat_split"] = result["flat"]["ms_per_step"] / result["flat_split"]["ms_per_step"]
+    print(f"flat / flat with split main weights: {result['ratio_flat_over_flat_split']:.3f}x   "
+          f"(max |weight diff| to flat after 3 steps {max_diff_split:.2e}: rounding ties only)")
     result["ema"] = ema_side_by_side(runs["flat"][1].module, args, device)
     print("wrote", write_result("optimizer_step", result, args.out))
     return result

@@ -72,7 +72,8 @@ def run_config(point: dict, run_dir: str):
         data=data,
         optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant", adam_impl=point.get("adam", "auto"),
                           exp_avg_dtype=point.get("moments", "fp32"), exp_avg_sq_dtype=point.get("moments", "fp32"),
-                          main_grads_dtype=point.get("grads", "fp32")),
+                          main_grads_dtype=point.get("grads", "fp32"),
+                          split_main_params=point.get("split_mains", False)),
         diffusion=DiffusionConfig(objective="flow"),
         trainer=TrainerConfig(max_steps=10 ** 6, bf16=point["dtype"] == "bf16", save_interval=10 ** 6,
                               ema_every=point.get("ema_every", 1), ema_offload=point.get("ema_offload", False)),
@@ -261,6 +262,7 @@ def variant(point: dict) -> str:
              "EMA offloaded" if point.get("ema_offload") else "",
              f"moments={point['moments']}" if point.get("moments", "fp32") != "fp32" else "",
              f"grads={point['grads']}" if point.get("grads", "fp32") != "fp32" else "",
+             "main weights split" if point.get("split_mains") else "",
              "options=" + ",".join(f"{k}={v}" for k, v in point["compile_options"].items())
              if point.get("compile_options") else "",
              f"mode={point['compile_mode']}" if point.get("compile_mode") else ""]
@@ -349,6 +351,9 @@ def main(argv=None) -> list[dict]:
                    "(bf16: Adam's moments in bf16 in the flat step, 4 bytes per parameter less)")
     p.add_argument("--grads", default="fp32", help="optim.main_grads_dtype: any of fp32,bf16 (bf16: megatron DDP's "
                    "gradient buffers in bf16, read by the flat step; bf16 runs only)")
+    p.add_argument("--split-mains", default="0", help="optim.split_main_params: any of 0,1 (1: the fp32 main "
+                   "weights as the bf16 weights plus int16 remainders, 2 bytes per parameter less; the flat step, "
+                   "bf16 runs only)")
     p.add_argument("--compile-mode", default="default", help="model.compile_mode with --compile 1: any of "
                    "default,max-autotune-no-cudagraphs")
     p.add_argument("--compile-options", default="none", help="model.compile_options with --compile 1, alternatives "
@@ -379,19 +384,21 @@ def main(argv=None) -> list[dict]:
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
                "step": step, "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
                "ema_every": ema, "ema_offload": bool(int(offload)), "moments": moments, "grads": grads,
-               "compile_options": options, "compile_mode": None if mode == "default" else mode}
+               "split_mains": bool(int(split)), "compile_options": options,
+               "compile_mode": None if mode == "default" else mode}
               for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, ema, offload, moments, grads,
-              options, mode
+              split, options, mode
               in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
                   _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
                   _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int),
                   _list(args.ema_every, int), _list(args.ema_offload), _list(args.moments), _list(args.grads),
-                  compile_option_sets(args.compile_options),
+                  _list(args.split_mains), compile_option_sets(args.compile_options),
                   _list(args.compile_mode))
               if not (rc == "norm" and int(c))  # norm recompute does not trace under compile
               and not (moments != "fp32" and adam in ("fused", "foreach"))  # bf16 moments: the flat step only
               and not (grads != "fp32" and args.dtype != "bf16")  # bf16 gradient buffers: bf16 runs only
+              and not (int(split) and (args.dtype != "bf16" or adam in ("fused", "foreach")))  # split: flat, bf16
               and (int(c) or (mode == "default" and options is None))]  # a compile mode or options need compile
     out = result_path("throughput", args.out, ext="jsonl")
     command = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])

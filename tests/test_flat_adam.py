@@ -317,7 +317,9 @@ def test_on_an_h100_the_flat_step_is_one_triton_kernel():
     """What Inductor schedules for the step on an H100 (counted on the CPU): one Triton kernel moving
     33 bytes per parameter (gradient, weight and moments read; weight, moments and the bf16 copy
     written; the group byte) — the two passes it replaces move 34 (torch's fused AdamW, then a
-    casting copy per tensor); 25 with both moments in bf16, 31 with bf16 gradients."""
+    casting copy per tensor); 25 with both moments in bf16, 31 with bf16 gradients; split main weights
+    (``optim.split_main_params``) 4 fewer by its count (the bf16 and int16 halves read and written where
+    the fp32 weight was, and the bf16 copy counted read too): 29, and 19 with bf16 moments and gradients."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -333,6 +335,10 @@ def test_on_an_h100_the_flat_step_is_one_triton_kernel():
     kernels = flat_step_traffic(1 << 16, grads=torch.bfloat16)
     assert len(kernels) == 1 and kernels[0][0], kernels
     assert kernels[0][1] == pytest.approx(31, abs=0.01)
+    for kw, per_param in ((dict(), 29), (dict(moments=torch.bfloat16, grads=torch.bfloat16), 19)):
+        kernels = flat_step_traffic(1 << 16, split=True, **kw)
+        assert len(kernels) == 1 and kernels[0][0], kernels
+        assert kernels[0][1] == pytest.approx(per_param, abs=0.01)
 
 
 def test_a_range_holding_another_parts_weights_is_refused(tmp_path):

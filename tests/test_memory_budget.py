@@ -27,6 +27,8 @@ B = 3.31e9  # MovieGen-3B's parameters (tests/test_llama.py)
     (dict(bf16=True, distributed_optimizer=True, moment_bytes=4, shards=8), 2 + 4 + 8 / 8 + 4),
     (dict(bf16=True, grad_bytes=2), 24),                    # optim.main_grads_dtype=bf16: + megatron's fp32 copies
     (dict(bf16=True, distributed_optimizer=True, grad_bytes=2, shards=8), 2 + 2 + 16 / 8 + 4),
+    (dict(bf16=True, main_bytes=2), 20),                    # optim.split_main_params
+    (dict(bf16=True, distributed_optimizer=True, main_bytes=2, shards=8), 2 + 4 + 10 / 8 + 4),
 ])
 def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     shards = layout.pop("shards", 1)
@@ -47,10 +49,13 @@ def test_bytes_per_parameter_by_layout(layout, bytes_per_param):
     # and the flat AdamW reads them (any other step has megatron copy them into fp32: nothing saved)
     grads_saved = (kw.get("grad_bytes", 4) - 2) * B if kw["bf16"] and not kw["fsdp"] else 0
     assert flat.bf16_grads_save == pytest.approx(grads_saved) and budget.bf16_grads_save == 0
+    # what split main weights would save: where the step is flat, in bf16 runs, not under FSDP
+    mains_saved = (kw.get("main_bytes", 4) - 2) * B / state_shards if kw["bf16"] and not kw["fsdp"] else 0
+    assert flat.split_mains_save == pytest.approx(mains_saved) and budget.split_mains_save == 0
 
 
 @pytest.mark.parametrize("bf16, impl", [(False, "fused"), (True, "fused"), (True, "flat"), (True, "flat_bf16"),
-                                       (True, "flat_bf16grads"), (True, "fused_bf16grads")])
+                                       (True, "flat_bf16grads"), (True, "fused_bf16grads"), (True, "flat_split")])
 def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
     """After a step (Adam's moments exist): the model's weights, megatron DDP's gradient buffers, the
     optimizer's fp32 main weights and moments (the flat AdamW's ranges: moments and a group byte per
@@ -61,13 +66,15 @@ def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
         cfg.optim.exp_avg_dtype = cfg.optim.exp_avg_sq_dtype = "bf16"
     if impl.endswith("bf16grads"):  # bf16 gradient buffers (fused: with megatron's fp32 copies of them)
         cfg.optim.main_grads_dtype = "bf16"
+    cfg.optim.split_main_params = impl == "flat_split"  # main weights: the model's plus int16 remainders
     trainer = Trainer(cfg)
     trainer.train_step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     adams = torch_adams(trainer.optimizer)
     if impl.startswith("flat"):
         ranges = [r for inner in adams for r in inner.ranges]
-        main, adam = nbytes(r.main for r in ranges), nbytes(t for r in ranges for t in (r.exp_avg, r.exp_avg_sq, r.group))
+        main = nbytes(r.rem if r.main is None else r.main for r in ranges)
+        adam = nbytes(t for r in ranges for t in (r.exp_avg, r.exp_avg_sq, r.group))
     else:
         main = nbytes(p for inner in adams for g in inner.param_groups for p in g["params"])
         adam = nbytes(s[k] for inner in adams for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq"))
@@ -132,6 +139,11 @@ def test_a_state_that_cannot_fit_is_refused_before_compute(tmp_path, monkeypatch
     with pytest.raises(ConfigError) as err:
         Trainer(cfg)
     assert "main_grads_dtype" not in str(err.value)
+    assert "optim.split_main_params=True (-" in str(err.value)  # offered to the flat step (auto picks it)
+    cfg.optim.split_main_params = True
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert "split_main_params" not in str(err.value)
     monkeypatch.setattr(memory, "device_memory", lambda device: 2 ** 30)
     Trainer(tiny_run(tmp_path)).train_step()
 

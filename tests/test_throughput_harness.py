@@ -114,14 +114,16 @@ def test_ema_axes_reach_the_trainer_config(tmp_path):
 
 
 def test_moment_and_gradient_dtype_axes_reach_the_trainer_config(tmp_path):
-    """``--moments`` and ``--grads`` (bf16 gradient buffers: bf16 runs only, fp32 points keep fp32 ones)."""
+    """``--moments``, ``--grads`` and ``--split-mains`` (bf16 gradient buffers and split main weights: bf16
+    runs only, fp32 points keep fp32 ones)."""
     out = tmp_path / "tp.jsonl"
     throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2", "--grads", "fp32,bf16",
-                     "--moments", "bf16", "--steps", "2", "--warmup", "1", "--out", str(out)])
+                     "--split-mains", "0,1", "--moments", "bf16", "--steps", "2", "--warmup", "1", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["moments"], r["grads"]) for r in rows] == [("bf16", "fp32")]  # fp32 run: no bf16 gradient point
-    optim = throughput.run_config(dict(rows[0], dtype="bf16", grads="bf16"), str(tmp_path)).optim
+    assert [(r["moments"], r["grads"], r["split_mains"]) for r in rows] == [("bf16", "fp32", False)]  # fp32 run
+    optim = throughput.run_config(dict(rows[0], dtype="bf16", grads="bf16", split_mains=True), str(tmp_path)).optim
     assert optim.main_grads_dtype == "bf16" and optim.exp_avg_dtype == optim.exp_avg_sq_dtype == "bf16"
+    assert optim.split_main_params
 
 
 def test_compile_option_alternatives_parse_into_option_dicts():

@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
 from dit_mcore.training import torch_optimizer
+from dit_mcore.training.split_main import whole_main_weights
 from energon_data.lifetime import helper_init, preemption_signals_blocked
 
 log = logging.getLogger(__name__)
@@ -185,10 +186,6 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
     dist.barrier()
     if torch_optimizer.uses_torch_optimizer():  # before the first step: the (zero) state a load expects
         torch_optimizer.init_adam_state(optimizer)
-    with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
-        state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra, ema_partial=ema_partial,
-                                            per_rank={**per_rank, "rng": rng_state()}))
-        request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
 
     def publish():
         if dist.get_rank() == 0:
@@ -203,10 +200,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
                     shutil.rmtree(old, ignore_errors=True)
             log.info("saved checkpoint %s", final)
 
-    if async_queue is not None:
-        request.add_finalize_fn(publish)  # runs on every rank once all have written (metadata.json first)
-        async_queue.schedule_async_request(request)
-        return final
+    with whole_main_weights(optimizer):  # split main weights: fp32 until the tensors are snapshot
+        with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
+            state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra,
+                                                ema_partial=ema_partial, per_rank={**per_rank, "rng": rng_state()}))
+            request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
+        if async_queue is not None:
+            request.add_finalize_fn(publish)  # runs on every rank once all have written (metadata.json first)
+            async_queue.schedule_async_request(request)  # (copies the tensors to the host now)
+            return final
     dist.barrier()
     publish()
     dist.barrier()
@@ -269,17 +271,18 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
     if torch_optimizer.uses_torch_optimizer():
         torch_optimizer.init_adam_state(optimizer)
     rank_keys = {**per_rank, "rng": None} if restore_rng else per_rank
-    with whole_checkpoint_view((model, ema_model), optimizer, loading=True) as view:  # FSDP: into whole copies
-        template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys, is_loading=True,
-                                 ema_partial=ema_partial)
-        refuse_other_model(path, template["ema"], saved_arch, arch or {})
-        partial = {"ema": template.pop("ema")} if ema_partial else None
-        loaded = dist_checkpointing.load(template, str(path))
-        if partial is not None:  # each rank reads the tensors its shards cut: no cover of every tensor by
-            loaded["ema"] = dist_checkpointing.load(  # one main replica to validate
-                partial, str(path), validate_access_integrity=False)["ema"]
-        view.optimizer.load_state_dict(loaded.pop("optimizer"))
-    view.load_module(model, loaded.pop("model"))
+    with whole_main_weights(optimizer, loading=True):  # split main weights: split again after the model's load
+        with whole_checkpoint_view((model, ema_model), optimizer, loading=True) as view:  # FSDP: into whole copies
+            template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys,
+                                     is_loading=True, ema_partial=ema_partial)
+            refuse_other_model(path, template["ema"], saved_arch, arch or {})
+            partial = {"ema": template.pop("ema")} if ema_partial else None
+            loaded = dist_checkpointing.load(template, str(path))
+            if partial is not None:  # each rank reads the tensors its shards cut: no cover of every tensor by
+                loaded["ema"] = dist_checkpointing.load(  # one main replica to validate
+                    partial, str(path), validate_access_integrity=False)["ema"]
+            view.optimizer.load_state_dict(loaded.pop("optimizer"))
+        view.load_module(model, loaded.pop("model"))
     ema = {k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()}
     ema.update({k: v for k, v in ema_model.state_dict().items() if k not in ema and v.is_meta})  # (not loaded here)
     view.load_module(ema_model, ema)

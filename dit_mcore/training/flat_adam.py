@@ -46,6 +46,10 @@ weight holds a gradient. megatron's own ``step``, ``clip_grad_norm`` and ``count
 find no gradients to clip or count: they are refused (the trainer steps through
 :func:`dit_mcore.training.optim.step_if_finite` and ``step_on_device``, which clip in the kernel).
 
+The main weights of bf16 model weights may be split (``optim.split_main_params``): no fp32 tensor holds
+them; the kernel joins each from its model weight and an int16 remainder and writes both halves back
+(:mod:`dit_mcore.training.split_main`, which also joins them for checkpoints).
+
 What it costs in accuracy (``tests/test_flat_adam.py``): the first moment's rounding noise lasts its
 ~10 steps of memory and moves the weights by ~1e-4 relative; the second moment's lasts its ~1,000
 steps (``beta2 = 0.999``) and gives each weight's step size a few percent of noise, unbiased.
@@ -60,20 +64,25 @@ from typing import NamedTuple, Optional
 import torch
 
 from dit_mcore.config import ConfigError
+from dit_mcore.training import split_main
 from kernels.host_copy import to_device
 
 log = logging.getLogger(__name__)
 
 
 def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale, found_inf, out, place=None,
-               *, beta1: float, beta2: float, eps: float) -> None:
+               rem=None, *, beta1: float, beta2: float, eps: float) -> None:
     """One AdamW step (decoupled weight decay, torch's fused-kernel math) over flat fp32 tensors (the
     gradients fp32 or bf16), in place. ``group`` (uint8) picks each element's row of ``hyper``
     (``[lr, weight_decay]`` per parameter group); ``step`` is the step count after this update;
     ``grad_scale`` divides the gradients; where ``found_inf`` is nonzero nothing changes; ``out``
     (optional) receives the updated weights in its dtype. Moments of a lower precision (bf16) are read
     into fp32 and stored with stochastic rounding whose random bits hash ``step`` and each element's
-    place (``place``, an int64 tensor: :func:`place` of ``param[0]``)."""
+    place (``place``, an int64 tensor: :func:`place` of ``param[0]``). With ``rem`` (int16) the fp32
+    weights are ``out`` and ``rem`` joined (:mod:`dit_mcore.training.split_main`; ``param`` is None) and
+    are written back split."""
+    if rem is not None:
+        param = split_main.join(out, rem)
     lr, wd = hyper[:, 0], hyper[:, 1]
     # per group, then looked up per element (int32 indices: Inductor's C++ backend vectorizes them)
     index = group.int()
@@ -90,9 +99,14 @@ def adamw_flat(param, grad, exp_avg, exp_avg_sq, group, hyper, step, grad_scale,
     if found_inf is not None:
         skip = found_inf != 0
         p, m, v = torch.where(skip, param, p), torch.where(skip, exp_avg, m), torch.where(skip, exp_avg_sq, v)
-    param.copy_(p)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
+    if rem is not None:
+        upper, remainder = split_main.split(p)
+        out.copy_(upper)
+        rem.copy_(remainder)
+        return
+    param.copy_(p)
     if out is not None:
         out.copy_(p)
 
@@ -160,18 +174,24 @@ class Slot(NamedTuple):
     start: int
     end: int
 
+    def model_view(self) -> torch.Tensor:
+        """The elements of the model weight that this main weight covers, flat (a view)."""
+        return self.model.detach().view(-1)[self.model_offset:self.model_offset + self.end - self.start]
+
 
 @dataclass
 class FlatRange:
     """A contiguous range of one megatron gradient buffer and the flat tensors aligned with it."""
     grad: torch.Tensor                  # a view of megatron's grad_data
-    main: torch.Tensor                  # fp32 main weights
+    main: Optional[torch.Tensor]        # fp32 main weights; None where they are split (rem)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     group: torch.Tensor                 # uint8: each element's parameter group
     out: Optional[torch.Tensor]         # model weights of a lower precision (bf16), else None
     place: Optional[torch.Tensor] = None  # int64: where the range starts in which buffer (rounding_bits)
     members: list = field(default_factory=list)  # Slots, their start/end rebased to the range
+    rem: Optional[torch.Tensor] = None  # int16: the main weights' lower halves, ``out`` their upper ones
+    whole: Optional[torch.Tensor] = None  # split main weights joined, inside split_main.whole_main_weights
 
 
 class FlatAdamW(torch.optim.AdamW):
@@ -258,18 +278,24 @@ class FlatAdamW(torch.optim.AdamW):
             raise ValueError("optim.adam_impl=flat: the loaded Adam states count different steps per parameter; "
                              "resume with optim.adam_impl=fused")
 
+    @property
+    def splits(self) -> bool:
+        """Whether the main weights are split (``optim.split_main_params``: no fp32 tensor holds them)."""
+        return any(r.rem is not None for r in self.ranges)
+
     def _layout_holds(self) -> tuple:
         """(gradients and main weights still views of their slots, model weights too)."""
         mains = models = True
         for r in self.ranges:
-            gbase, mbase, size = r.grad.data_ptr(), r.main.data_ptr(), r.main.element_size()
+            gbase = r.grad.data_ptr()
+            mbase = r.main.data_ptr() if r.main is not None else None
             obase = r.out.data_ptr() if r.out is not None else None
             reads_buffer = self._reads_buffer(r)
             for m in r.members:
                 grad = m.main.grad
                 grad_moved = not reads_buffer and (grad is None
                                                    or grad.data_ptr() != gbase + m.start * grad.element_size())
-                if grad_moved or m.main.data_ptr() != mbase + m.start * size:
+                if grad_moved or (mbase is not None and m.main.data_ptr() != mbase + m.start * 4):
                     mains = False
                 elif obase is not None and (m.model.data_ptr() + m.model_offset * m.model.element_size()
                                             != obase + m.start * r.out.element_size()):
@@ -281,7 +307,7 @@ class FlatAdamW(torch.optim.AdamW):
         self._rehome_states()
         mains, models = self._layout_holds()
         needs_kernel = (any(t.dtype != torch.float32 for t in (self.ranges[0].exp_avg, self.ranges[0].exp_avg_sq))
-                        or self.reads_buffers())  # states torch's fused AdamW cannot step
+                        or self.reads_buffers() or self.splits)  # states torch's fused AdamW cannot step
         if not mains and not needs_kernel:
             if not self._warned:
                 log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
@@ -297,26 +323,30 @@ class FlatAdamW(torch.optim.AdamW):
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         self._steps.add_(1.0)
         with variants():
-            if mains:
+            if mains and (models or not self.splits):
                 for r in self.ranges:
                     self._kernel(r.main, r.grad, r.exp_avg, r.exp_avg_sq, r.group, hyper, self._steps[0], grad_scale,
-                                 found_inf, r.out if models else None, r.place, beta1=beta1, beta2=beta2, eps=eps)
-            else:  # bf16 moments or gradients, which torch's fused AdamW cannot step: the kernel per parameter
+                                 found_inf, r.out if models else None, r.place, r.rem, beta1=beta1, beta2=beta2,
+                                 eps=eps)
+            else:  # states torch's fused AdamW cannot step (bf16 moments or gradients, split main weights)
                 if not self._warned:
-                    log.warning("flat AdamW: a gradient or main weight is no longer a view of its flat buffer; "
+                    log.warning("flat AdamW: a gradient or weight is no longer a view of its flat buffer; "
                                 "stepping each parameter apart")
                     self._warned = True
                 for r in self.ranges:
                     for m in r.members:
                         grad = r.grad[m.start:m.end] if self._reads_buffer(r) else m.main.grad
-                        if grad is not None:
-                            self._kernel(m.main.detach().view(-1), grad.view(-1), r.exp_avg[m.start:m.end],
-                                         r.exp_avg_sq[m.start:m.end], r.group[m.start:m.end], hyper, self._steps[0],
-                                         grad_scale, found_inf, None, r.place + m.start, beta1=beta1, beta2=beta2,
-                                         eps=eps)
+                        if grad is None:
+                            continue
+                        split = r.rem is not None  # then the model weight is the main weight's upper half
+                        self._kernel(None if split else m.main.detach().view(-1), grad.view(-1),
+                                     r.exp_avg[m.start:m.end], r.exp_avg_sq[m.start:m.end], r.group[m.start:m.end],
+                                     hyper, self._steps[0], grad_scale, found_inf, m.model_view() if split else None,
+                                     r.place + m.start, r.rem[m.start:m.end] if split else None, beta1=beta1,
+                                     beta2=beta2, eps=eps)
         if found_inf is not None:  # a skipped step leaves the counts too (torch's fused kernel does so)
             self._steps.sub_(found_inf)
-        self.wrote_model_weights = self._written = mains and models
+        self.wrote_model_weights = self._written = (mains and models) or self.splits
         return None
 
     def take_written_weights(self) -> bool:
@@ -329,24 +359,28 @@ class FlatAdamW(torch.optim.AdamW):
 # ---- building the ranges from megatron's optimizer and DDP buffers
 
 
-def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float32)) -> int:
+def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float32), split_mains: bool = False) -> int:
     """Step every part of a megatron optimizer (possibly chained) that fits with :class:`FlatAdamW`,
-    its moments (exp_avg, exp_avg_sq) of the dtypes ``moments``; megatron's main-to-model weight copy
+    its moments (exp_avg, exp_avg_sq) of the dtypes ``moments``, the main weights of bf16 model weights
+    split (``split_mains``: :mod:`dit_mcore.training.split_main`); megatron's main-to-model weight copy
     after a step is skipped when the step wrote the model weights. A part that does not fit keeps
-    torch's AdamW (the reason logged), unless it would have to keep moments of a lower precision,
-    which only the flat step has. Returns how many parts were flattened."""
+    torch's AdamW (the reason logged), unless it would have to keep moments of a lower precision or
+    split main weights, which only the flat step has. Returns how many parts were flattened."""
     parts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
              if not getattr(part, "is_stub_optimizer", False)]
     unfit = [_unfit(part, ddp_chunks) for part in parts]
     if moments != (torch.float32, torch.float32) and any(unfit):  # (before any part is changed)
         raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype below fp32 need the flat AdamW for every "
                           f"parameter, but {next(why for why in unfit if why)}; set both to fp32")
+    if split_mains and any(unfit):
+        raise ConfigError(f"optim.split_main_params=True needs the flat AdamW for every parameter, but "
+                          f"{next(why for why in unfit if why)}; set optim.split_main_params=False")
     flattened = 0
     for part, why in zip(parts, unfit):
         if why:
             log.info("optim.adam_impl=flat: %s; that part steps torch's fused AdamW", why)
             continue
-        part.optimizer = inner = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks, moments))
+        part.optimizer = inner = FlatAdamW(part.optimizer, _ranges(part, ddp_chunks, moments, split_mains))
         if inner.reads_buffers():  # bf16 gradient buffers: no fp32 copy of them, the norm reads them too
             part._copy_model_grads_to_main_grads = inner.attach_main_grads
             part.get_main_grads_for_grad_norm = lambda inner=inner, part=part: inner.grads_for_norm(
@@ -356,10 +390,25 @@ def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float3
                     setattr(holder, name, _clips_nothing(name))
         copy = getattr(part, "_copy_main_params_to_model_params", None)
         if copy is not None:  # mixed precision: megatron copies right after the step
-            part._copy_main_params_to_model_params = lambda inner=part.optimizer, copy=copy: (
-                None if inner.take_written_weights() else copy())
+            part._copy_main_params_to_model_params = lambda inner=inner, copy=copy: (
+                None if inner.take_written_weights() or inner.splits else copy())
+        if inner.splits:  # main weights set from the model weights (reload_model_params): remainders 0
+            part._copy_model_params_to_main_params = lambda state_dict=None, inner=inner, copy=(
+                part._copy_model_params_to_main_params): _reset_split(inner, copy, state_dict)
         flattened += 1
     return flattened
+
+
+def _reset_split(inner: FlatAdamW, copy, state_dict) -> None:
+    """megatron's model-to-main weight copy where the main weights are split: each main weight is its
+    model weight exactly, remainder 0; inside ``split_main.whole_main_weights`` megatron's own copy
+    into the joined fp32 tensors (split again on leaving)."""
+    if any(r.whole is not None for r in inner.ranges):
+        copy(state_dict=state_dict)
+        return
+    for r in inner.ranges:
+        if r.rem is not None:
+            r.rem.zero_()
 
 
 def _clips_nothing(name: str):
@@ -462,10 +511,11 @@ def _repoint(params_at: list, flat: torch.Tensor, lo: int) -> None:
         t.data = view.view(t.data.shape)
 
 
-def _ranges(part, ddp_chunks, moments: tuple) -> list:
+def _ranges(part, ddp_chunks, moments: tuple, split_mains: bool = False) -> list:
     """The :class:`FlatRange` of each contiguous range of ``part``'s main weights, its moments of the
     dtypes ``moments``; moves main (and, without a megatron parameter buffer, model) weights into
-    flat buffers."""
+    flat buffers; ``split_mains``: the main weights of bf16 model weights are split instead (their
+    fp32 tensors freed)."""
     group_of = {p: i for i, g in enumerate(part.optimizer.param_groups) for p in g["params"]}
     number = {id(b): i for i, b in enumerate(b for c in ddp_chunks for b in c.buffers + c.expert_parallel_buffers)}
     ranges = []
@@ -489,9 +539,17 @@ def _ranges(part, ddp_chunks, moments: tuple) -> list:
         group = torch.zeros(hi - lo, dtype=torch.uint8, device=device)
         for m in members:
             group[m.start - lo:m.end - lo] = group_of[m.main]
+        rem = None
+        if split_mains and out is not None:  # the model weights become the main weights' upper halves
+            upper, rem = split_main.split(main)
+            out.copy_(upper)
+            main = None
+            for m in members:
+                m.main.data = split_main.stand_in(m.main)
         ranges.append(FlatRange(grad=buffer.grad_data[lo:hi], main=main,
-                                exp_avg=torch.zeros_like(main, dtype=moments[0]),
-                                exp_avg_sq=torch.zeros_like(main, dtype=moments[1]), group=group, out=out,
-                                members=[m._replace(start=m.start - lo, end=m.end - lo) for m in members],
-                                place=torch.tensor(place(lo, number[id(buffer)]), dtype=torch.int64, device=device)))
+                                exp_avg=torch.zeros(hi - lo, dtype=moments[0], device=device),
+                                exp_avg_sq=torch.zeros(hi - lo, dtype=moments[1], device=device), group=group,
+                                out=out, members=[m._replace(start=m.start - lo, end=m.end - lo) for m in members],
+                                place=torch.tensor(place(lo, number[id(buffer)]), dtype=torch.int64, device=device),
+                                rem=rem))
     return ranges

@@ -41,6 +41,9 @@ class StateBudget:
     bf16_grads_save: float = 0.0
     """What bf16 gradient buffers (``optim.main_grads_dtype``) would take off (0 where they are already,
     in fp32 runs and under FSDP)."""
+    split_mains_save: float = 0.0
+    """What split main weights (``optim.split_main_params``) would take off (0 where they are already,
+    in fp32 runs, under FSDP and where the step is not flat)."""
 
     @property
     def total(self) -> float:
@@ -54,7 +57,8 @@ class StateBudget:
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
                  ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False,
-                 moment_bytes: int = 8, lowerable_moments: bool = True, grad_bytes: int = 4) -> StateBudget:
+                 moment_bytes: int = 8, lowerable_moments: bool = True, grad_bytes: int = 4,
+                 main_bytes: int = 4) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and a gradient buffer (fp32, or bf16) whole on every data-parallel rank; the distributed
@@ -68,8 +72,9 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     that would save; ``grad_bytes``: the gradient buffer's bytes per element (2: bf16,
     ``optim.main_grads_dtype``), which only the flat AdamW reads as they are: for any other step
     megatron copies them into fp32 tensors, held from the step to the next zeroing (counted with the
-    gradients), so bf16 buffers are offered only where the step is flat."""
-    w = g = m = a = e = saved = grads_saved = 0.0
+    gradients), so bf16 buffers are offered only where the step is flat; ``main_bytes``: a main
+    weight's bytes per element (2: split, ``optim.split_main_params``, offered where the step is flat)."""
+    w = g = m = a = e = saved = grads_saved = mains_saved = 0.0
     savable = lowerable_moments and not fsdp
     reads_bf16 = flat_adam and lowerable_moments and not fsdp  # the flat AdamW reads bf16 buffers itself
     for numel, shards in params:
@@ -79,11 +84,12 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         g += numel * (grad_bytes if not fsdp else 4) / shard_all
         g += numel * 4 / shard_state if grad_bytes == 2 and not fsdp and not reads_bf16 else 0.0  # megatron's copies
         grads_saved += numel * (grad_bytes - 2) if bf16 and reads_bf16 else 0.0
-        m += numel * 4 / shard_state if bf16 else 0.0
+        m += numel * main_bytes / shard_state if bf16 else 0.0
+        mains_saved += numel * (main_bytes - 2) / shard_state if bf16 and reads_bf16 else 0.0
         a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
         saved += numel * (moment_bytes - 4) / shard_state if savable else 0.0
-    return StateBudget(w, g, m, a, e, saved, grads_saved)
+    return StateBudget(w, g, m, a, e, saved, grads_saved, mains_saved)
 
 
 def device_memory(device: torch.device) -> Optional[int]:
@@ -106,6 +112,7 @@ def check_state_fits(budget: StateBudget, total: Optional[int], *, fsdp: bool) -
         ([f"optim.exp_avg_dtype=bf16 and optim.exp_avg_sq_dtype=bf16 (-{size(budget.bf16_moments_save)})"]
          if budget.bf16_moments_save else []) + \
         ([f"optim.main_grads_dtype=bf16 (-{size(budget.bf16_grads_save)})"] if budget.bf16_grads_save else []) + \
+        ([f"optim.split_main_params=True (-{size(budget.split_mains_save)})"] if budget.split_mains_save else []) + \
         ([] if fsdp else ["optim.use_distributed_optimizer=True over more data-parallel ranks or parallel.fsdp=torch "
                           "(shard the main weights, moments and EMA)"]) + \
         ["parallel.tensor_model_parallel_size / pipeline_model_parallel_size (fewer parameters per rank)"]

@@ -122,9 +122,10 @@ def moments_below_fp32(optim) -> bool:
 
 
 def prefers_flat(optim) -> bool:
-    """Whether ``optim``'s state is one that only the flat step keeps (moments below fp32) or keeps
-    without copies (bf16 gradient buffers, which megatron copies into fp32 for the other steps)."""
-    return moments_below_fp32(optim) or optim.main_grads_dtype != "fp32"
+    """Whether ``optim``'s state is one that only the flat step keeps (moments below fp32, split main
+    weights) or keeps without copies (bf16 gradient buffers, which megatron copies into fp32 for the
+    other steps)."""
+    return moments_below_fp32(optim) or optim.main_grads_dtype != "fp32" or optim.split_main_params
 
 
 def resolve_adam_impl(impl: str, chunks, flat_state: bool = False) -> str:
@@ -162,7 +163,8 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
     if impl != optim.adam_impl:
         log.info("optim.adam_impl=%s: %s", optim.adam_impl, impl)
     moments = moment_dtypes(optim)
-    if impl == "flat" and not flat_adam.install(optimizer, ddp_chunks, moments) and optim.adam_impl == "flat":
+    if (impl == "flat" and not flat_adam.install(optimizer, ddp_chunks, moments, bf16 and optim.split_main_params)
+            and optim.adam_impl == "flat"):
         log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
                     "every part steps torch's fused AdamW")
     torch_optimizer.set_adam_impl(optimizer, impl)

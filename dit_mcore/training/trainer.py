@@ -480,7 +480,8 @@ class Trainer:
             fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
             flat_adam=cfg.parallel.fsdp == "none" and adam == "flat",
             moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
-            lowerable_moments=uses_torch_optimizer(), grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4)
+            lowerable_moments=uses_torch_optimizer(), grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4,
+            main_bytes=2 if cfg.optim.split_main_params else 4)
 
     def _fold_ema(self) -> None:
         """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded

@@ -196,6 +196,23 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
     r.need(_finite(o.clip_grad) and o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, "must be >= 0 (0: no clipping)")
 
 
+def _check_split_main_params(cfg) -> None:
+    """``optim.split_main_params``: the flat AdamW's, over a bf16 model under megatron DDP."""
+    o, why = cfg.optim, None
+    if not cfg.trainer.bf16:
+        why = "needs trainer.bf16=True (the main weights are split around their bf16 model weights)"
+    elif o.adam_impl not in ("auto", "flat"):
+        why = f"needs the flat AdamW, not optim.adam_impl={o.adam_impl!r}; set optim.adam_impl=flat (or auto)"
+    elif cfg.parallel.fsdp != "none":
+        why = (f"is not for parallel.fsdp={cfg.parallel.fsdp!r} (FSDP steps torch's AdamW over its own shards); "
+               "set parallel.fsdp=none")
+    elif not uses_torch_optimizer():
+        why = ("needs torch's AdamW under megatron (the flat step splits them), but Transformer Engine or apex is "
+               "installed and megatron steps its FusedAdam")
+    if why:
+        raise ConfigError(f"optim.split_main_params=True {why}; or set optim.split_main_params=False")
+
+
 def _diffusion_rules(r: _Rules, d) -> None:
     r.need(d.objective in OBJECTIVES, "diffusion.objective", d.objective,
            f"use one of {sorted(OBJECTIVES)}{did_you_mean(d.objective, OBJECTIVES)}")
@@ -265,6 +282,8 @@ def run_problems(cfg, world_size: int) -> list[str]:
             raise ConfigError("optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' need torch's AdamW under megatron (the "
                               "flat step keeps them), but Transformer Engine or apex is installed and megatron steps "
                               "its FusedAdam (fp32 moments); set both to fp32")
+        if cfg.optim.split_main_params:
+            _check_split_main_params(cfg)
         if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
             raise ConfigError("optim.main_grads_dtype='bf16' needs trainer.bf16=True (an fp32 model's gradients are "
                               "fp32); set trainer.bf16=True or optim.main_grads_dtype=fp32")

@@ -1,0 +1,85 @@
+"""fp32 main weights kept as their bf16 model weights plus a 16-bit remainder (``optim.split_main_params``).
+
+A bf16 number is the upper half of an fp32 one. megatron's mixed-precision optimizers keep, beside each
+bf16 model weight, an fp32 main weight (4 bytes per parameter, or 4/DP under the distributed optimizer)
+whose upper half is, up to rounding, the model weight itself. Here the main weight is that model weight
+plus the int16 difference of the two bit patterns: ``fp32 bits = (bf16 bits << 16) + remainder``,
+exactly, 2 bytes where megatron keeps 4. The flat AdamW (:mod:`dit_mcore.training.flat_adam`) reads both
+halves in its kernel and writes both back (29 bytes per parameter moved with bf16 moments and gradients,
+against 31), so a main weight never exists as an fp32 tensor during training.
+
+The upper half is the fp32 value rounded to nearest, ties away from zero: rounded to nearest-even, a
+tie rounded down would leave a remainder of +2**15, one more than an int16 holds. The model weights
+therefore differ from megatron's copy (``.to(bfloat16)``, ties to even) only where the main weight's
+lower half is exactly 0x8000, by one bf16 unit there.
+
+Checkpoints keep fp32 main weights, as every other run writes them: around a save or a load
+(:func:`whole_main_weights`) the main weights are joined into fp32 tensors (4 bytes per parameter of
+the rank's optimizer state, for as long as the save snapshots them or the load copies into them),
+then split again and freed. A checkpoint of an fp32 run resumes here (its model weights re-rounded
+from the main weights, which moves ties by one unit) and a checkpoint of this run resumes anywhere.
+Outside that window megatron's main weights are stand-ins of their shape that hold no memory (one
+element seen at every index): reading them is a bug, and writing them fails.
+
+Since the model weights are the main weights' upper halves, a change to them outside the optimizer
+changes the main weights too (megatron's own copy would overwrite it at the next step), its remainders
+stale by under one bf16 unit; megatron's ``reload_model_params`` sets them to zero.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def split(x: torch.Tensor) -> tuple:
+    """fp32 ``x`` as ``(bf16 upper half, int16 remainder)``: the upper half rounded to nearest, ties
+    away from zero (bit arithmetic the compiled step generates inline)."""
+    bits = x.view(torch.int32)
+    upper = (bits + 0x8000) & -65536  # the magnitude rounded at bit 16, the sign kept
+    return upper.view(torch.float32).to(torch.bfloat16), (bits - upper).to(torch.int16)
+
+
+def join(upper: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 values :func:`split` cut into ``upper`` (bf16) and ``remainder`` (int16), exactly."""
+    return (upper.float().view(torch.int32) + remainder.int()).view(torch.float32)
+
+
+def stand_in(main: torch.Tensor) -> torch.Tensor:
+    """What a split main weight's ``.data`` is while no fp32 copy exists: its shape, dtype and device
+    (megatron assigns gradients of that shape to it) and one element of memory."""
+    return torch.zeros((), dtype=main.dtype, device=main.device).expand(main.shape)
+
+
+def _split_ranges(optimizer) -> list:
+    from dit_mcore.training.flat_adam import FlatAdamW
+    inners = [getattr(part, "optimizer", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [r for inner in inners if isinstance(inner, FlatAdamW) for r in inner.ranges if r.rem is not None]
+
+
+@contextlib.contextmanager
+def whole_main_weights(optimizer, *, loading: bool = False):
+    """Inside, every split main weight of ``optimizer`` (a megatron optimizer, possibly chained) is an
+    fp32 tensor holding its value, so megatron saves it or loads into it as any main weight. On exit
+    each is split again and freed; ``loading``: from the values loaded into it, which also become the
+    model weights (after the model's own load, so call this around both). A no-op without split main
+    weights."""
+    ranges = _split_ranges(optimizer)
+    for r in ranges:
+        r.whole = torch.zeros_like(r.rem, dtype=torch.float32)
+        for m in r.members:  # from the model weights, in the range's buffer or not
+            r.whole[m.start:m.end] = join(m.model_view(), r.rem[m.start:m.end])
+            m.main.data = r.whole[m.start:m.end].view(m.main.shape)
+    try:
+        yield
+        if loading:  # (a failed load leaves the remainders as they were)
+            for r in ranges:
+                upper, remainder = split(r.whole)
+                r.rem.copy_(remainder)
+                for m in r.members:
+                    m.model_view().copy_(upper[m.start:m.end])
+    finally:
+        for r in ranges:
+            r.whole = None
+            for m in r.members:
+                m.main.data = stand_in(m.main)
