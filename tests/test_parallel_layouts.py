@@ -200,11 +200,12 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         ema_every = {}
         for name, extra in (("overlap", overlap), ("pipelined", overlap), ("replicated", overlap),
                             ("plain", dict(distopt=True, overlap_grad_reduce=True)),
-                            ("offloaded", dict(distopt=True, overlap_grad_reduce=True))):
+                            ("offloaded", overlap)):
             cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
             cfg.trainer.ema_every, cfg.trainer.max_steps = 2, 10
             cfg.trainer.ema_shard = False if name == "replicated" else None
-            cfg.trainer.ema_offload = name == "offloaded"  # (sharded too: each rank's shards in host memory)
+            cfg.trainer.ema_offload = name == "offloaded"  # (sharded too: each rank's shards in host memory,
+            # their copies staged right after each folding update though the next forward gathers the parameters)
             cfg.parallel.ddp_bucket_size = 2000  # ~45 buckets: shards and parameters cut by bucket bounds
             trainer = Trainer(cfg)
             _randomize(trainer)
@@ -522,8 +523,10 @@ def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_res
 def test_an_offloaded_ema_shards_over_the_replicas_in_host_memory(world_results):
     """``trainer.ema_offload`` with the distributed optimizer over DP2 (``ema_shard`` automatic): each
     rank keeps and folds, in host memory and a thread, only the shard its optimizer updates (half the
-    elements each), and the EMA gathered whole is bit for bit the one kept on the device; it resumes
-    from its checkpoint exactly (asserted with the others above)."""
+    elements each), from copies of its slices staged right after the update also under
+    ``overlap_param_gather`` (whose next forward's gather leaves them as they are), and the EMA gathered
+    whole is bit for bit the one kept on the device without the overlapped gather; it resumes from its
+    checkpoint exactly (asserted with the others above)."""
     per_rank, _ = world_results(2)
     whole = sum(p.numel() for p in per_rank[0]["ema_every_overlap"]["plain"]["ema"])
     for result in per_rank:

@@ -44,17 +44,24 @@ def test_resume_is_bit_identical(tmp_path, objective, distopt):
     assert first + rest == full  # exact float equality: same data, noise, weights and optimizer state
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("pipelined, sharded_overlap", [(True, False), (False, False), (True, True)])
 def test_an_offloaded_fold_uses_copies_queued_right_after_its_update_and_the_next_update_waits(tmp_path, monkeypatch,
-                                                                                               pipelined):
+                                                                                               pipelined,
+                                                                                               sharded_overlap):
     """``trainer.ema_offload``: the weights' copies for a fold are queued right after the update that
     wrote them (on a GPU, a side stream: beside the next step's forward and backward, also when the
     host folds only after queuing those, ``train_steps``), the fold lerps from them, and every later
-    update is queued behind a fence. On the CPU the order of the calls is what is checked."""
+    update is queued behind a fence. On the CPU the order of the calls is what is checked. Sharded
+    (``trainer.ema_shard``) under ``overlap_param_gather`` too: the fold reads this rank's own slices,
+    which the next forward's parameter gather does not change."""
     import dit_mcore.training.trainer as trainer_module
-    cfg = tiny_run(tmp_path, max_steps=6)
+    cfg = tiny_run(tmp_path, max_steps=6, distopt=sharded_overlap)
     cfg.trainer.ema_offload, cfg.trainer.ema_every = True, 2
+    if sharded_overlap:
+        cfg.trainer.bf16, cfg.trainer.ema_shard = True, True
+        cfg.parallel.overlap_grad_reduce = cfg.parallel.overlap_param_gather = True
     trainer = Trainer(cfg)
+    assert trainer.ema_sharded == sharded_overlap
     calls, ema, host_fold = [], trainer.ema, trainer.ema.host_fold
     stage, fold, fence = ema.stage, ema.fold, ema.fence
     monkeypatch.setattr(ema, "stage", lambda model: (calls.append(("stage", trainer.step + 1)), stage(model)))

@@ -392,9 +392,11 @@ class Trainer:
             step.values = totals.tolist() + [grad_norm] + [float(v) for v in moe]  # done by now
             step.updated = step_if_finite(self.optimizer, math.isfinite(step.values[0] / max(step.values[1], 1.0)),
                                           grad_norm)
-        if self._ema_folds_after(step.index) and not self.cfg.parallel.overlap_param_gather:
+        if self._ema_folds_after(step.index) and (self.ema_sharded or not self.cfg.parallel.overlap_param_gather):
             self.ema.stage(self.model)  # offloaded: its copies queued now run beside the next forward
-            # (under overlap_param_gather that forward gathers the weights: the fold copies them itself)
+            # (a sharded EMA reads this rank's own slices, written by this update, which the next forward's
+            # gather leaves as they are; a replicated one under overlap_param_gather needs that gather: the
+            # fold copies the weights itself)
         self.step += 1
         return step
 
