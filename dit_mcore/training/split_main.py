@@ -17,7 +17,9 @@ Checkpoints keep fp32 main weights, as every other run writes them: around a sav
 (:func:`whole_main_weights`) the main weights are joined into fp32 tensors (4 bytes per parameter of
 the rank's optimizer state, for as long as the save snapshots them or the load copies into them),
 then split again and freed. A checkpoint of an fp32 run resumes here (its model weights re-rounded
-from the main weights, which moves ties by one unit) and a checkpoint of this run resumes anywhere.
+from the main weights, which moves ties by one unit; under the distributed optimizer each rank
+re-rounds its shard, so until the first step's parameter gather another replica may still hold the
+loaded value at such a tie) and a checkpoint of this run resumes anywhere.
 Outside that window megatron's main weights are stand-ins of their shape that hold no memory (one
 element seen at every index): reading them is a bug, and writing them fails.
 
