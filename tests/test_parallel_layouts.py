@@ -255,9 +255,11 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         results["moments_bf16"] = {"weights": [p.detach().clone() for p in trainer.model.parameters()],
                                    "moments": [torch.cat([r.exp_avg.float(), r.exp_avg_sq.float()]) for r in inner.ranges]}
         # bf16 gradient buffers: the distributed optimizer's reduce-scatter in bf16, the flat AdamW reading its shards
-        # (their main weights split: optim.split_main_params)
         results["grads_bf16"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16", "dense", distopt=True,
-                                                              adam_impl="flat"), split_mains=True))
+                                                              adam_impl="flat")))
+        # ... with each rank's shard of the main weights split (optim.split_main_params)
+        results["grads_bf16_split"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16_split", "dense",
+                                                                    distopt=True, adam_impl="flat"), split_mains=True))
         # ... and under EP2: the dense and expert parts (chained) each read their own bf16 buffers
         results["grads_bf16_ep2"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16_ep2", "dense", moe=True,
                                                                   expert_model_parallel_size=2, adam_impl="flat")))
@@ -547,16 +549,17 @@ def test_replicas_round_bf16_moments_alike(world_results):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("case, moe", [("grads_bf16", False), ("grads_bf16_ep2", True)])
+@pytest.mark.parametrize("case, moe", [("grads_bf16", False), ("grads_bf16_ep2", True), ("grads_bf16_split", False)])
 def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates(world_results, tmp_path, case, moe):
     """bf16 gradient buffers (``optim.main_grads_dtype``) on two ranks: DP2 with the distributed optimizer
     (the reduce-scatter in bf16, the flat AdamW stepping each rank's bf16 shard) and EP2 (dense and expert
-    parts chained, each flat), DP2 with split main weights (``optim.split_main_params``: each rank's shard
-    split); the losses and norms follow one process accumulating the same micro-batches in its bf16 buffers,
-    to bf16's rounding of the sums, and the replicated weights stay one model. (The split run keeps the
-    weights ``_randomize`` wrote, which megatron's fp32 main weights would replace at the first step.)"""
+    parts chained, each flat), and DP2 again with split main weights (``optim.split_main_params``: each
+    rank's shard split) against one split process; the losses and norms follow one process accumulating
+    the same micro-batches in its bf16 buffers, to bf16's rounding of the sums, and the replicated weights
+    stay one model. (A split run keeps the weights ``_randomize`` wrote, which megatron's fp32 main
+    weights would replace at the first step: split runs compare with a split one.)"""
     got = world_results(2)[0][0][case]
-    split_mains = not moe
+    split_mains = case.endswith("split")
     want = _train(_bf16_grads(layout_run(tmp_path, "dense", moe=moe, adam_impl="flat"), split_mains=split_mains))
     assert set(got["optimizers"]) == {"FlatAdamW"} and got["grad_dtypes"] == want["grad_dtypes"] == ["torch.bfloat16"]
     assert got["split_mains"] == want["split_mains"] == [split_mains] * len(got["split_mains"])

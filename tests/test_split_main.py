@@ -23,12 +23,16 @@ def _values() -> torch.Tensor:
     return torch.cat([normal, ties, -ties, special])
 
 
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
 @pytest.mark.parametrize("compiled", [False, True])
-def test_split_and_join_are_exact_and_round_to_nearest(compiled):
+def test_split_and_join_are_exact_and_round_to_nearest(compiled, device):
     """``join(split(x))`` is ``x`` bit for bit; the upper half is ``x`` rounded to bf16 as megatron's copy
     rounds it except at exact ties, which it rounds away from zero (megatron: to even); eager and
-    generated code agree."""
-    x = _values()
+    generated code (C++ on the CPU, Triton on a GPU) agree."""
+    x = _values().to(device)
     cut = torch.compile(split, fullgraph=True) if compiled else split
     glue = torch.compile(join, fullgraph=True) if compiled else join
     upper, remainder = cut(x)
@@ -39,6 +43,16 @@ def test_split_and_join_are_exact_and_round_to_nearest(compiled):
     assert torch.equal(upper[~tie], x[~tie].to(torch.bfloat16))
     assert bool((upper[tie].float().abs() > x[tie].abs()).all())  # away from zero
     assert int(remainder[tie].min()) == -0x8000
+    # the chunked forms outside the step (split_main.CHUNK at a time), into views
+    split_main.CHUNK, chunk = 1000, split_main.CHUNK
+    try:
+        hi, lo, back = torch.empty_like(upper), torch.empty_like(remainder), torch.empty_like(x)
+        split_main.split_into(x, hi, lo)
+        split_main.join_into(hi, lo, back)
+    finally:
+        split_main.CHUNK = chunk
+    assert torch.equal(hi, upper) and torch.equal(lo, remainder) and torch.equal(back.view(torch.int32),
+                                                                                 x.view(torch.int32))
 
 
 def _step(kernel, param, out, rem, grad, m, v, group, step, scale, skip):
@@ -184,3 +198,63 @@ def test_split_main_weights_are_refused_where_the_flat_step_cannot_keep_them(tmp
     cfg.parallel.fsdp = change.get("fsdp", "none")
     problems = run_problems(cfg, world_size=1)
     assert len(problems) == 1 and expected in problems[0] and "optim.split_main_params=False" in problems[0], problems
+
+
+def test_an_async_save_writes_the_main_weights_of_its_step(tmp_path):
+    """``trainer.async_save``: the fp32 main weights joined for the save are what the asynchronous writer
+    writes, though they are split and freed, and the run steps on, before the write finishes; a run
+    keeping fp32 main weights loads them bit for bit."""
+    cfg = _cfg(tmp_path, steps=6)
+    cfg.trainer.async_save = True
+    trainer = Trainer(cfg)
+    for _ in range(2):
+        trainer.train_step()
+    saved = _mains(trainer)
+    trainer.save()
+    assert not _held(trainer)
+    for _ in range(2):
+        trainer.train_step()
+    assert not all(torch.equal(a, b) for a, b in zip(saved, _mains(trainer)))  # it moved on
+    trainer.finish_saves()
+    reader = Trainer(_cfg(tmp_path, split_mains=False, steps=6))
+    assert reader.step == 2
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(saved, _mains(reader)))
+
+
+def test_a_model_weight_moved_off_its_slot_steps_each_parameter_bit_for_bit(tmp_path):
+    """A model weight that no longer lies in the flat buffer (something re-pointed it): the step runs the
+    kernel per parameter over the model weights and remainders where they are, and the run stays bit for
+    bit the untouched one's."""
+    runs = []
+    for moved in (False, True):
+        trainer = Trainer(_cfg(tmp_path / str(moved)))
+        trainer.train_step()
+        inner = _inners(trainer)[0]
+        if moved:
+            slot = inner.ranges[0].members[0]
+            slot.model.data = slot.model.data.clone()
+        runs.append([trainer.train_step()["loss"] for _ in range(2)] + [_mains(trainer)])
+        assert inner.wrote_model_weights  # (no megatron copy from the stand-ins)
+    (*a, mains_a), (*b, mains_b) = runs
+    assert a == b
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(mains_a, mains_b))
+
+
+def test_an_fp32_checkpoint_loads_with_its_model_weights_rounded_ties_away_from_zero(tmp_path):
+    """A main weight of an fp32 run's checkpoint at an exact tie that rounds to even downwards (its model
+    weight below it): the split run loads the main weight exactly and rounds its model weight away from
+    zero, one bf16 unit above the checkpoint's."""
+    writer = Trainer(_cfg(tmp_path, split_mains=False))
+    writer.train_step()
+    slot = _inners(writer)[0].ranges[0].members[0]
+    tie = torch.tensor([0x3F808000], dtype=torch.int32).view(torch.float32)  # 1.00390625: halfway, even below
+    with torch.no_grad():
+        slot.main.view(-1)[0] = tie
+        slot.model_view()[0] = tie.to(torch.bfloat16)  # (megatron's copy: to even, i.e. down to 1.0)
+    assert float(slot.model_view()[0]) == 1.0
+    writer.save()
+    reader = Trainer(_cfg(tmp_path))
+    main = _mains(reader)[0].view(-1)[0]
+    assert main.view(torch.int32) == tie.view(torch.int32)
+    model = _inners(reader)[0].ranges[0].members[0].model_view()[0]
+    assert float(model) == 1.0078125  # one bf16 unit above: away from zero

@@ -218,7 +218,8 @@ class OptimConfig:
     (6.2 GiB of a 3.3B model without the distributed optimizer), and 2 fewer for the step to move. Needs
     ``trainer.bf16`` and the flat AdamW (``adam_impl`` "flat", or "auto", which then picks it on any
     device); not with FSDP. The model weights are then rounded ties away from zero, not to even.
-    Checkpoints hold fp32 main weights as any run's (joined for a save or a load, for its duration)."""
+    Checkpoints hold fp32 main weights as any run's (joined for a save or a load: 4 more bytes per
+    parameter of the optimizer's state for its duration)."""
 
 
 @dataclass

@@ -145,11 +145,12 @@ _compiled = None
 
 
 def variants():
-    """Where the compiled step runs: it may hold 64 graphs, one per combination of the gradients' and
-    the moments' dtypes, whether a gradient scale, a skip flag and a bf16 output are passed, and 32- or
-    64-bit indexing (a run uses one to three; a process that tries them all, the tests, a dozen or
-    two), above dynamo's default limit of 8 per function (past it a ``fullgraph`` compile fails)."""
-    return torch._dynamo.config.patch(recompile_limit=64)
+    """Where the compiled step runs: it may hold 128 graphs, one per combination of the gradients' and
+    the moments' dtypes, whether a gradient scale, a skip flag and a bf16 output are passed, whether the
+    main weights are split, and 32- or 64-bit indexing (a run uses one to three; a process that tries
+    them all, the tests, a few dozen), above dynamo's default limit of 8 per function (past it a
+    ``fullgraph`` compile fails)."""
+    return torch._dynamo.config.patch(recompile_limit=128)
 
 
 def _kernel():
@@ -402,10 +403,13 @@ def install(optimizer, ddp_chunks, moments: tuple = (torch.float32, torch.float3
 def _reset_split(inner: FlatAdamW, copy, state_dict) -> None:
     """megatron's model-to-main weight copy where the main weights are split: each main weight is its
     model weight exactly, remainder 0; inside ``split_main.whole_main_weights`` megatron's own copy
-    into the joined fp32 tensors (split again on leaving)."""
+    into the joined fp32 tensors (which a load splits again on leaving; a save drops them)."""
     if any(r.whole is not None for r in inner.ranges):
         copy(state_dict=state_dict)
         return
+    if state_dict is not None:
+        raise NotImplementedError("optim.split_main_params: megatron's copy of a state dict's model weights into "
+                                  "the main weights is done inside split_main.whole_main_weights(loading=True)")
     for r in inner.ranges:
         if r.rem is not None:
             r.rem.zero_()
@@ -524,11 +528,6 @@ def _ranges(part, ddp_chunks, moments: tuple, split_mains: bool = False) -> list
         lo, hi = min(m.start for m in members), max(m.end for m in members)
         device = buffer.grad_data.device
         fp32_model = buffer.param_dtype == torch.float32
-        if fp32_model and buffer.param_data is not None:  # main weights are views of megatron's fp32 buffer
-            main = buffer.param_data[lo:hi]
-        else:
-            main = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-            _repoint([(m.main, m.start, m.end) for m in members], main, lo)
         out = None
         if not fp32_model:
             if buffer.param_data is not None:
@@ -536,16 +535,21 @@ def _ranges(part, ddp_chunks, moments: tuple, split_mains: bool = False) -> list
             else:
                 out = torch.zeros(hi - lo, dtype=buffer.param_dtype, device=device)
                 _repoint([(m.model, m.start, m.end) for m in members], out, lo)
+        main = rem = None
+        if split_mains and out is not None:  # the model weights become the main weights' upper halves
+            rem = torch.zeros(hi - lo, dtype=torch.int16, device=device)
+            for m in members:  # (a weight at a time: no fp32 copy of the range)
+                split_main.split_into(m.main.detach().reshape(-1), out[m.start - lo:m.end - lo],
+                                      rem[m.start - lo:m.end - lo])
+                m.main.data = split_main.stand_in(m.main)
+        elif fp32_model and buffer.param_data is not None:  # main weights are views of megatron's fp32 buffer
+            main = buffer.param_data[lo:hi]
+        else:
+            main = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+            _repoint([(m.main, m.start, m.end) for m in members], main, lo)
         group = torch.zeros(hi - lo, dtype=torch.uint8, device=device)
         for m in members:
             group[m.start - lo:m.end - lo] = group_of[m.main]
-        rem = None
-        if split_mains and out is not None:  # the model weights become the main weights' upper halves
-            upper, rem = split_main.split(main)
-            out.copy_(upper)
-            main = None
-            for m in members:
-                m.main.data = split_main.stand_in(m.main)
         ranges.append(FlatRange(grad=buffer.grad_data[lo:hi], main=main,
                                 exp_avg=torch.zeros(hi - lo, dtype=moments[0], device=device),
                                 exp_avg_sq=torch.zeros(hi - lo, dtype=moments[1], device=device), group=group,
