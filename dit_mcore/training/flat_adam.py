@@ -296,10 +296,9 @@ class FlatAdamW(torch.optim.AdamW):
                 grad = m.main.grad
                 grad_moved = not reads_buffer and (grad is None
                                                    or grad.data_ptr() != gbase + m.start * grad.element_size())
-                if grad_moved or (mbase is not None and m.main.data_ptr() != mbase + m.start * 4):
+                if grad_moved or (mbase is not None and m.main.data_ptr() != mbase + m.start * r.main.element_size()):
                     mains = False
-                elif obase is not None and (m.model.data_ptr() + m.model_offset * m.model.element_size()
-                                            != obase + m.start * r.out.element_size()):
+                elif obase is not None and m.model_view().data_ptr() != obase + m.start * r.out.element_size():
                     models = False
         return mains, mains and models
 
@@ -335,11 +334,11 @@ class FlatAdamW(torch.optim.AdamW):
                                 "stepping each parameter apart")
                     self._warned = True
                 for r in self.ranges:
+                    split = r.rem is not None  # then the model weight is the main weight's upper half
                     for m in r.members:
                         grad = r.grad[m.start:m.end] if self._reads_buffer(r) else m.main.grad
                         if grad is None:
                             continue
-                        split = r.rem is not None  # then the model weight is the main weight's upper half
                         self._kernel(None if split else m.main.detach().view(-1), grad.view(-1),
                                      r.exp_avg[m.start:m.end], r.exp_avg_sq[m.start:m.end], r.group[m.start:m.end],
                                      hyper, self._steps[0], grad_scale, found_inf, m.model_view() if split else None,

@@ -77,8 +77,9 @@ def stand_in(main: torch.Tensor) -> torch.Tensor:
 
 def _split_ranges(optimizer) -> list:
     from dit_mcore.training.flat_adam import FlatAdamW
-    inners = [getattr(part, "optimizer", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
-    return [r for inner in inners if isinstance(inner, FlatAdamW) for r in inner.ranges if r.rem is not None]
+    from dit_mcore.training.torch_optimizer import torch_adams
+    return [r for inner in torch_adams(optimizer) if isinstance(inner, FlatAdamW) for r in inner.ranges
+            if r.rem is not None]
 
 
 @contextlib.contextmanager
