@@ -17,6 +17,8 @@ weights, batch, precision), with the ratio.
         --recompute none,selective --compile 1 --dtype bf16 --autotune
     python benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
         --dtype bf16 --fp8 none,rowwise,tensorwise                      # FP8 (torchao) next to bf16
+    python benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 0 \
+        --dtype bf16 --fp8 none,te:delayed,te:tensorwise                # Transformer Engine's FP8 (needs TE)
 """
 from __future__ import annotations
 
@@ -54,9 +56,13 @@ def run_config(point: dict, run_dir: str):
     side, packed_len, batch = point["image_size"], point["packed_len"], point["batch"]
     accumulation = point.get("accumulation", 1)  # micro-batches per optimizer step
     frame = point.get("frame_side", 32)  # packed: latent frames of frame x frame
+    fp8 = point.get("fp8")  # torchao's recipe, or "te:<recipe>": Transformer Engine's
+    backend, fp8 = ("te", fp8[len("te:"):]) if fp8 and fp8.startswith("te:") else ("auto", fp8)
     if packed_len:  # video-like samples of 1/4/8 frames of 32x32 latents (patch 2: 256 tokens per frame)
+        from dit_mcore.models.te_fp8 import alignment
         data = DataConfig(name="mock", image_size=frame, mock_latent_shapes=[[t, frame, frame] for t in (1, 4, 8)],
-                          max_seq_len=packed_len, global_batch_size=batch * accumulation, micro_batch_size=batch)
+                          max_seq_len=packed_len, global_batch_size=batch * accumulation, micro_batch_size=batch,
+                          pad_multiple=alignment(fp8) if backend == "te" else 1)  # (TE's FP8 GEMMs' rows)
     else:
         data = DataConfig(name="mock", image_size=side, global_batch_size=batch * accumulation, micro_batch_size=batch)
     return RunConfig(
@@ -65,7 +71,7 @@ def run_config(point: dict, run_dir: str):
                           input_size=frame if packed_len else side, compile=point["compile"],
                           compile_mode=point.get("compile_mode") if point["compile"] else None,
                           compile_options=point.get("compile_options") if point["compile"] else None,
-                          fp8=point.get("fp8"), attention_backend=point.get("attention"),
+                          backend=backend, fp8=fp8, attention_backend=point.get("attention"),
                           aten_linears=point.get("aten_linears"),
                           fuse_wgrad_accumulation=point.get("wgrad_fusion"),
                           **RECOMPUTE[point["recompute"]]),
@@ -324,6 +330,7 @@ def compile_option_sets(text: str) -> list:
 
 def main(argv=None) -> list[dict]:
     from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
+    from dit_mcore.models.te_fp8 import RECIPES as TE_FP8_RECIPES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="dit", help="model family of the presets (dit, dit_xattn, llama, stdit)")
@@ -335,7 +342,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compile", default="0", help="0, 1 or 0,1")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", help="bf16 or fp32")
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
-                   f"none,{','.join(FLOAT8_RECIPES)} (MFU stays against the --dtype peak)")
+                   f"none,{','.join(FLOAT8_RECIPES)} (torchao), {','.join('te:' + r for r in TE_FP8_RECIPES)} "
+                   "(Transformer Engine's, model.backend=te, with --compile 0) (MFU stays against the --dtype peak)")
     p.add_argument("--adam", default="auto", help="optim.adam_impl: any of auto,fused,flat,foreach")
     p.add_argument("--step", default="auto",
                    help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "

@@ -35,7 +35,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("model", "num_layers", 0, "model.num_layers=0: must be >= 1"),
     ("model", "moe_router_topk", 2, "model.moe_router_topk=2: must be in [1, model.num_moe_experts=None]"),
     ("model", "num_attention_heads", 3, "set model.num_attention_heads=2 or model.hidden_size=36"),
-    ("model", "fp8", "fp16", "model.fp8='fp16': use one of ('tensorwise', 'rowwise', 'rowwise_with_gw_hp')"),
+    ("model", "fp8", "fp16", "model.fp8='fp16': use one of torchao's recipes ('tensorwise', 'rowwise', 'rowwise_with_gw_hp')"),
     ("model", "attention_backend", "cudnn", "model.attention_backend='cudnn': use one of"),
     ("model", "compile_mode", "max-autotune-no-cudagraphs",
      "model.compile_mode='max-autotune-no-cudagraphs': takes effect only with model.compile=True"),

@@ -134,7 +134,7 @@ def test_compiled_float8_layers_train_as_eager(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({"fp8": "rowwise", "backend": "te"}, "model.fp8='rowwise': runs on the local megatron linears"),
+    ({"fp8": "rowwise", "backend": "te"}, "torchao's recipes need model.backend=auto or local"),
     ({"fp8": "rowwise", "hidden_size": 40}, "divisible by 16 on the GPU, but hidden_size = 40"),
 ])
 def test_bad_fp8_settings_fail_before_compute(tmp_path, changes, expected):

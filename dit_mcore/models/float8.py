@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -89,14 +90,14 @@ def float8_modules(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, Float8LocalMatmul)]
 
 
-def misaligned_dims(config, head_dim: int) -> list[str]:
-    """The float8 weight dims of ``config``'s transformer linears (local to a tensor-parallel rank)
-    that the GPU's float8 GEMMs reject, one ``what = size`` item each; empty when all are multiples
-    of :data:`ALIGNMENT`."""
-    tp = config.tensor_model_parallel_size
+def misaligned_dims(config, head_dim: int, *, alignment: int = ALIGNMENT, tp: Optional[int] = None) -> list[str]:
+    """The float8 weight dims of ``config``'s transformer linears (local to a tensor-parallel rank of
+    ``tp``, by default ``config``'s) that the GPU's float8 GEMMs reject, one ``what = size`` item each;
+    empty when all are multiples of ``alignment``."""
+    tp = tp or config.tensor_model_parallel_size
     heads = head_dim * config.num_attention_heads
     groups = head_dim * (config.num_query_groups or config.num_attention_heads)
     dims = {"hidden_size": config.hidden_size, "ffn_hidden_size / TP": config.ffn_hidden_size // tp,
             "attention width (heads x head dim) / TP": heads // tp,
             "key/value width (query groups x head dim) / TP": groups // tp}
-    return [f"{what} = {size}" for what, size in dims.items() if size % ALIGNMENT]
+    return [f"{what} = {size}" for what, size in dims.items() if size % alignment]

@@ -8,7 +8,8 @@ for layers that take per-sample conditioning.
 - Activation recompute from megatron's config: ``recompute_granularity="full"`` with
   ``recompute_method`` ``"uniform"`` (checkpoint chunks of ``recompute_num_layers`` layers) or
   ``"block"`` (checkpoint the first ``recompute_num_layers`` layers of the stage), through
-  megatron's ``tensor_parallel.checkpoint`` (which restores the model-parallel RNG states).
+  megatron's ``tensor_parallel.checkpoint`` (which restores the model-parallel RNG states; TE's
+  checkpoint under TE's FP8).
   ``"selective"`` is handled inside the layers (megatron's attention checkpoints its core
   attention; DiT layers checkpoint their MLP branch when ``"mlp"`` is in ``recompute_modules``, and
   free and recompute each sublayer's modulated norm with ``"layernorm"``).
@@ -16,19 +17,22 @@ for layers that take per-sample conditioning.
   rank's piece of the token stream, which the model cuts before its patch embedding and
   reassembles after its final layer (:mod:`dit_mcore.parallel.token_shard`), so the per-token
   inputs (positions, token -> sample map) are sliced once, not per layer.
+- Transformer Engine's FP8 (megatron's ``fp8`` / ``fp8_recipe``): its autocast around the stage or
+  each layer, and TE's checkpoint for full recompute, as megatron's ``TransformerBlock`` does
+  (:mod:`.te_fp8`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import nn
 
 from dit_mcore.models.modulation import Conditioning
+from dit_mcore.models import te_fp8
 from dit_mcore.models.moe import mark_expert_params
 from dit_mcore.models.seeding import draw_base_seed, init_stream
 
@@ -118,11 +122,12 @@ class LayerStack(nn.ModuleList):
                 packed_seq_params=None) -> torch.Tensor:
         kwargs = dict(context=context, context_params=context_params, rotary_pos_emb=rotary_pos_emb,
                       packed_seq_params=packed_seq_params)
-        if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
-            hidden = self._checkpointed(hidden, cond, kwargs)
-        else:
+        with te_fp8.stage_context(self.config):
+            if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+                return self._checkpointed(hidden, cond, kwargs)
             for layer in self:
-                hidden = layer(hidden, cond, **kwargs)
+                with te_fp8.layer_context(self.config, layer):
+                    hidden = layer(hidden, cond, **kwargs)
         return hidden
 
     def _chunks(self) -> list[tuple[int, int, bool]]:
@@ -142,16 +147,16 @@ class LayerStack(nn.ModuleList):
             def fn(h, emb, context, rotary_pos_emb):
                 c = Conditioning(emb, cond.token_to_sample)
                 for layer in list(self)[start:end]:
-                    h = layer(h, c, context=context, context_params=context_params,
-                              rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
+                    with te_fp8.layer_context(self.config, layer):
+                        h = layer(h, c, context=context, context_params=context_params,
+                                  rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
                 return h
             return fn
 
         args = (cond.emb, kwargs["context"], kwargs["rotary_pos_emb"])
         for start, end, recompute in self._chunks():
             if recompute:
-                hidden = tensor_parallel.checkpoint(run(start, end), self.config.distribute_saved_activations,
-                                                    hidden, *args)
+                hidden = te_fp8.checkpoint(self.config, run(start, end), hidden, *args)
             else:
                 hidden = run(start, end)(hidden, *args)
         return hidden

@@ -21,31 +21,43 @@ BACKENDS = ("auto", "local", "te")
 NORMS = ("layernorm", "rmsnorm")
 
 
-def linears(backend: str, float8_recipe: Optional[str] = None):
+def linears(backend: str, float8_recipe: Optional[str] = None, *, te_required: bool = False):
     """``(column_parallel, row_parallel)`` linear classes for ``backend``: Transformer Engine's, or
     megatron's local ones with the matmul as one aten linear where no TP communication runs inside it
     (:mod:`dit_mcore.models.aten_linear`; ``model.aten_linears``); with ``float8_recipe`` the local
-    megatron linears with a float8 matmul (torchao, :mod:`dit_mcore.models.float8`)."""
+    megatron linears with a float8 matmul (torchao, :mod:`dit_mcore.models.float8`).
+    ``te_required`` (TE's FP8, :mod:`dit_mcore.models.te_fp8`): TE's or an error, never the local
+    fallback."""
     if backend not in BACKENDS:
         raise ValueError(f"model.backend={backend!r} is unknown; use one of {BACKENDS}")
     if float8_recipe is not None:
         if backend == "te":
-            raise ValueError("model.fp8 runs on the local megatron linears (torchao); Transformer Engine's FP8 "
-                             "is not wired: use model.backend=local or auto")
+            raise ValueError("model.fp8 with model.backend=te is Transformer Engine's FP8 (megatron's fp8 / "
+                             "fp8_recipe fields), not torchao's float8_recipe")
         from dit_mcore.models.float8 import float8_linears
         return float8_linears(float8_recipe)
+    if te_required and backend != "te":
+        raise ValueError(f"Transformer Engine's FP8 (config.fp8) runs in TE's linears: use backend='te', not {backend!r}")
     if backend == "auto":
         backend = "te" if torch.cuda.is_available() else "local"
     if backend == "te":
         try:
-            # megatron's TE module imports without TE too (its classes are then mocks): ask TE itself.
-            import transformer_engine  # noqa: F401
-            from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear,
-                                                                     TERowParallelLinear)
-            return TEColumnParallelLinear, TERowParallelLinear
+            return te_linears()
         except Exception as exc:  # ImportError, or TE present but broken for this device
+            if te_required:
+                raise ValueError(f"Transformer Engine's FP8 (config.fp8) needs TE's linears, which do not load here "
+                                 f"({exc}); install Transformer Engine or turn FP8 off") from exc
             log.warning("Transformer Engine unavailable (%s); using local megatron linears", exc)
     return AtenColumnParallelLinear, AtenRowParallelLinear
+
+
+def te_linears():
+    """Transformer Engine's ``(column_parallel, row_parallel)`` linears through megatron's wrappers;
+    ImportError without TE."""
+    # megatron's TE module imports without TE too (its classes are then mocks): ask TE itself.
+    import transformer_engine  # noqa: F401
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+    return TEColumnParallelLinear, TERowParallelLinear
 
 
 def norm_spec(kind: str, *, affine: bool) -> ModuleSpec:

@@ -82,11 +82,25 @@ class ModelConfig:
     moe_grouped_gemm: Optional[bool] = None
     """Run the local experts as one grouped GEMM (Transformer Engine on GPU)."""
     fp8: Optional[str] = None
-    """FP8 training of the attention and MLP linears with torchao's dynamic float8 scaling:
-    "tensorwise" (one scale per tensor), "rowwise" (one per row, more accurate) or
-    "rowwise_with_gw_hp" (rowwise, weight gradients in the run's precision: fewer casts); the adaLN
-    modulation, embedders, norms, final layer and MoE experts keep the run's precision. Pays off
-    with ``compile=True`` on GPUs with float8 tensor cores (H100 and newer); None: off."""
+    """FP8 training of the attention and MLP linears; the adaLN modulation, embedders, norms,
+    attention and final layer keep the run's precision. None: off.
+
+    - With ``backend="local"`` or ``"auto"``: torchao's dynamic float8 scaling on megatron's local
+      linears, "tensorwise" (one scale per tensor), "rowwise" (one per row, more accurate) or
+      "rowwise_with_gw_hp" (rowwise, weight gradients in the run's precision: fewer casts); MoE
+      experts keep the run's precision. Pays off with ``compile=True`` on GPUs with float8 tensor
+      cores (H100 and newer).
+    - With ``backend="te"``: Transformer Engine's ``fp8_autocast`` with megatron's recipe (its
+      ``fp8_recipe``): "delayed" (amax history), "tensorwise" (current scaling), "mxfp8"
+      (Blackwell) or "blockwise"; TE's fused casts, no ``compile`` needed (``dit_mcore.models.te_fp8``)."""
+    fp8_format: Optional[str] = None
+    """With ``fp8`` on ``backend="te"``: megatron's ``fp8``, "hybrid" (E4M3 forward, E5M2
+    gradients; None means this) or "e4m3"."""
+    fp8_amax_history_len: Optional[int] = None
+    """With ``fp8="delayed"`` on ``backend="te"``: steps of amax history (megatron's field; None: its 1)."""
+    fp8_amax_compute_algo: Optional[str] = None
+    """With ``fp8="delayed"`` on ``backend="te"``: "most_recent" or "max" over the history (megatron's
+    field; None: its "most_recent")."""
     attention_backend: Optional[str] = None
     """The local attention kernel (``kernels.attention_kernels.BACKENDS``); None: "auto", the fastest
     for the device, dtype and call (on Hopper and Blackwell cuDNN for dense batches, flash varlen for packed
@@ -123,7 +137,7 @@ class ModelConfig:
     device's memory. Parameters are then initialised on the CPU also on a GPU."""
 
     _NOT_CONFIG_FIELDS = ("family", "preset", "backend", "compile", "compile_mode", "compile_options", "fp8",
-                          "attention_backend")
+                          "fp8_format", "attention_backend")
 
     def build(self, parallel: ParallelConfig, *, bf16: bool = False) -> DiTConfig:
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
@@ -135,7 +149,9 @@ class ModelConfig:
             overrides["ffn_hidden_size"] = int(round(ratio * self.hidden_size))
         if self.init_model_with_meta_device:  # layers then follow the meta device context
             overrides["use_cpu_initialization"] = True
-        if self.fp8 is not None:
+        if self.fp8 is not None and self.backend == "te":  # Transformer Engine's, megatron's fields
+            overrides.update(fp8=self.fp8_format or "hybrid", fp8_recipe=self.fp8)
+        elif self.fp8 is not None:  # torchao's on the local linears
             overrides["float8_recipe"] = self.fp8
         if self.attention_backend is not None:
             overrides["attention_backend_name"] = self.attention_backend

@@ -676,16 +676,17 @@ class _Step:
 
 
 def _shadow_config(config, *, unallocated: bool = False, te: bool = False):
-    """``config`` for the EMA shadow: full-precision linears and no TP userbuffers (previews run
-    other batch shapes than the buffers were sized for); ``unallocated`` (a sharded EMA's shadow,
+    """``config`` for the EMA shadow: full-precision linears (neither torchao's nor TE's FP8) and no
+    TP userbuffers (previews run other batch shapes than the buffers were sized for); ``unallocated`` (a sharded EMA's shadow,
     built under the meta device): not initialised, and every layer on the meta device -- megatron's
     local layers follow the device context only with ``use_cpu_initialization`` (else they allocate
     on the GPU), Transformer Engine's (``te``) take the meta device only without it. A copy, since
     re-running megatron's ``__post_init__`` (``dataclasses.replace``) is not idempotent."""
-    if config.float8_recipe is None and not config.tp_comm_overlap and not unallocated:
+    if config.float8_recipe is None and not config.fp8 and not config.tp_comm_overlap and not unallocated:
         return config
     config = copy.copy(config)
     config.float8_recipe = None
+    config.fp8 = None  # (Transformer Engine's FP8)
     config.tp_comm_overlap = False
     if unallocated:
         config.perform_initialization = False

@@ -23,6 +23,8 @@ from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
 from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
+from dit_mcore.models import te_fp8
+from dit_mcore.models.te_fp8 import FORMATS as TE_FP8_FORMATS, RECIPES as TE_FP8_RECIPES
 from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
@@ -155,10 +157,7 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(m.attention_backend is None or m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
            m.attention_backend,
            f"use one of {ATTENTION_BACKENDS}{did_you_mean(str(m.attention_backend), ATTENTION_BACKENDS)} or None (auto)")
-    r.need(m.fp8 is None or m.fp8 in FLOAT8_RECIPES, "model.fp8", m.fp8,
-           f"use one of {FLOAT8_RECIPES}{did_you_mean(str(m.fp8), FLOAT8_RECIPES)} or None (off)")
-    r.need(m.fp8 is None or m.backend != "te", "model.fp8", m.fp8,
-           "runs on the local megatron linears (torchao); Transformer Engine's FP8 is not wired: set model.backend=auto")
+    _fp8_rules(r, m)
     r.need(m.num_moe_experts is None or m.num_moe_experts >= 1, "model.num_moe_experts", m.num_moe_experts,
            "must be >= 1, or unset for a dense MLP")
     if m.moe_router_topk is not None:
@@ -167,6 +166,31 @@ def _model_rules(r: _Rules, m) -> None:
                f"must be in [1, model.num_moe_experts={m.num_moe_experts}]; lower it or add experts")
     r.need(m.moe_aux_loss_coeff is None or (_finite(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0),
            "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
+
+
+def _fp8_rules(r: _Rules, m) -> None:
+    """``model.fp8``: torchao's recipes on the local linears, Transformer Engine's with ``backend=te``."""
+    te = m.backend == "te"
+    recipes, which = (TE_FP8_RECIPES, "Transformer Engine's") if te else (FLOAT8_RECIPES, "torchao's")
+    hint = ("; torchao's recipes need model.backend=auto or local" if te and m.fp8 in FLOAT8_RECIPES else
+            "; Transformer Engine's recipes need model.backend=te" if not te and m.fp8 in TE_FP8_RECIPES else
+            did_you_mean(str(m.fp8), recipes))
+    r.need(m.fp8 is None or m.fp8 in recipes, "model.fp8", m.fp8,
+           f"use one of {which} recipes {recipes} or None (off){hint}")
+    r.need(m.fp8_format is None or (te and m.fp8 is not None), "model.fp8_format", m.fp8_format,
+           "sets Transformer Engine's FP8 format: only with model.fp8 and model.backend=te; leave it unset")
+    r.need(m.fp8_format is None or m.fp8_format in TE_FP8_FORMATS, "model.fp8_format", m.fp8_format,
+           f"use one of {TE_FP8_FORMATS} or None (hybrid)")
+    for name in ("fp8_amax_history_len", "fp8_amax_compute_algo"):
+        r.need(getattr(m, name) is None or (te and m.fp8 == "delayed"), f"model.{name}", getattr(m, name),
+               "tunes delayed scaling: only with model.fp8=delayed and model.backend=te; leave it unset")
+    r.need(m.fp8_amax_history_len is None or m.fp8_amax_history_len >= 1, "model.fp8_amax_history_len",
+           m.fp8_amax_history_len, "must be >= 1")
+    r.need(m.fp8_amax_compute_algo in (None, "most_recent", "max"), "model.fp8_amax_compute_algo",
+           m.fp8_amax_compute_algo, "use 'most_recent' or 'max'")
+    r.need(not (te and m.fp8 and m.compile), "model.compile", m.compile,
+           "with Transformer Engine's FP8 (model.backend=te, model.fp8): TE's modules under torch.compile are "
+           "untested here, and TE fuses its casts itself; set model.compile=False")
 
 
 def _optim_rules(r: _Rules, o, max_steps: int) -> None:
@@ -266,7 +290,9 @@ def run_problems(cfg, world_size: int) -> list[str]:
         _check_text(cfg.data, model, get_family(cfg.model.family))
         check_layout(cfg.parallel, model, cfg.data, world_size,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
-        if cfg.model.fp8 and not cfg.trainer.bf16 and torch.cuda.is_available():
+        if cfg.model.fp8 and cfg.model.backend == "te":
+            te_fp8.check_run(cfg, model, world_size)
+        elif cfg.model.fp8 and not cfg.trainer.bf16 and torch.cuda.is_available():
             raise ConfigError(f"model.fp8={cfg.model.fp8!r} needs trainer.bf16=True on a GPU (float8 GEMMs with fp32 "
                               "outputs are not supported on every GPU); set trainer.bf16=True")
         if cfg.parallel.tp_comm_overlap:

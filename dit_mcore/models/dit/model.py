@@ -28,6 +28,7 @@ from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.seeding import draw_base_seed, init_stream
+from dit_mcore.models import te_fp8
 from dit_mcore.models.st_attention import STPattern, mesh_order, st_plans
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from energon_data.tokens import grid_positions
@@ -344,6 +345,7 @@ def build_model(config: DiTConfig, *, backend: str = "local", pre_process: bool 
                           num_moe_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                           cross_attention=config.text_dim > 0, qk_norm=config.qk_layernorm,
                           cross_attention_adaln=config.cross_attention_adaln,
-                          spatial_temporal=config.spatial_temporal, float8_recipe=config.float8_recipe)
+                          spatial_temporal=config.spatial_temporal, float8_recipe=config.float8_recipe,
+                          te_fp8=te_fp8.enabled(config))
     return DiT(config, spec, pre_process=pre_process, post_process=post_process, init_seed=init_seed,
                vp_stage=vp_stage)

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_experts: Optional[int] = None,
                    moe_grouped_gemm: bool = False, cross_attention: bool = False, qk_norm: bool = False,
                    cross_attention_adaln: bool = True, spatial_temporal: bool = False,
-                   float8_recipe: Optional[str] = None) -> ModuleSpec:
+                   float8_recipe: Optional[str] = None, te_fp8: bool = False) -> ModuleSpec:
     """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"``, ``"te"`` or ``"auto"`` (TE linears
     when installed on a GPU, else local, with a log line); ``norm``: ``"layernorm"`` (the paper's) or
     ``"rmsnorm"``, both without affine parameters (modulation replaces them); ``num_moe_experts``:
@@ -32,8 +32,8 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
     residual (MovieGen); ``qk_norm``: per-head RMSNorm of queries and keys in every attention;
     ``spatial_temporal``: self-attention within each frame, then across frames (ST-DiT);
     ``float8_recipe``: the attention and MLP linears multiply in float8 (torchao; "tensorwise" or
-    "rowwise")."""
-    column, row = linears(backend, float8_recipe)
+    "rowwise"); ``te_fp8``: Transformer Engine's FP8 runs the layers, so TE's linears or an error."""
+    column, row = linears(backend, float8_recipe, te_required=te_fp8)
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
     if num_moe_experts:
         mlp = moe_spec(column, num_moe_experts, grouped_gemm=moe_grouped_gemm)

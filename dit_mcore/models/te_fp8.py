@@ -1,0 +1,115 @@
+"""FP8 training through Transformer Engine (``model.fp8`` with ``model.backend=te``).
+
+TE's linears quantize inside their own fused kernels while TE's ``fp8_autocast`` is active. It is
+entered the way megatron's ``TransformerBlock`` enters it, through megatron's own
+``fp8_utils.get_fp8_context`` (the recipe from megatron's ``fp8`` / ``fp8_recipe`` fields, the amax
+reduction group from its parallel state):
+
+- delayed scaling (``"delayed"``, an amax history per tensor): one context around the stage's
+  layers, so TE reduces the amaxes once per forward;
+- current scaling (``"tensorwise"``), MXFP8 (``"mxfp8"``, Blackwell) and block scaling
+  (``"blockwise"``): one context per layer, keyed by its global index (entering it is free);
+- full-layer recompute goes through megatron's ``te_checkpoint``: TE's checkpoint recomputes with the
+  forward's scaling factors, where torch's would update the amax history a second time.
+
+Only the transformer linears quantize (they come from the layer spec as TE's classes): the adaLN
+modulation, the embedders, the norms, attention (this project's kernels) and the final layer are
+torch modules and keep the run's precision. The EMA/preview shadow is built without FP8.
+
+Not run here: neither the CPU machines nor the lent GPUs have TE. The wiring (contexts, layer
+indices, the recompute path, the config mapping and the refusals) is tested with megatron's context
+stood in (``tests/test_te_fp8.py``).
+"""
+from __future__ import annotations
+
+import importlib.util
+from contextlib import nullcontext
+
+import torch
+from megatron.core import fp8_utils, parallel_state, tensor_parallel
+
+from dit_mcore.config import ConfigError
+from dit_mcore.models.float8 import misaligned_dims
+
+RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+"""megatron's ``fp8_recipe`` values this project offers with TE (``model.fp8``)."""
+FORMATS = ("hybrid", "e4m3")
+"""megatron's ``fp8`` values: E4M3 forward and E5M2 gradients, or E4M3 for both."""
+
+
+def enabled(config) -> bool:
+    """Whether ``config`` (megatron's) trains with TE's FP8."""
+    return bool(getattr(config, "fp8", None))
+
+
+def _delayed(config) -> bool:
+    return config.fp8_recipe == "delayed"
+
+
+def stage_context(config):
+    """The context around one stage's layers: delayed scaling's (one amax reduction per forward)."""
+    return fp8_utils.get_fp8_context(config) if enabled(config) and _delayed(config) else nullcontext()
+
+
+def layer_context(config, layer):
+    """The context around one layer: every recipe but delayed scaling's, by the layer's global index."""
+    if enabled(config) and not _delayed(config):
+        return fp8_utils.get_fp8_context(config, layer.layer_number - 1)
+    return nullcontext()
+
+
+def checkpoint(config, function, *args):
+    """megatron's full-layer recompute of ``function(*args)``: through TE's checkpoint under FP8."""
+    if enabled(config):
+        from megatron.core.extensions.transformer_engine import te_checkpoint
+        return te_checkpoint(function, config.distribute_saved_activations,
+                             tensor_parallel.random.get_cuda_rng_tracker,
+                             parallel_state.get_tensor_model_parallel_group(), *args)
+    return tensor_parallel.checkpoint(function, config.distribute_saved_activations, *args)
+
+
+def alignment(recipe: str) -> int:
+    """What both dims of every FP8 GEMM operand must be a multiple of (megatron's
+    ``get_fp8_align_size``: 32 for MXFP8's blocks, else 16)."""
+    return 32 if recipe == "mxfp8" else 16
+
+
+def check_run(cfg, model, world_size: int) -> None:
+    """What TE's FP8 needs of the whole run before compute (``cfg``: the run config; ``model``: the
+    model config built from it): TE on an FP8 GPU, bf16, and token counts the FP8 GEMMs accept."""
+    m, data, parallel = cfg.model, cfg.data, cfg.parallel
+    fix = "or set model.backend=auto for torchao's FP8 (model.fp8 in tensorwise, rowwise, rowwise_with_gw_hp)"
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs Transformer Engine, which is not installed "
+                          f"here: use the NGC PyTorch image (the project's Dockerfile) {fix}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs a GPU with FP8 tensor cores (Ada, Hopper "
+                          f"or newer); this machine has {where}: {fix}")
+    if not cfg.trainer.bf16:
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te runs the layers around TE's GEMMs in bf16: "
+                          "set trainer.bf16=True")
+    align = alignment(m.fp8)
+    bad = misaligned_dims(model, model.kv_channels or model.hidden_size // model.num_attention_heads, alignment=align,
+                          tp=parallel.tensor_model_parallel_size)
+    if bad:
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need every weight dim of the "
+                          f"transformer linears divisible by {align}, but {', '.join(bad)}; choose widths that are "
+                          f"multiples of {align} x TP or set model.fp8=None")
+    if data.packs or data.uses_energon:
+        need = align * parallel.token_shards()
+        if data.pad_multiple % need:
+            raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count "
+                              f"to be a multiple of {align}, and packed streams of any length reach them; set "
+                              f"data.pad_multiple to a multiple of {need} ({align} x the {parallel.token_shards()} "
+                              "ranks a stream is split over)")
+        return
+    # Dense images: each GEMM sees this CP rank's piece of the micro-batch (sequence parallel gathers
+    # the TP pieces before every column-parallel GEMM and a row-parallel GEMM's input is whole).
+    side = data.image_size // model.patch_size
+    micro = data.micro_batch(parallel.data_parallel_size(world_size))
+    cp = parallel.context_parallel_size
+    if (micro * side * side) % (align * cp):
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count to "
+                          f"be a multiple of {align}, but a micro-batch of {micro} x {side * side} tokens over "
+                          f"{cp} context-parallel rank(s) is not; change data.micro_batch_size or data.image_size")

@@ -1,0 +1,160 @@
+"""Transformer Engine's FP8 (``model.fp8`` with ``model.backend=te``): the recipe reaches megatron's
+``fp8`` / ``fp8_recipe`` fields, the layer stack enters megatron's FP8 context as its
+``TransformerBlock`` does (delayed scaling around the stage, other recipes per layer by global index,
+TE's checkpoint for full recompute), the EMA shadow is built without it, and every setting TE's FP8
+cannot run fails before compute. Neither this machine nor the lent GPUs have TE: its linears,
+megatron's context and TE's checkpoint are stood in (the local linears, a recording context,
+megatron's own checkpoint), so the training itself is bf16's -- the test is of the wiring."""
+import contextlib
+
+import pytest
+import torch
+from megatron.core import fp8_utils, parallel_state, tensor_parallel
+from megatron.core.extensions import transformer_engine as megatron_te
+
+from dit_mcore.config import ConfigError
+from dit_mcore.models import specs, te_fp8
+from dit_mcore.models.aten_linear import AtenColumnParallelLinear, AtenRowParallelLinear
+from dit_mcore.models.dit.model import build_model
+from dit_mcore.training.config import ModelConfig
+from dit_mcore.training.trainer import Trainer
+from dit_mcore.training.validate import run_problems
+from dit_mcore.parallel.config import ParallelConfig
+from test_parallel_layouts import _randomize
+from test_training import tiny_run
+
+
+def test_te_recipes_reach_megatrons_fp8_fields_and_torchaos_stay_apart():
+    te = ModelConfig(preset="digits", backend="te", fp8="delayed", fp8_amax_history_len=16,
+                     fp8_amax_compute_algo="max").build(ParallelConfig())
+    assert (te.fp8, te.fp8_recipe, te.float8_recipe) == ("hybrid", "delayed", None)
+    assert (te.fp8_amax_history_len, te.fp8_amax_compute_algo) == (16, "max")
+    e4m3 = ModelConfig(preset="digits", backend="te", fp8="tensorwise", fp8_format="e4m3").build(ParallelConfig())
+    assert (e4m3.fp8, e4m3.fp8_recipe) == ("e4m3", "tensorwise")
+    torchao = ModelConfig(preset="digits", backend="auto", fp8="tensorwise").build(ParallelConfig())
+    assert (torchao.fp8, torchao.float8_recipe) == (None, "tensorwise")
+
+
+def test_te_fp8_layers_need_te_linears_never_the_local_fallback():
+    config = ModelConfig(preset="digits", num_layers=1, backend="te", fp8="tensorwise").build(ParallelConfig())
+    with pytest.raises(ValueError, match="needs TE's linears, which do not load here"):
+        build_model(config, backend="te")  # no TE on this machine
+    with pytest.raises(ValueError, match="runs in TE's linears: use backend='te', not 'local'"):
+        build_model(config, backend="local")
+
+
+@pytest.fixture
+def te_stand_ins(monkeypatch):
+    """TE's linears -> the local ones, megatron's FP8 context -> a recorder of the layer indices it is
+    entered for (-1: the whole stage), TE's checkpoint -> megatron's (recorded)."""
+    calls = {"contexts": [], "te_checkpoints": 0}
+
+    @contextlib.contextmanager
+    def context(config, layer_no=-1, is_init=False):
+        assert config.fp8 == "hybrid" and not is_init
+        calls["contexts"].append(layer_no)
+        yield
+
+    def te_checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args):
+        assert get_rng_state_tracker is tensor_parallel.random.get_cuda_rng_tracker and tp_group is not None
+        calls["te_checkpoints"] += 1
+        return tensor_parallel.checkpoint(function, distribute_saved_activations, *args)
+
+    monkeypatch.setattr(specs, "te_linears", lambda: (AtenColumnParallelLinear, AtenRowParallelLinear))
+    monkeypatch.setattr(fp8_utils, "get_fp8_context", context)
+    monkeypatch.setattr(megatron_te, "te_checkpoint", te_checkpoint)
+    monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)  # (TE and an FP8 GPU: tested below)
+    return calls
+
+
+def _losses(run_dir, steps, **model):
+    cfg = tiny_run(run_dir, max_steps=steps)  # 2 layers, 2 micro-batches of 8 per step
+    cfg.model.backend = "te"
+    for field, value in model.items():
+        setattr(cfg.model, field, value)
+    trainer = Trainer(cfg)
+    _randomize(trainer)
+    assert (trainer.ema.module.config.fp8, trainer.ema.module.config.float8_recipe) == (None, None)
+    config = trainer.model[0].config
+    # The group megatron's real context reduces amaxes over (TE's fp8_group) exists in this world.
+    assert parallel_state.get_amax_reduction_group(with_context_parallel=True,
+                                                   tp_only_amax_red=config.tp_only_amax_red) is not None
+    return [h["loss"] for h in trainer.fit()], config
+
+
+@pytest.mark.parametrize("recipe, recompute, per_forward", [
+    ("tensorwise", {}, [0, 1]),  # per layer, by global index
+    ("delayed", {}, [-1]),  # around the stage: one amax reduction per forward
+    ("tensorwise", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+     [0, 1, 0, 1]),  # the recomputation in backward enters them again
+    ("delayed", {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+     [-1]),  # (TE's checkpoint restores the forward's FP8 state for the recomputation itself)
+])
+def test_the_layer_stack_enters_megatrons_fp8_context_as_its_transformer_block_does(tmp_path, te_stand_ins, recipe,
+                                                                                    recompute, per_forward):
+    steps, micro_batches = 2, 2
+    plain, _ = _losses(tmp_path / "plain", steps, **recompute)
+    assert te_stand_ins["contexts"] == [] and te_stand_ins["te_checkpoints"] == 0
+    fp8, config = _losses(tmp_path / "fp8", steps, fp8=recipe, **recompute)
+    assert (config.fp8, config.fp8_recipe) == ("hybrid", recipe)
+    assert te_stand_ins["contexts"] == per_forward * steps * micro_batches
+    assert te_stand_ins["te_checkpoints"] == (steps * micro_batches if recompute else 0)
+    assert fp8 == plain  # the stand-in context changes nothing, so nothing else did either
+
+
+@pytest.mark.parametrize("changes, field, expected", [
+    ({"backend": "te", "fp8": "rowwise"}, "model.fp8", "torchao's recipes need model.backend=auto or local"),
+    ({"fp8": "delayed"}, "model.fp8", "Transformer Engine's recipes need model.backend=te"),
+    ({"fp8": "tensorwise", "fp8_format": "e4m3"}, "model.fp8_format", "only with model.fp8 and model.backend=te"),
+    ({"backend": "te", "fp8": "tensorwise", "fp8_format": "e5m2"}, "model.fp8_format", "use one of ('hybrid', 'e4m3')"),
+    ({"backend": "te", "fp8": "tensorwise", "fp8_amax_history_len": 16}, "model.fp8_amax_history_len",
+     "only with model.fp8=delayed"),
+    ({"backend": "te", "fp8": "delayed", "compile": True}, "model.compile", "TE's modules under torch.compile"),
+])
+def test_bad_te_fp8_settings_name_the_field(tmp_path, changes, field, expected):
+    cfg = tiny_run(tmp_path)
+    for name, value in changes.items():
+        setattr(cfg.model, name, value)
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and problems[0].startswith(field) and expected in problems[0], problems
+
+
+def _fp8_gpu(monkeypatch, te=True, capability=(9, 0)):
+    """This process as one with (or without) TE on a GPU of ``capability``."""
+    real = te_fp8.importlib.util.find_spec
+    monkeypatch.setattr(te_fp8.importlib.util, "find_spec",
+                        lambda name, *a: (object() if te else None) if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+
+
+@pytest.mark.parametrize("machine, changes, expected", [
+    ("cpu", {}, "needs Transformer Engine, which is not installed here"),
+    ("no te", {}, "needs Transformer Engine, which is not installed here"),
+    ("a100", {}, "needs a GPU with FP8 tensor cores (Ada, Hopper or newer); this machine has NVIDIA A100"),
+    ("h100", {"bf16": False}, "set trainer.bf16=True"),
+    ("h100", {"hidden_size": 40, "num_attention_heads": 2}, "divisible by 16, but hidden_size = 40"),
+    ("h100", {"fp8": "mxfp8", "micro_batch_size": 1}, "a micro-batch of 1 x 16 tokens over 1 context-parallel rank(s) is not"),
+    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]]}, "set data.pad_multiple to a multiple of 16"),
+    ("h100", {}, None),
+])
+def test_te_fp8_needs_te_on_an_fp8_gpu_bf16_and_aligned_tokens(tmp_path, monkeypatch, machine, changes, expected):
+    if machine != "cpu":
+        _fp8_gpu(monkeypatch, te=machine != "no te", capability=(8, 0) if machine == "a100" else (9, 0))
+    cfg = tiny_run(tmp_path)
+    cfg.model.backend, cfg.model.fp8, cfg.trainer.bf16 = "te", changes.pop("fp8", "tensorwise"), changes.pop("bf16", True)
+    for name, value in changes.items():
+        if name == "mock_latent_shapes":
+            cfg.data.name, cfg.data.mock_latent_shapes = "mock", value
+        elif name == "micro_batch_size":
+            cfg.data.micro_batch_size = value
+        else:
+            setattr(cfg.model, name, value)
+    model = cfg.model.build(ParallelConfig())
+    if expected is None:
+        te_fp8.check_run(cfg, model, world_size=1)  # dense 8 x 16 tokens, hidden 32: all multiples of 16
+        return
+    with pytest.raises(ConfigError, match="model.fp8=") as error:
+        te_fp8.check_run(cfg, model, world_size=1)
+    assert expected in str(error.value), error.value
