@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from packaging.version import Version
 from megatron.core import fp8_utils, parallel_state, tensor_parallel
 from megatron.core.extensions import transformer_engine as megatron_te
 
@@ -43,11 +44,34 @@ def test_te_fp8_layers_need_te_linears_never_the_local_fallback():
         build_model(config, backend="local")
 
 
+class _StandInTE:
+    """A local linear standing in for TE's: it keeps TE's ``is_first_microbatch`` flag (megatron's
+    schedule sets it at each step's first micro-batch through ``set_is_first_microbatch``; TE then
+    re-casts the weight to FP8 and caches it for the step's other micro-batches) and records it."""
+
+    is_first_microbatch = None
+    seen: list = []
+
+    def forward(self, *args, **kwargs):
+        self.seen.append(self.is_first_microbatch)
+        self.is_first_microbatch = False  # (what TE's linears do after each forward)
+        return super().forward(*args, **kwargs)
+
+
+class StandInTEColumn(_StandInTE, AtenColumnParallelLinear):
+    pass
+
+
+class StandInTERow(_StandInTE, AtenRowParallelLinear):
+    pass
+
+
 @pytest.fixture
 def te_stand_ins(monkeypatch):
-    """TE's linears -> the local ones, megatron's FP8 context -> a recorder of the layer indices it is
-    entered for (-1: the whole stage), TE's checkpoint -> megatron's (recorded)."""
-    calls = {"contexts": [], "te_checkpoints": 0}
+    """TE's linears -> recording local ones, megatron's FP8 context -> a recorder of the layer indices
+    it is entered for (-1: the whole stage), TE's checkpoint -> megatron's (counted); TE counts as
+    installed (its GPU and version checks are tested below)."""
+    calls = {"contexts": [], "te_checkpoints": 0, "first_microbatch": []}
 
     @contextlib.contextmanager
     def context(config, layer_no=-1, is_init=False):
@@ -60,10 +84,12 @@ def te_stand_ins(monkeypatch):
         calls["te_checkpoints"] += 1
         return tensor_parallel.checkpoint(function, distribute_saved_activations, *args)
 
-    monkeypatch.setattr(specs, "te_linears", lambda: (AtenColumnParallelLinear, AtenRowParallelLinear))
+    monkeypatch.setattr(_StandInTE, "seen", calls["first_microbatch"])
+    monkeypatch.setattr(specs, "te_linears", lambda: (StandInTEColumn, StandInTERow))
     monkeypatch.setattr(fp8_utils, "get_fp8_context", context)
     monkeypatch.setattr(megatron_te, "te_checkpoint", te_checkpoint)
-    monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)  # (TE and an FP8 GPU: tested below)
+    monkeypatch.setattr(te_fp8, "installed", lambda: True)
+    monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)  # (its GPU, version and alignment checks: below)
     return calls
 
 
@@ -82,24 +108,43 @@ def _losses(run_dir, steps, **model):
     return [h["loss"] for h in trainer.fit()], config
 
 
-@pytest.mark.parametrize("recipe, recompute, per_forward", [
-    ("tensorwise", {}, [0, 1]),  # per layer, by global index
-    ("delayed", {}, [-1]),  # around the stage: one amax reduction per forward
-    ("tensorwise", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-     [0, 1, 0, 1]),  # the recomputation in backward enters them again
-    ("delayed", {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-     [-1]),  # (TE's checkpoint restores the forward's FP8 state for the recomputation itself)
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
+
+
+@pytest.mark.parametrize("recipe, recompute, per_forward, checkpoints_per_forward", [
+    ("tensorwise", {}, [0, 1], 0),  # per layer, by global index
+    ("delayed", {}, [-1], 0),  # around the stage: one amax reduction per forward
+    ("tensorwise", FULL, [0, 1, 0, 1], 1),  # the recomputation in backward enters them again
+    ("delayed", dict(FULL, recompute_method="block", recompute_num_layers=1), [-1], 1),
+    # (TE's checkpoint restores the forward's FP8 state for the recomputation itself)
+    ("tensorwise", {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, [0, 1], 2),  # each MLP
 ])
-def test_the_layer_stack_enters_megatrons_fp8_context_as_its_transformer_block_does(tmp_path, te_stand_ins, recipe,
-                                                                                    recompute, per_forward):
-    steps, micro_batches = 2, 2
+def test_the_layer_stack_enters_megatrons_fp8_context_as_its_transformer_block_does(
+        tmp_path, te_stand_ins, recipe, recompute, per_forward, checkpoints_per_forward):
+    steps, micro_batches, linears = 2, 2, 2 * 4  # (2 layers of qkv, proj, fc1, fc2)
     plain, _ = _losses(tmp_path / "plain", steps, **recompute)
     assert te_stand_ins["contexts"] == [] and te_stand_ins["te_checkpoints"] == 0
+    te_stand_ins["first_microbatch"].clear()
     fp8, config = _losses(tmp_path / "fp8", steps, fp8=recipe, **recompute)
     assert (config.fp8, config.fp8_recipe) == ("hybrid", recipe)
     assert te_stand_ins["contexts"] == per_forward * steps * micro_batches
-    assert te_stand_ins["te_checkpoints"] == (steps * micro_batches if recompute else 0)
-    assert fp8 == plain  # the stand-in context changes nothing, so nothing else did either
+    assert te_stand_ins["te_checkpoints"] == checkpoints_per_forward * steps * micro_batches
+    # megatron's schedule tells TE's linears each step's first micro-batch (their FP8 weight cache).
+    seen = te_stand_ins["first_microbatch"]
+    assert seen.count(True) == steps * linears and seen[:linears] == [True] * linears, seen
+    # megatron with config.fp8 set changes nothing else: the same losses as without it (the context
+    # stands in, so a difference could only come from megatron or the project reading config.fp8).
+    assert fp8 == plain
+
+
+def test_the_text_key_value_projection_stays_a_bf16_local_linear(te_stand_ins):
+    """Its rows are the batch's text tokens, of any count; TE's FP8 GEMMs need multiples of 16."""
+    from dit_mcore.models.dit.spec import dit_layer_spec
+    layer = dit_layer_spec("te", cross_attention=True, te_fp8=True).submodules
+    cross, attention = layer.cross_attention.submodules, layer.self_attention.submodules
+    assert cross.linear_kv is AtenColumnParallelLinear
+    assert (cross.linear_q, cross.linear_proj, attention.linear_qkv) == (StandInTEColumn, StandInTERow, StandInTEColumn)
+    assert dit_layer_spec("te", cross_attention=True).submodules.cross_attention.submodules.linear_kv is StandInTEColumn
 
 
 @pytest.mark.parametrize("changes, field, expected", [
@@ -110,8 +155,11 @@ def test_the_layer_stack_enters_megatrons_fp8_context_as_its_transformer_block_d
     ({"backend": "te", "fp8": "tensorwise", "fp8_amax_history_len": 16}, "model.fp8_amax_history_len",
      "only with model.fp8=delayed"),
     ({"backend": "te", "fp8": "delayed", "compile": True}, "model.compile", "TE's modules under torch.compile"),
+    ({"backend": "te", "fp8": "tensorwise", "recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+     "model.recompute_modules", "the linear keeps its own quantized copy"),
 ])
-def test_bad_te_fp8_settings_name_the_field(tmp_path, changes, field, expected):
+def test_bad_te_fp8_settings_name_the_field(tmp_path, monkeypatch, changes, field, expected):
+    monkeypatch.setattr(te_fp8, "installed", lambda: True)
     cfg = tiny_run(tmp_path)
     for name, value in changes.items():
         setattr(cfg.model, name, value)
@@ -119,42 +167,65 @@ def test_bad_te_fp8_settings_name_the_field(tmp_path, changes, field, expected):
     assert len(problems) == 1 and problems[0].startswith(field) and expected in problems[0], problems
 
 
-def _fp8_gpu(monkeypatch, te=True, capability=(9, 0)):
-    """This process as one with (or without) TE on a GPU of ``capability``."""
-    real = te_fp8.importlib.util.find_spec
-    monkeypatch.setattr(te_fp8.importlib.util, "find_spec",
-                        lambda name, *a: (object() if te else None) if name == "transformer_engine" else real(name, *a))
+@pytest.mark.parametrize("moe", [False, True])
+def test_te_fp8_without_te_is_one_named_problem_before_the_model_config_is_built(tmp_path, moe):
+    """(megatron's config itself asks TE's version for an MoE under FP8, and fails without TE.)"""
+    cfg = tiny_run(tmp_path)
+    cfg.model.backend, cfg.model.fp8 = "te", "tensorwise"
+    if moe:
+        cfg.model.num_moe_experts, cfg.model.moe_router_topk = 4, 2
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and "TE is not installed here" in problems[0], problems
+
+
+def _fp8_gpu(monkeypatch, capability=(9, 0), te_version="2.8.0"):
+    """This process as one on a GPU of ``capability`` with TE ``te_version`` (TE's presence is a field rule)."""
+    from megatron.core import utils
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: {(8, 0): "NVIDIA A100", (9, 0): "NVIDIA H100"}[capability])
+    monkeypatch.setattr(utils, "get_te_version", lambda: Version(te_version))
 
 
 @pytest.mark.parametrize("machine, changes, expected", [
-    ("cpu", {}, "needs Transformer Engine, which is not installed here"),
-    ("no te", {}, "needs Transformer Engine, which is not installed here"),
-    ("a100", {}, "needs a GPU with FP8 tensor cores (Ada, Hopper or newer); this machine has NVIDIA A100"),
+    ("cpu", {}, "needs a GPU with that recipe's FP8 tensor cores (Ada, Hopper or newer); this machine has no GPU"),
+    ("a100", {}, "(Ada, Hopper or newer); this machine has NVIDIA A100"),
+    ("h100", {"fp8": "mxfp8"}, "(Blackwell or newer); this machine has NVIDIA H100"),
+    ("h100 te2.1", {}, "needs Transformer Engine >= 2.2.0.dev0; this machine has 2.1.0"),
+    ("h100 te2.1", {"fp8": "delayed"}, None),  # (megatron asks no version of delayed scaling)
     ("h100", {"bf16": False}, "set trainer.bf16=True"),
     ("h100", {"hidden_size": 40, "num_attention_heads": 2}, "divisible by 16, but hidden_size = 40"),
-    ("h100", {"fp8": "mxfp8", "micro_batch_size": 1}, "a micro-batch of 1 x 16 tokens over 1 context-parallel rank(s) is not"),
+    ("h100", {"fp8": "blockwise", "micro_batch_size": 1}, None),  # 16 rows
+    ("h100", {"tp_sp": 2, "micro_batch_size": 1},  # each rank quantizes its 8 rows before SP's all-gather
+     "a micro-batch of 1 x 16 tokens over 2 ranks (context_parallel_size x tensor_model_parallel_size under "
+     "sequence parallel) is not"),
+    ("h100", {"tp_sp": 2}, None),  # 8 x 16 rows over 2
     ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]]}, "set data.pad_multiple to a multiple of 16"),
+    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "tp_sp": 2, "pad_multiple": 16},
+     "set data.pad_multiple to a multiple of 32 (16 x the 2 ranks"),
+    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "pad_multiple": 16}, None),
     ("h100", {}, None),
 ])
-def test_te_fp8_needs_te_on_an_fp8_gpu_bf16_and_aligned_tokens(tmp_path, monkeypatch, machine, changes, expected):
+def test_te_fp8_needs_its_recipes_gpu_and_te_bf16_and_aligned_tokens(tmp_path, monkeypatch, machine, changes, expected):
     if machine != "cpu":
-        _fp8_gpu(monkeypatch, te=machine != "no te", capability=(8, 0) if machine == "a100" else (9, 0))
-    cfg = tiny_run(tmp_path)
+        _fp8_gpu(monkeypatch, capability=(8, 0) if machine == "a100" else (9, 0),
+                 te_version="2.1.0" if "te2.1" in machine else "2.8.0")
+    cfg = tiny_run(tmp_path)  # dense 8 x 16 tokens per micro-batch, hidden 32
     cfg.model.backend, cfg.model.fp8, cfg.trainer.bf16 = "te", changes.pop("fp8", "tensorwise"), changes.pop("bf16", True)
+    world_size = 1
     for name, value in changes.items():
-        if name == "mock_latent_shapes":
+        if name == "tp_sp":
+            cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel, world_size = value, True, value
+        elif name == "mock_latent_shapes":
             cfg.data.name, cfg.data.mock_latent_shapes = "mock", value
-        elif name == "micro_batch_size":
-            cfg.data.micro_batch_size = value
+        elif name in ("micro_batch_size", "pad_multiple"):
+            setattr(cfg.data, name, value)
         else:
             setattr(cfg.model, name, value)
     model = cfg.model.build(ParallelConfig())
     if expected is None:
-        te_fp8.check_run(cfg, model, world_size=1)  # dense 8 x 16 tokens, hidden 32: all multiples of 16
+        te_fp8.check_run(cfg, model, world_size=world_size)
         return
     with pytest.raises(ConfigError, match="model.fp8=") as error:
-        te_fp8.check_run(cfg, model, world_size=1)
+        te_fp8.check_run(cfg, model, world_size=world_size)
     assert expected in str(error.value), error.value

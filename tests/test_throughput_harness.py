@@ -131,6 +131,7 @@ def test_te_fp8_recipes_reach_the_run_config_with_packs_padded_for_its_gemms(tmp
     the rows TE's FP8 GEMMs need. The run config passes validation but for TE and the GPU themselves."""
     from dit_mcore.models import te_fp8
     from dit_mcore.training.validate import run_problems
+    monkeypatch.setattr(te_fp8, "installed", lambda: True)
     monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)
     base = {"preset": "tiny", "image_size": 8, "packed_len": 0, "batch": 2, "recompute": "none", "compile": False,
             "dtype": "bf16"}

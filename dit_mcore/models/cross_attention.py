@@ -48,7 +48,8 @@ class TextCrossAttention(CrossAttention):
         kv = self.linear_kv
         if kv.sequence_parallel:  # the text is not sequence-sharded: no gather, reduce dgrad over TP
             kv.sequence_parallel = False
-            kv.allreduce_dgrad = not kv.disable_grad_reduce
+            if hasattr(kv, "disable_grad_reduce"):  # megatron's local linear (TE's column-parallel one
+                kv.allreduce_dgrad = not kv.disable_grad_reduce  # all-reduces dgrad itself without SP)
         norm = dict(hidden_size=self.hidden_size_per_attention_head, config=config, eps=config.layernorm_epsilon)
         self.q_layernorm = build_module(submodules.q_layernorm, **norm) if submodules.q_layernorm else None
         self.k_layernorm = build_module(submodules.k_layernorm, **norm) if submodules.k_layernorm else None

@@ -9,8 +9,9 @@ reduction group from its parallel state):
   layers, so TE reduces the amaxes once per forward;
 - current scaling (``"tensorwise"``), MXFP8 (``"mxfp8"``, Blackwell) and block scaling
   (``"blockwise"``): one context per layer, keyed by its global index (entering it is free);
-- full-layer recompute goes through megatron's ``te_checkpoint``: TE's checkpoint recomputes with the
-  forward's scaling factors, where torch's would update the amax history a second time.
+- full-layer recompute and the MLP's selective recompute go through megatron's ``te_checkpoint``:
+  TE's checkpoint recomputes inside the forward's FP8 state (recipe and scaling factors); torch's would
+  recompute in bf16, outside every context, or update the amax history a second time.
 
 Only the transformer linears quantize (they come from the layer spec as TE's classes): the adaLN
 modulation, the embedders, the norms, attention (this project's kernels) and the final layer are
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import nullcontext
+from typing import Optional
 
 import torch
+from packaging.version import Version
 from megatron.core import fp8_utils, parallel_state, tensor_parallel
 
 from dit_mcore.config import ConfigError
@@ -58,14 +61,17 @@ def layer_context(config, layer):
     return nullcontext()
 
 
-def checkpoint(config, function, *args):
-    """megatron's full-layer recompute of ``function(*args)``: through TE's checkpoint under FP8."""
+def checkpoint(config, function, *args, distribute: Optional[bool] = None):
+    """megatron's recompute of ``function(*args)`` (whole layers, or a layer's MLP), through TE's
+    checkpoint under FP8; ``distribute``: shard the saved input over TP (None: the config's
+    ``distribute_saved_activations``, as megatron's full recompute; its MLP recompute passes False)."""
+    if distribute is None:
+        distribute = config.distribute_saved_activations
     if enabled(config):
         from megatron.core.extensions.transformer_engine import te_checkpoint
-        return te_checkpoint(function, config.distribute_saved_activations,
-                             tensor_parallel.random.get_cuda_rng_tracker,
+        return te_checkpoint(function, distribute, tensor_parallel.random.get_cuda_rng_tracker,
                              parallel_state.get_tensor_model_parallel_group(), *args)
-    return tensor_parallel.checkpoint(function, config.distribute_saved_activations, *args)
+    return tensor_parallel.checkpoint(function, distribute, *args)
 
 
 def alignment(recipe: str) -> int:
@@ -74,18 +80,34 @@ def alignment(recipe: str) -> int:
     return 32 if recipe == "mxfp8" else 16
 
 
+NEEDS = {"delayed": ((8, 9), "Ada, Hopper or newer", None),
+         "tensorwise": ((8, 9), "Ada, Hopper or newer", "2.2.0.dev0"),
+         "blockwise": ((9, 0), "Hopper or newer", "2.3.0.dev0"),
+         "mxfp8": ((10, 0), "Blackwell or newer", None)}
+"""Per recipe: the GPU's compute capability, its name, and the least TE version that has the recipe
+(what megatron's ``get_fp8_recipe`` asks of it; None: no check there)."""
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def check_run(cfg, model, world_size: int) -> None:
     """What TE's FP8 needs of the whole run before compute (``cfg``: the run config; ``model``: the
-    model config built from it): TE on an FP8 GPU, bf16, and token counts the FP8 GEMMs accept."""
+    model config built from it): TE of the recipe's version on a GPU of its generation, bf16, and
+    weight and token counts the FP8 GEMMs accept. (TE's presence, the format and the recompute
+    modules are checked with the model section's fields.)"""
+    from megatron.core.utils import get_te_version
     m, data, parallel = cfg.model, cfg.data, cfg.parallel
     fix = "or set model.backend=auto for torchao's FP8 (model.fp8 in tensorwise, rowwise, rowwise_with_gw_hp)"
-    if importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs Transformer Engine, which is not installed "
-                          f"here: use the NGC PyTorch image (the project's Dockerfile) {fix}")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    capability, generation, version = NEEDS[m.fp8]
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < capability:
         where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs a GPU with FP8 tensor cores (Ada, Hopper "
-                          f"or newer); this machine has {where}: {fix}")
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs a GPU with that recipe's FP8 tensor cores "
+                          f"({generation}); this machine has {where}: pick another recipe {fix}")
+    if version is not None and get_te_version() < Version(version):
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs Transformer Engine >= {version}; this "
+                          f"machine has {get_te_version()}: upgrade TE or pick another recipe")
     if not cfg.trainer.bf16:
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te runs the layers around TE's GEMMs in bf16: "
                           "set trainer.bf16=True")
@@ -96,20 +118,21 @@ def check_run(cfg, model, world_size: int) -> None:
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need every weight dim of the "
                           f"transformer linears divisible by {align}, but {', '.join(bad)}; choose widths that are "
                           f"multiples of {align} x TP or set model.fp8=None")
+    # TE quantizes each rank's own rows: its piece of the stream (under sequence parallel, before the
+    # all-gather), so the rows of a micro-batch must split into multiples of the alignment.
+    shards = parallel.token_shards()
+    split = (f"{shards} ranks (context_parallel_size x tensor_model_parallel_size under sequence parallel)"
+             if shards > 1 else "one rank")
     if data.packs or data.uses_energon:
-        need = align * parallel.token_shards()
-        if data.pad_multiple % need:
+        if data.pad_multiple % (align * shards):
             raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count "
                               f"to be a multiple of {align}, and packed streams of any length reach them; set "
-                              f"data.pad_multiple to a multiple of {need} ({align} x the {parallel.token_shards()} "
-                              "ranks a stream is split over)")
+                              f"data.pad_multiple to a multiple of {align * shards} ({align} x the {split} a stream "
+                              "is split over)")
         return
-    # Dense images: each GEMM sees this CP rank's piece of the micro-batch (sequence parallel gathers
-    # the TP pieces before every column-parallel GEMM and a row-parallel GEMM's input is whole).
     side = data.image_size // model.patch_size
     micro = data.micro_batch(parallel.data_parallel_size(world_size))
-    cp = parallel.context_parallel_size
-    if (micro * side * side) % (align * cp):
+    if (micro * side * side) % (align * shards):
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count to "
-                          f"be a multiple of {align}, but a micro-batch of {micro} x {side * side} tokens over "
-                          f"{cp} context-parallel rank(s) is not; change data.micro_batch_size or data.image_size")
+                          f"be a multiple of {align}, but a micro-batch of {micro} x {side * side} tokens over {split} "
+                          "is not; change data.micro_batch_size or data.image_size")

@@ -188,7 +188,17 @@ def _fp8_rules(r: _Rules, m) -> None:
            m.fp8_amax_history_len, "must be >= 1")
     r.need(m.fp8_amax_compute_algo in (None, "most_recent", "max"), "model.fp8_amax_compute_algo",
            m.fp8_amax_compute_algo, "use 'most_recent' or 'max'")
-    r.need(not (te and m.fp8 and m.compile), "model.compile", m.compile,
+    if not (te and m.fp8 in TE_FP8_RECIPES):
+        return
+    r.need(te_fp8.installed(), "model.fp8", m.fp8,
+           "with model.backend=te is Transformer Engine's FP8, and TE is not installed here: use the NGC PyTorch image "
+           "(the project's Dockerfile), or set model.backend=auto for torchao's FP8 (tensorwise, rowwise, "
+           "rowwise_with_gw_hp)")
+    r.need("layernorm" not in (m.recompute_modules or ()), "model.recompute_modules", m.recompute_modules,
+           "'layernorm' recompute frees the modulated norm's output, but under Transformer Engine's FP8 the linear "
+           "keeps its own quantized copy of it, so nothing is freed (megatron refuses it under delayed scaling and "
+           "before TE 2.6); drop 'layernorm'")
+    r.need(not m.compile, "model.compile", m.compile,
            "with Transformer Engine's FP8 (model.backend=te, model.fp8): TE's modules under torch.compile are "
            "untested here, and TE fuses its casts itself; set model.compile=False")
 

@@ -13,10 +13,11 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from dit_mcore.models import te_fp8
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 
 
-def recomputed(fn, *args, traceable: bool = True):
+def recomputed(fn, *args, config, traceable: bool = True):
     """``fn(*args)``, its activations freed and recomputed in the backward (selective recompute of the
     MLP). Inside a compiled layer through torch's non-reentrant checkpoint, which dynamo traces into the
     layer's graph; megatron's ``tensor_parallel.checkpoint`` saves the RNG states with calls dynamo does
@@ -24,10 +25,12 @@ def recomputed(fn, *args, traceable: bool = True):
     instead of 6 and 4). Eagerly, and for a branch that is not ``traceable``, through megatron's, which
     also restores the model-parallel RNG tracker and runs the first forward without grad: megatron's MoE
     router tells that forward from the recompute by it (its load-balancing metrics would count twice).
-    A dense branch draws no random numbers, so both recompute it exactly."""
+    A dense branch draws no random numbers, so both recompute it exactly. Under Transformer Engine's
+    FP8 (``config.fp8``; never compiled) through TE's checkpoint, as megatron's layer does: it
+    recomputes inside the forward's FP8 state."""
     if traceable and torch.compiler.is_compiling():
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-    return tensor_parallel.checkpoint(fn, False, *args)
+    return te_fp8.checkpoint(config, fn, *args, distribute=False)  # (megatron's, or TE's under its FP8)
 
 
 @dataclass
@@ -120,7 +123,7 @@ class DiTLayer(TransformerLayer):
                                          key_value_states=context, packed_seq_params=context_params)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             mlp_out = recomputed(self._mlp_branch(conditioning), hidden_states, shift_m, scale_m,
-                                 traceable=router is None)
+                                 config=self.config, traceable=router is None)
         else:
             normed, recompute = self._modulated_norm(hidden_states, conditioning, shift_m, scale_m)
             out, bias = self.mlp(normed)

@@ -9,6 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dit_mcore.models.aten_linear import AtenColumnParallelLinear
 from dit_mcore.models.core_attention import KernelsCoreAttention, SpatialCoreAttention, TemporalCoreAttention
 from dit_mcore.models.cross_attention import HeadRMSNorm, TextCrossAttention, TextCrossAttentionSubmodules
 from dit_mcore.models.dit.layer import DiTLayer, DiTLayerSubmodules
@@ -32,7 +33,8 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
     residual (MovieGen); ``qk_norm``: per-head RMSNorm of queries and keys in every attention;
     ``spatial_temporal``: self-attention within each frame, then across frames (ST-DiT);
     ``float8_recipe``: the attention and MLP linears multiply in float8 (torchao; "tensorwise" or
-    "rowwise"); ``te_fp8``: Transformer Engine's FP8 runs the layers, so TE's linears or an error."""
+    "rowwise"); ``te_fp8``: Transformer Engine's FP8 runs the layers, so TE's linears or an error (the
+    text's K/V projection excepted: a bf16 local linear)."""
     column, row = linears(backend, float8_recipe, te_required=te_fp8)
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
     if num_moe_experts:
@@ -44,7 +46,10 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
     head_norm = HeadRMSNorm if qk_norm else None
     cross = ModuleSpec(
         module=TextCrossAttention, params={"attn_mask_type": AttnMaskType.no_mask},
-        submodules=TextCrossAttentionSubmodules(linear_q=column, linear_kv=column, core_attention=KernelsCoreAttention,
+        # Under TE's FP8 the text's K/V projection stays a bf16 local linear: its rows are the batch's text
+        # tokens, of any count, where TE's FP8 GEMMs need multiples of 16 (and it is a small GEMM).
+        submodules=TextCrossAttentionSubmodules(linear_q=column, linear_kv=AtenColumnParallelLinear if te_fp8 else column,
+                                                core_attention=KernelsCoreAttention,
                                                 linear_proj=row, q_layernorm=head_norm, k_layernorm=head_norm))
 
     def self_attention(core):
