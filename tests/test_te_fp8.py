@@ -200,6 +200,7 @@ def _fp8_gpu(monkeypatch, capability=(9, 0), te_version="2.8.0"):
      "a micro-batch of 1 x 16 tokens over 2 ranks (context_parallel_size x tensor_model_parallel_size under "
      "sequence parallel) is not"),
     ("h100", {"tp_sp": 2}, None),  # 8 x 16 rows over 2
+    ("h100", {"fp8": "blockwise", "micro_batch_size": 1, "tp_sp": 2, "video_frames": 4}, None),  # 64 rows over 2
     ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]]}, "set data.pad_multiple to a multiple of 16"),
     ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "tp_sp": 2, "pad_multiple": 16},
      "set data.pad_multiple to a multiple of 32 (16 x the 2 ranks"),
@@ -218,6 +219,8 @@ def test_te_fp8_needs_its_recipes_gpu_and_te_bf16_and_aligned_tokens(tmp_path, m
             cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel, world_size = value, True, value
         elif name == "mock_latent_shapes":
             cfg.data.name, cfg.data.mock_latent_shapes = "mock", value
+        elif name == "video_frames":  # dense moving-digit videos (frames are tokens too)
+            cfg.data.name, cfg.data.video_frames = "moving_digits", value  # (patch_size_t 1)
         elif name in ("micro_batch_size", "pad_multiple"):
             setattr(cfg.data, name, value)
         else:

@@ -131,8 +131,10 @@ def check_run(cfg, model, world_size: int) -> None:
                               "is split over)")
         return
     side = data.image_size // model.patch_size
+    frames = data.video_frames // model.patch_size_t if data.name == "moving_digits" else 1
+    tokens = frames * side * side  # per sample
     micro = data.micro_batch(parallel.data_parallel_size(world_size))
-    if (micro * side * side) % (align * shards):
+    if (micro * tokens) % (align * shards):
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count to "
-                          f"be a multiple of {align}, but a micro-batch of {micro} x {side * side} tokens over {split} "
+                          f"be a multiple of {align}, but a micro-batch of {micro} x {tokens} tokens over {split} "
                           "is not; change data.micro_batch_size or data.image_size")
