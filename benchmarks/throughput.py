@@ -59,10 +59,8 @@ def run_config(point: dict, run_dir: str):
     fp8 = point.get("fp8")  # torchao's recipe, or "te:<recipe>": Transformer Engine's
     backend, fp8 = ("te", fp8[len("te:"):]) if fp8 and fp8.startswith("te:") else ("auto", fp8)
     if packed_len:  # video-like samples of 1/4/8 frames of 32x32 latents (patch 2: 256 tokens per frame)
-        from dit_mcore.models.te_fp8 import alignment
         data = DataConfig(name="mock", image_size=frame, mock_latent_shapes=[[t, frame, frame] for t in (1, 4, 8)],
-                          max_seq_len=packed_len, global_batch_size=batch * accumulation, micro_batch_size=batch,
-                          pad_multiple=alignment(fp8) if backend == "te" else 1)  # (TE's FP8 GEMMs' rows)
+                          max_seq_len=packed_len, global_batch_size=batch * accumulation, micro_batch_size=batch)
     else:
         data = DataConfig(name="mock", image_size=side, global_batch_size=batch * accumulation, micro_batch_size=batch)
     return RunConfig(

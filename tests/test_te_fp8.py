@@ -201,10 +201,14 @@ def _fp8_gpu(monkeypatch, capability=(9, 0), te_version="2.8.0"):
      "sequence parallel) is not"),
     ("h100", {"tp_sp": 2}, None),  # 8 x 16 rows over 2
     ("h100", {"fp8": "blockwise", "micro_batch_size": 1, "tp_sp": 2, "video_frames": 4}, None),  # 64 rows over 2
-    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]]}, "set data.pad_multiple to a multiple of 16"),
-    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "tp_sp": 2, "pad_multiple": 16},
-     "set data.pad_multiple to a multiple of 32 (16 x the 2 ranks"),
-    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "pad_multiple": 16}, None),
+    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "max_seq_len": 72, "micro_batch_size": 1},
+     "1 pack(s) of data.max_seq_len=72 tokens over one rank are not; set data.max_seq_len to a multiple of 16"),
+    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "max_seq_len": 48, "micro_batch_size": 1, "tp_sp": 2},
+     "set data.max_seq_len to a multiple of 32"),
+    ("h100", {"mock_latent_shapes": [[1, 8, 8], [1, 4, 4]], "max_seq_len": 64, "micro_batch_size": 1, "tp_sp": 2}, None),
+    ("h100", {"energon": False, "pad_multiple": 8}, "unpacked samples come in any length; set data.pad_multiple to a "
+                                                    "multiple of 16"),
+    ("h100", {"energon": False, "pad_multiple": 32, "tp_sp": 2}, None),
     ("h100", {}, None),
 ])
 def test_te_fp8_needs_its_recipes_gpu_and_te_bf16_and_aligned_tokens(tmp_path, monkeypatch, machine, changes, expected):
@@ -221,7 +225,9 @@ def test_te_fp8_needs_its_recipes_gpu_and_te_bf16_and_aligned_tokens(tmp_path, m
             cfg.data.name, cfg.data.mock_latent_shapes = "mock", value
         elif name == "video_frames":  # dense moving-digit videos (frames are tokens too)
             cfg.data.name, cfg.data.video_frames = "moving_digits", value  # (patch_size_t 1)
-        elif name in ("micro_batch_size", "pad_multiple"):
+        elif name == "energon":  # a prepared dataset, packed or not
+            cfg.data.path, cfg.data.packing = str(tmp_path / "prepared"), value
+        elif name in ("micro_batch_size", "pad_multiple", "max_seq_len"):
             setattr(cfg.data, name, value)
         else:
             setattr(cfg.model, name, value)

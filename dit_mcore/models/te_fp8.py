@@ -118,23 +118,29 @@ def check_run(cfg, model, world_size: int) -> None:
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need every weight dim of the "
                           f"transformer linears divisible by {align}, but {', '.join(bad)}; choose widths that are "
                           f"multiples of {align} x TP or set model.fp8=None")
-    # TE quantizes each rank's own rows: its piece of the stream (under sequence parallel, before the
-    # all-gather), so the rows of a micro-batch must split into multiples of the alignment.
+    # TE quantizes each rank's own rows: its piece of the micro-batch's stream (under sequence parallel,
+    # before the all-gather), so the stream must split into multiples of the alignment.
     shards = parallel.token_shards()
     split = (f"{shards} ranks (context_parallel_size x tensor_model_parallel_size under sequence parallel)"
              if shards > 1 else "one rank")
-    if data.packs or data.uses_energon:
+    need = f"each rank's token count to be a multiple of {align}"
+    micro = data.micro_batch(parallel.data_parallel_size(world_size))
+    if data.packs:  # packs are filled to max_seq_len
+        if (micro * data.max_seq_len) % (align * shards):
+            raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, but "
+                              f"{micro} pack(s) of data.max_seq_len={data.max_seq_len} tokens over {split} are not; set "
+                              f"data.max_seq_len to a multiple of {align * shards}")
+        return
+    if data.uses_energon:  # one sample per row, each padded to pad_multiple
         if data.pad_multiple % (align * shards):
-            raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count "
-                              f"to be a multiple of {align}, and packed streams of any length reach them; set "
-                              f"data.pad_multiple to a multiple of {align * shards} ({align} x the {split} a stream "
-                              "is split over)")
+            raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, and unpacked "
+                              f"samples come in any length; set data.pad_multiple to a multiple of {align * shards} "
+                              f"({align} x the {split} a micro-batch is split over)")
         return
     side = data.image_size // model.patch_size
     frames = data.video_frames // model.patch_size_t if data.name == "moving_digits" else 1
     tokens = frames * side * side  # per sample
-    micro = data.micro_batch(parallel.data_parallel_size(world_size))
     if (micro * tokens) % (align * shards):
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need each rank's token count to "
-                          f"be a multiple of {align}, but a micro-batch of {micro} x {tokens} tokens over {split} "
-                          "is not; change data.micro_batch_size or data.image_size")
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, but a micro-batch "
+                          f"of {micro} x {tokens} tokens over {split} is not; change data.micro_batch_size or "
+                          "data.image_size")
