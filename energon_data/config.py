@@ -165,6 +165,13 @@ class DataConfig:
             return self.packing
         return self.name == "mock" and self.mock_latent_shapes is not None
 
+    def dense_tokens_per_sample(self, patch_size: int, patch_size_t: int = 1) -> int:
+        """Tokens of one sample of a dense built-in source (digits' and mock images, moving_digits'
+        videos): latent frames x rows x columns after patching."""
+        frames = self.video_frames // patch_size_t if self.name == "moving_digits" else 1
+        side = self.image_size // patch_size
+        return frames * side * side
+
     def micro_batch(self, dp_size: int) -> int:
         """The micro-batch size in effect with ``dp_size`` data-parallel ranks."""
         if self.micro_batch_size is None:

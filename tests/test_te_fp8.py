@@ -88,7 +88,7 @@ def te_stand_ins(monkeypatch):
     monkeypatch.setattr(specs, "te_linears", lambda: (StandInTEColumn, StandInTERow))
     monkeypatch.setattr(fp8_utils, "get_fp8_context", context)
     monkeypatch.setattr(megatron_te, "te_checkpoint", te_checkpoint)
-    monkeypatch.setattr(te_fp8, "installed", lambda: True)
+    monkeypatch.setattr(specs, "te_installed", lambda: True)
     monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)  # (its GPU, version and alignment checks: below)
     return calls
 
@@ -159,7 +159,7 @@ def test_the_text_key_value_projection_stays_a_bf16_local_linear(te_stand_ins):
      "model.recompute_modules", "the linear keeps its own quantized copy"),
 ])
 def test_bad_te_fp8_settings_name_the_field(tmp_path, monkeypatch, changes, field, expected):
-    monkeypatch.setattr(te_fp8, "installed", lambda: True)
+    monkeypatch.setattr(specs, "te_installed", lambda: True)
     cfg = tiny_run(tmp_path)
     for name, value in changes.items():
         setattr(cfg.model, name, value)
@@ -168,14 +168,30 @@ def test_bad_te_fp8_settings_name_the_field(tmp_path, monkeypatch, changes, fiel
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_te_fp8_without_te_is_one_named_problem_before_the_model_config_is_built(tmp_path, moe):
+def test_te_without_te_is_one_named_problem_before_the_model_config_is_built(tmp_path, moe):
     """(megatron's config itself asks TE's version for an MoE under FP8, and fails without TE.)"""
     cfg = tiny_run(tmp_path)
     cfg.model.backend, cfg.model.fp8 = "te", "tensorwise"
     if moe:
         cfg.model.num_moe_experts, cfg.model.moe_router_topk = 4, 2
     problems = run_problems(cfg, world_size=1)
-    assert len(problems) == 1 and "TE is not installed here" in problems[0], problems
+    assert len(problems) == 1 and problems[0].startswith("model.backend='te'"), problems
+    assert "Transformer Engine is not installed here" in problems[0]
+
+
+def test_te_linears_are_taken_only_when_asked_for(monkeypatch):
+    """``auto`` is the local path (the measured one) also where TE is installed; ``te`` takes TE's."""
+    monkeypatch.setattr(specs, "te_linears", lambda: (StandInTEColumn, StandInTERow))
+    assert specs.linears("auto") == specs.linears("local") == (AtenColumnParallelLinear, AtenRowParallelLinear)
+    assert specs.linears("te") == (StandInTEColumn, StandInTERow)
+
+
+def test_te_refuses_the_meta_device_build(tmp_path, monkeypatch):
+    monkeypatch.setattr(specs, "te_installed", lambda: True)
+    cfg = tiny_run(tmp_path)
+    cfg.model.backend, cfg.model.init_model_with_meta_device = "te", True
+    problems = run_problems(cfg, world_size=1)
+    assert len(problems) == 1 and problems[0].startswith("model.init_model_with_meta_device"), problems
 
 
 def _fp8_gpu(monkeypatch, capability=(9, 0), te_version="2.8.0"):
@@ -209,6 +225,7 @@ def _fp8_gpu(monkeypatch, capability=(9, 0), te_version="2.8.0"):
     ("h100", {"energon": False, "pad_multiple": 8}, "unpacked samples come in any length; set data.pad_multiple to a "
                                                     "multiple of 16"),
     ("h100", {"energon": False, "pad_multiple": 32, "tp_sp": 2}, None),
+    ("h100", {"family": "stdit", "preset": "stdit-tiny", "cp": 2}, "the ST-DiT's frame/position switch under context"),
     ("h100", {}, None),
 ])
 def test_te_fp8_needs_its_recipes_gpu_and_te_bf16_and_aligned_tokens(tmp_path, monkeypatch, machine, changes, expected):
@@ -219,7 +236,9 @@ def test_te_fp8_needs_its_recipes_gpu_and_te_bf16_and_aligned_tokens(tmp_path, m
     cfg.model.backend, cfg.model.fp8, cfg.trainer.bf16 = "te", changes.pop("fp8", "tensorwise"), changes.pop("bf16", True)
     world_size = 1
     for name, value in changes.items():
-        if name == "tp_sp":
+        if name == "cp":
+            cfg.parallel.context_parallel_size, world_size = value, value
+        elif name == "tp_sp":
             cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel, world_size = value, True, value
         elif name == "mock_latent_shapes":
             cfg.data.name, cfg.data.mock_latent_shapes = "mock", value

@@ -129,9 +129,9 @@ def test_moment_and_gradient_dtype_axes_reach_the_trainer_config(tmp_path):
 def test_te_fp8_recipes_reach_the_run_config(tmp_path, monkeypatch):
     """``--fp8 te:<recipe>``: Transformer Engine's FP8 (model.backend=te). The run config passes validation
     but for TE and the GPU themselves."""
-    from dit_mcore.models import te_fp8
+    from dit_mcore.models import specs, te_fp8
     from dit_mcore.training.validate import run_problems
-    monkeypatch.setattr(te_fp8, "installed", lambda: True)
+    monkeypatch.setattr(specs, "te_installed", lambda: True)
     monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)
     base = {"preset": "tiny", "image_size": 8, "packed_len": 0, "batch": 2, "recompute": "none", "compile": False,
             "dtype": "bf16"}

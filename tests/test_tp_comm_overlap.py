@@ -9,6 +9,7 @@ import pytest
 
 from dist_utils import run_distributed
 
+from dit_mcore.models import specs
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.training.trainer import _shadow_config
 from dit_mcore.training.validate import run_problems
@@ -53,6 +54,13 @@ def test_userbuffers_hold_one_micro_batch_per_context_rank_and_are_made_once(tmp
     assert [call for call, _ in te_userbuffers] == ["init", "destroy", "init", "destroy"]
 
 
+def test_userbuffers_hold_every_frame_of_dense_videos(tmp_path):
+    cfg = layout_run(tmp_path, "dense", context_parallel_size=2, **OVERLAP)
+    cfg.data.name, cfg.data.video_frames = "moving_digits", 4
+    config = cfg.model.build(cfg.parallel, bf16=True)
+    assert tp_comm_overlap.userbuffer_shape(cfg.data, config, dp_size=1) == [2 * 4 * (8 // 2) ** 2 // 2, 32]
+
+
 def test_the_ema_shadow_is_built_without_userbuffers(tmp_path):
     cfg = layout_run(tmp_path, "dense", **OVERLAP)
     config = cfg.model.build(cfg.parallel, bf16=True)
@@ -72,13 +80,15 @@ def tp_comm_overlap_possible_here() -> bool:
     ("packed", "dit", OVERLAP, {}, True, "packed streams vary in length"),
     ("video", "dit_xattn", OVERLAP, {}, True, "text cross-attention"),
     ("dense", "dit", OVERLAP, {"backend": "local"}, True, "set model.backend=te"),
-    ("dense", "dit", OVERLAP, {"backend": "auto"}, False, "set trainer.bf16=True"),
-    ("dense", "dit", OVERLAP, {"backend": "auto"}, True, "needs Transformer Engine on a GPU"),
+    ("dense", "dit", OVERLAP, {"backend": "auto"}, True, "set model.backend=te"),  # (auto: the local linears)
+    ("dense", "dit", OVERLAP, {"backend": "te"}, False, "set trainer.bf16=True"),
+    ("dense", "dit", OVERLAP, {"backend": "te"}, True, "needs Transformer Engine on a GPU"),
 ])
-def test_unsupported_overlap_fails_before_compute_naming_the_field(tmp_path, data, family, parallel, model, bf16,
-                                                                     match):
+def test_unsupported_overlap_fails_before_compute_naming_the_field(tmp_path, monkeypatch, data, family, parallel,
+                                                                     model, bf16, match):
     if match.startswith("needs Transformer Engine") and tp_comm_overlap_possible_here():
         pytest.skip("this machine has TE on a GPU: the flag is allowed")
+    monkeypatch.setattr(specs, "te_installed", lambda: True)  # (the backend's own rule: tested with the model's)
     cfg = layout_run(tmp_path, data, family=family, **dict(parallel))
     for name, value in model.items():
         setattr(cfg.model, name, value)

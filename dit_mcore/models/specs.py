@@ -1,15 +1,17 @@
 """Building blocks every family's layer spec chooses from: the linear layers (local megatron or
 Transformer Engine) and the norm.
 
-The choice is made once when the spec is built; a missing TE falls back to the local path with a
-log line, never silently.
+The choice is made once when the spec is built. ``auto`` is the local path, the one measured and
+compiled to one graph per layer; Transformer Engine's linears are taken only when asked for
+(``model.backend=te``), and validation refuses that where TE is not installed.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 from typing import Optional
 
-import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 
@@ -22,9 +24,9 @@ NORMS = ("layernorm", "rmsnorm")
 
 
 def linears(backend: str, float8_recipe: Optional[str] = None, *, te_required: bool = False):
-    """``(column_parallel, row_parallel)`` linear classes for ``backend``: Transformer Engine's, or
-    megatron's local ones with the matmul as one aten linear where no TP communication runs inside it
-    (:mod:`dit_mcore.models.aten_linear`; ``model.aten_linears``); with ``float8_recipe`` the local
+    """``(column_parallel, row_parallel)`` linear classes for ``backend``: Transformer Engine's ("te"), or
+    ("local", "auto") megatron's local ones with the matmul as one aten linear where no TP communication
+    runs inside it (:mod:`dit_mcore.models.aten_linear`; ``model.aten_linears``); with ``float8_recipe`` the local
     megatron linears with a float8 matmul (torchao, :mod:`dit_mcore.models.float8`).
     ``te_required`` (TE's FP8, :mod:`dit_mcore.models.te_fp8`): TE's or an error, never the local
     fallback."""
@@ -38,8 +40,6 @@ def linears(backend: str, float8_recipe: Optional[str] = None, *, te_required: b
         return float8_linears(float8_recipe)
     if te_required and backend != "te":
         raise ValueError(f"Transformer Engine's FP8 (config.fp8) runs in TE's linears: use backend='te', not {backend!r}")
-    if backend == "auto":
-        backend = "te" if torch.cuda.is_available() else "local"
     if backend == "te":
         try:
             return te_linears()
@@ -49,6 +49,13 @@ def linears(backend: str, float8_recipe: Optional[str] = None, *, te_required: b
                                  f"({exc}); install Transformer Engine or turn FP8 off") from exc
             log.warning("Transformer Engine unavailable (%s); using local megatron linears", exc)
     return AtenColumnParallelLinear, AtenRowParallelLinear
+
+
+def te_installed() -> bool:
+    """Whether Transformer Engine is importable here (without importing it)."""
+    if "transformer_engine" in sys.modules:
+        return sys.modules["transformer_engine"] is not None
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def te_linears():

@@ -23,7 +23,6 @@ stood in (``tests/test_te_fp8.py``).
 """
 from __future__ import annotations
 
-import importlib.util
 from contextlib import nullcontext
 from typing import Optional
 
@@ -88,10 +87,6 @@ NEEDS = {"delayed": ((8, 9), "Ada, Hopper or newer", None),
 (what megatron's ``get_fp8_recipe`` asks of it; None: no check there)."""
 
 
-def installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def check_run(cfg, model, world_size: int) -> None:
     """What TE's FP8 needs of the whole run before compute (``cfg``: the run config; ``model``: the
     model config built from it): TE of the recipe's version on a GPU of its generation, bf16, and
@@ -111,6 +106,11 @@ def check_run(cfg, model, world_size: int) -> None:
     if not cfg.trainer.bf16:
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te runs the layers around TE's GEMMs in bf16: "
                           "set trainer.bf16=True")
+    if getattr(model, "spatial_temporal", False) and parallel.context_parallel_size > 1:
+        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: the ST-DiT's frame/position switch under context "
+                          "parallel re-cuts the rows its projections see (positions padded per rank), which the "
+                          "alignment rules here do not cover; set parallel.context_parallel_size=1 or use torchao's "
+                          "FP8 (model.backend=auto)")
     align = alignment(m.fp8)
     bad = misaligned_dims(model, model.kv_channels or model.hidden_size // model.num_attention_heads, alignment=align,
                           tp=parallel.tensor_model_parallel_size)
@@ -137,9 +137,7 @@ def check_run(cfg, model, world_size: int) -> None:
                               f"samples come in any length; set data.pad_multiple to a multiple of {align * shards} "
                               f"({align} x the {split} a micro-batch is split over)")
         return
-    side = data.image_size // model.patch_size
-    frames = data.video_frames // model.patch_size_t if data.name == "moving_digits" else 1
-    tokens = frames * side * side  # per sample
+    tokens = data.dense_tokens_per_sample(model.patch_size, model.patch_size_t)
     if (micro * tokens) % (align * shards):
         raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, but a micro-batch "
                           f"of {micro} x {tokens} tokens over {split} is not; change data.micro_batch_size or "

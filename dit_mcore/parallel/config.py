@@ -44,7 +44,7 @@ class ParallelConfig:
     megatron reduces one bucket.)"""
     tp_comm_overlap: bool = False
     """Transformer Engine: overlap the sequence-parallel all-gathers and reduce-scatters with the
-    linears' GEMMs (userbuffers). Needs TE on a GPU (``model.backend`` te or auto), TP > 1 with
+    linears' GEMMs (userbuffers). Needs TE on a GPU (``model.backend=te``), TP > 1 with
     ``sequence_parallel``, bf16, dense fixed-length micro-batches and a model without text
     cross-attention (TE has no userbuffer for its projections)."""
     expert_model_parallel_size: int = 1

@@ -20,9 +20,9 @@ _initialized: Optional[tuple] = None  # (shape, tp_size, dtype) of the userbuffe
 
 
 def userbuffer_shape(data, model_config, dp_size: int) -> list[int]:
-    """``[tokens of one micro-batch on this context-parallel rank, hidden size]`` for dense images."""
-    side = data.image_size // model_config.patch_size
-    tokens = data.micro_batch(dp_size) * side * side
+    """``[tokens of one micro-batch on this context-parallel rank, hidden size]`` for dense images
+    (and videos: every frame's tokens)."""
+    tokens = data.micro_batch(dp_size) * data.dense_tokens_per_sample(model_config.patch_size, model_config.patch_size_t)
     return [tokens // model_config.context_parallel_size, model_config.hidden_size]
 
 
@@ -56,13 +56,13 @@ def release_userbuffers() -> None:
 
 def check_run(model, bf16: bool) -> None:
     """What ``tp_comm_overlap`` needs beyond the layout (``model``: the run's ``model`` section)."""
-    import importlib.util
-    if model.backend == "local" or model.fp8 is not None:
+    from dit_mcore.models.specs import te_installed
+    if model.backend != "te" or model.fp8 is not None:
         raise ConfigError("parallel.tp_comm_overlap=True runs in Transformer Engine's linears: set model.backend=te "
-                          "(or auto) and leave model.fp8 unset, or set tp_comm_overlap=False")
+                          "and leave model.fp8 unset, or set tp_comm_overlap=False")
     if not bf16:
         raise ConfigError("parallel.tp_comm_overlap=True uses TE's bf16 userbuffers: set trainer.bf16=True")
-    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+    if not torch.cuda.is_available() or not te_installed():
         raise ConfigError("parallel.tp_comm_overlap=True needs Transformer Engine on a GPU (its userbuffers); "
                           "this machine has " + ("no GPU" if not torch.cuda.is_available() else "no transformer_engine")
                           + ": set it to False")

@@ -57,8 +57,10 @@ class ModelConfig:
     qk_layernorm: Optional[bool] = None
     """Per-head RMSNorm of queries and keys in every attention (megatron's field)."""
     backend: str = "auto"
-    """Layer implementation: "local" (pure torch), "te" (Transformer Engine) or "auto" (TE on GPU
-    when installed)."""
+    """The transformer linears: "auto" or "local" (megatron's local linears, as aten linears: the
+    measured path, one compiled graph per layer) or "te" (Transformer Engine's, through megatron's
+    wrappers; only when asked for, since this project has not run them: TE is on none of its machines;
+    untested with ``compile``)."""
     recompute_granularity: Optional[str] = None
     """Activation recompute (megatron's field): None, "full" (whole layers, see
     ``recompute_method``) or "selective" (core attention, plus the MLP when "mlp" is in

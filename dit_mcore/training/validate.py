@@ -23,7 +23,7 @@ from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
 from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
-from dit_mcore.models import te_fp8
+from dit_mcore.models import specs, te_fp8
 from dit_mcore.models.te_fp8 import FORMATS as TE_FP8_FORMATS, RECIPES as TE_FP8_RECIPES
 from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
@@ -135,6 +135,13 @@ def _model_rules(r: _Rules, m) -> None:
     r.need(m.class_dropout_prob is None or 0.0 <= m.class_dropout_prob < 1.0, "model.class_dropout_prob",
            m.class_dropout_prob, "must be in [0, 1) (the label-dropout probability for CFG)")
     r.need(m.backend in BACKENDS, "model.backend", m.backend, f"use one of {BACKENDS}{did_you_mean(m.backend, BACKENDS)}")
+    r.need(m.backend != "te" or specs.te_installed(), "model.backend", m.backend,
+           "Transformer Engine is not installed here: use the NGC PyTorch image (the project's Dockerfile), or set "
+           "model.backend=auto (megatron's local linears; model.fp8 then runs torchao's recipes)")
+    r.need(not (m.backend == "te" and m.init_model_with_meta_device), "model.init_model_with_meta_device",
+           m.init_model_with_meta_device, "with model.backend=te: the meta-device build initialises on the CPU "
+           "(use_cpu_initialization), where megatron's TE linears copy from a meta tensor and fail; set it to False "
+           "or use model.backend=auto")
     norm_recompute = m.recompute_granularity == "selective" and "layernorm" in (m.recompute_modules or ())
     r.need(not (norm_recompute and m.compile), "model.recompute_modules", m.recompute_modules,
            "'layernorm' recompute (megatron's CheckpointWithoutOutput) does not trace under model.compile=True; "
@@ -190,10 +197,6 @@ def _fp8_rules(r: _Rules, m) -> None:
            m.fp8_amax_compute_algo, "use 'most_recent' or 'max'")
     if not (te and m.fp8 in TE_FP8_RECIPES):
         return
-    r.need(te_fp8.installed(), "model.fp8", m.fp8,
-           "with model.backend=te is Transformer Engine's FP8, and TE is not installed here: use the NGC PyTorch image "
-           "(the project's Dockerfile), or set model.backend=auto for torchao's FP8 (tensorwise, rowwise, "
-           "rowwise_with_gw_hp)")
     r.need("layernorm" not in (m.recompute_modules or ()), "model.recompute_modules", m.recompute_modules,
            "'layernorm' recompute frees the modulated norm's output, but under Transformer Engine's FP8 the linear "
            "keeps its own quantized copy of it, so nothing is freed (megatron refuses it under delayed scaling and "

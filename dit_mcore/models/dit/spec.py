@@ -24,8 +24,9 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
                    moe_grouped_gemm: bool = False, cross_attention: bool = False, qk_norm: bool = False,
                    cross_attention_adaln: bool = True, spatial_temporal: bool = False,
                    float8_recipe: Optional[str] = None, te_fp8: bool = False) -> ModuleSpec:
-    """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"``, ``"te"`` or ``"auto"`` (TE linears
-    when installed on a GPU, else local, with a log line); ``norm``: ``"layernorm"`` (the paper's) or
+    """Spec of one adaLN-Zero DiT layer. ``backend``: ``"local"`` or ``"auto"`` (megatron's local
+    linears) or ``"te"`` (Transformer Engine's; local, with a log line, where TE does not load);
+    ``norm``: ``"layernorm"`` (the paper's) or
     ``"rmsnorm"``, both without affine parameters (modulation replaces them); ``num_moe_experts``:
     megatron's ``MoELayer`` (top-k router, token dispatcher, experts) instead of the MLP;
     ``cross_attention``: attention to the text after self-attention, modulated and gated when
