@@ -95,3 +95,41 @@ def test_fused_adam_trains_as_foreach_and_stays_fused_across_a_foreach_checkpoin
     state = torch_optimizer.torch_adams(resumed.optimizer)[0].state
     assert state and all(float(s["step"]) == 3.0 for s in state.values())
     resumed.train_step()
+
+
+class _StandInFusedAdam(torch.optim.AdamW):
+    """TE's FusedAdam as megatron builds it (``adam_w_mode``), stepping as torch's AdamW."""
+
+    def __init__(self, params, adam_w_mode=True, **kwargs):
+        super().__init__(params, **kwargs)
+
+
+def test_megatron_builds_torch_adamw_where_te_or_apex_is_installed_unless_asked_for_its_own(tmp_path, monkeypatch):
+    """megatron picks TE's or apex's FusedAdam at import where installed (the NGC image), which would turn
+    off the flat AdamW and the step decided on the device; ``choose_adam`` makes it build torch's AdamW
+    (its flags as without TE and apex) for every ``optim.adam_impl`` but "megatron". Here megatron's
+    import-time pick is made TE's, with a stand-in FusedAdam."""
+    from megatron.core import optimizer
+    from megatron.core.optimizer import distrib_optimizer as dist
+    from dit_mcore.training.flat_adam import FlatAdamW
+    baseline = [h["loss"] for h in Trainer(tiny_run(tmp_path / "cpu", max_steps=3)).fit()]
+    te_pick = {(optimizer, "USING_PYTORCH_OPTIMIZER"): False, (dist, "HAVE_APEX_OR_TE"): True,
+               (dist, "USING_TE_OPTIMIZER"): True, (dist, "USING_APEX_OPTIMIZER"): False}
+    for (module, name), value in te_pick.items():
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(optimizer, "Adam", _StandInFusedAdam)
+    monkeypatch.setattr(torch_optimizer, "_MEGATRONS_PICK", te_pick)
+    for impl, inner_type, torch_adam in [("flat", FlatAdamW, True), ("megatron", _StandInFusedAdam, False)]:
+        cfg = tiny_run(tmp_path / impl, max_steps=3)
+        cfg.optim.adam_impl = impl
+        trainer = Trainer(cfg)
+        assert torch_optimizer.builds_torch_adam(impl) is torch_adam
+        assert torch_optimizer.uses_torch_optimizer() is torch_adam and dist.HAVE_APEX_OR_TE is not torch_adam
+        assert {type(inner) for inner in _inner_optimizers(trainer.optimizer)} == {inner_type}
+        losses = [h["loss"] for h in trainer.fit()]
+        torch.testing.assert_close(losses, baseline, rtol=1e-5, atol=0)  # AdamW either way, to rounding
+        del trainer
+
+
+def _inner_optimizers(optimizer):
+    return [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]

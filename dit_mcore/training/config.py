@@ -204,13 +204,15 @@ class OptimConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks."""
     adam_impl: str = "auto"
-    """The AdamW step where megatron steps with torch's optimizer (no apex/TE): "flat" (main weights and
+    """The AdamW step (torch's AdamW under megatron, also where Transformer Engine or apex is installed:
+    ``dit_mcore.training.torch_optimizer.choose_adam``): "flat" (main weights and
     moments in flat buffers laid out like megatron DDP's gradient buffer, one generated kernel that
     also writes the bf16 model weights: :mod:`dit_mcore.training.flat_adam`; parts it does not fit,
     e.g. under FSDP, step "fused"; on an H100 1.24x "fused"'s optimizer step), "fused" (torch's fused
     kernel, then megatron's main-to-model weight copy; torchtitan's default), "foreach" (torch's
-    multi-tensor default, a dozen passes over the state) or "auto" (the default: "flat" on a GPU,
-    "fused" elsewhere). apex's and TE's FusedAdam are fused already and ignore it."""
+    multi-tensor default, a dozen passes over the state), "auto" (the default: "flat" on a GPU,
+    "fused" elsewhere) or "megatron" (megatron's own pick: TE's or apex's FusedAdam where installed,
+    with one host read per step and fp32 moments; else torch's foreach AdamW)."""
     exp_avg_dtype: str = "fp32"
     """Adam's first moment: "fp32", or "bf16" (2 bytes per parameter less on the rank holding it:
     6.2 GiB of a 3.3B model without the distributed optimizer). Kept below fp32 only by the flat step

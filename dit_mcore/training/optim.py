@@ -149,6 +149,7 @@ def clip_scale(grad_norm, clip: float):
 
 
 def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
+    torch_optimizer.choose_adam(optim.adam_impl)  # torch's AdamW, also where TE/apex is installed
     torch_optimizer.apply_fixes()  # megatron's pure-torch fallbacks (no apex/TE), on any device
     config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                              adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
@@ -167,7 +168,8 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
             and optim.adam_impl == "flat"):
         log.warning("optim.adam_impl=flat: no part of the optimizer fits the flat step (reasons above); "
                     "every part steps torch's fused AdamW")
-    torch_optimizer.set_adam_impl(optimizer, impl)
+    if impl != "megatron":
+        torch_optimizer.set_adam_impl(optimizer, impl)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,

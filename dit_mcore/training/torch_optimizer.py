@@ -33,8 +33,17 @@ of those break or slow a run, on a GPU as much as on the CPU:
 
 :func:`apply_fixes` installs them (idempotent) where megatron fell back to its own stand-ins, and
 leaves apex's and TE's kernels alone.
+
+**Which Adam.** megatron picks its Adam when it is imported: Transformer Engine's or apex's FusedAdam
+where installed (the NGC image), else torch's AdamW. This project's steps (the flat AdamW, the step
+decided on the device, bf16 moments, split main weights) are torch's AdamW, so :func:`choose_adam`
+makes megatron build torch's AdamW for every ``optim.adam_impl`` but ``"megatron"`` (its own pick),
+setting megatron's module flags as its import sets them without TE and apex (TE's and apex's
+multi-tensor kernels stay in use for clipping, norms and copies).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -42,9 +51,41 @@ _applied = False
 
 
 def uses_torch_optimizer() -> bool:
-    """Whether megatron-core fell back to torch's Adam (no apex, no Transformer Engine)."""
+    """Whether megatron-core builds torch's Adam now (no apex or Transformer Engine, or
+    :func:`choose_adam`)."""
     from megatron.core import optimizer
     return bool(optimizer.USING_PYTORCH_OPTIMIZER)
+
+
+_MEGATRONS_PICK: Optional[dict] = None  # megatron's Adam flags as its import set them
+
+
+def _megatrons_pick() -> dict:
+    global _MEGATRONS_PICK
+    if _MEGATRONS_PICK is None:
+        from megatron.core import optimizer
+        from megatron.core.optimizer import distrib_optimizer as dist
+        _MEGATRONS_PICK = {(optimizer, "USING_PYTORCH_OPTIMIZER"): optimizer.USING_PYTORCH_OPTIMIZER,
+                           (dist, "HAVE_APEX_OR_TE"): dist.HAVE_APEX_OR_TE,
+                           (dist, "USING_TE_OPTIMIZER"): dist.USING_TE_OPTIMIZER,
+                           (dist, "USING_APEX_OPTIMIZER"): dist.USING_APEX_OPTIMIZER}
+    return _MEGATRONS_PICK
+
+
+def builds_torch_adam(impl: str) -> bool:
+    """Whether megatron builds torch's AdamW for ``optim.adam_impl=impl`` (:func:`choose_adam`)."""
+    from megatron.core import optimizer
+    return impl != "megatron" or _megatrons_pick()[(optimizer, "USING_PYTORCH_OPTIMIZER")]
+
+
+def choose_adam(impl: str) -> None:
+    """Make megatron build torch's AdamW for ``optim.adam_impl=impl`` (every value but "megatron"),
+    else the Adam it picked at import; process-wide, before its optimizer is built (its checkpoint
+    code reads the same flags)."""
+    pick = _megatrons_pick()
+    torch_adam = builds_torch_adam(impl)
+    for (module, name), value in pick.items():
+        setattr(module, name, (name == "USING_PYTORCH_OPTIMIZER") if torch_adam else value)
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

@@ -48,7 +48,7 @@ from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_a
                                      per_sample_loss_scale, prefers_flat, resolve_adam_impl, shard_fully,
                                      step_if_finite, step_on_device, steps_on_device, wrap_data_parallel)
 from dit_mcore.training.preview import dataset_decoder, draw_preview
-from dit_mcore.training.torch_optimizer import uses_torch_optimizer
+from dit_mcore.training.torch_optimizer import builds_torch_adam
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 from kernels.host_copy import HostRead, to_device
@@ -482,7 +482,7 @@ class Trainer:
             fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
             flat_adam=cfg.parallel.fsdp == "none" and adam == "flat",
             moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
-            lowerable_moments=uses_torch_optimizer(), grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4,
+            lowerable_moments=builds_torch_adam(cfg.optim.adam_impl), grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4,
             main_bytes=2 if cfg.optim.split_main_params else 4)
 
     def _fold_ema(self) -> None:

@@ -20,7 +20,6 @@ import torch
 
 from dit_mcore.config import ConfigError
 from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
-from dit_mcore.training.torch_optimizer import uses_torch_optimizer
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
 from dit_mcore.models import specs, te_fp8
@@ -35,7 +34,7 @@ from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
 
 BACKENDS = ("auto", "local", "te")
 DECAY_STYLES = ("cosine", "linear", "constant")
-ADAM_IMPLS = ("auto", "flat", "fused", "foreach")
+ADAM_IMPLS = ("auto", "flat", "fused", "foreach", "megatron")
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -243,9 +242,6 @@ def _check_split_main_params(cfg) -> None:
     elif cfg.parallel.fsdp != "none":
         why = (f"is not for parallel.fsdp={cfg.parallel.fsdp!r} (FSDP steps torch's AdamW over its own shards); "
                "set parallel.fsdp=none")
-    elif not uses_torch_optimizer():
-        why = ("needs torch's AdamW under megatron (the flat step splits them), but Transformer Engine or apex is "
-               "installed and megatron steps its FusedAdam")
     if why:
         raise ConfigError(f"optim.split_main_params=True {why}; or set optim.split_main_params=False")
 
@@ -317,10 +313,6 @@ def run_problems(cfg, world_size: int) -> list[str]:
             raise ConfigError("trainer.ema_shard=True splits the EMA like the distributed optimizer's state: it needs "
                               "optim.use_distributed_optimizer=True under parallel.fsdp='none' (FSDP shards the EMA "
                               "already); set trainer.ema_shard=None to choose automatically")
-        if moments_below_fp32(cfg.optim) and not uses_torch_optimizer():
-            raise ConfigError("optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' need torch's AdamW under megatron (the "
-                              "flat step keeps them), but Transformer Engine or apex is installed and megatron steps "
-                              "its FusedAdam (fp32 moments); set both to fp32")
         if cfg.optim.split_main_params:
             _check_split_main_params(cfg)
         if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
