@@ -50,15 +50,13 @@ def test_pretrain_xl_on_mock_latents_50_steps(tmp_path):
 
 
 def test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu(tmp_path):
-    """Without apex/TE megatron steps with torch's Adam (here its fused kernel; the default on a GPU
-    is the flat AdamW, a subclass), whose checkpoint load needs the fixes of
+    """megatron steps with torch's Adam (here its fused kernel; also where apex/TE is installed; the
+    default on a GPU is the flat AdamW, a subclass), whose checkpoint load needs the fixes of
     ``dit_mcore.training.torch_optimizer`` on a GPU as on the CPU (and the fused kernel its ``step``
     tensors on the GPU); the resumed run continues the uninterrupted one (CUDA kernels need not be
     bitwise reproducible: close, not equal)."""
     from dit_mcore.training import torch_optimizer
     from dit_mcore.training.trainer import Trainer
-    if not torch_optimizer.uses_torch_optimizer():
-        pytest.skip("megatron uses apex's or TE's Adam here, not the torch fallback this checks")
 
     def fused(name):
         cfg = tiny_run(tmp_path / name, max_steps=6, distopt=True)
