@@ -252,10 +252,13 @@ def _load_step_zero() -> None:
     def patched(original, optimizer_keys):
         def load_state_dict(self, state_dict):
             inner = next((state_dict[key] for key in optimizer_keys if key in state_dict), state_dict)
-            if "common_step" not in inner["state"]:  # written at step 0 (megatron's ``if step:``)
-                for state in inner["state"].values():
+            if "common_step" not in inner["state"] and isinstance(self.optimizer, torch.optim.Adam):
+                # Written at step 0 (megatron's ``if step:``), or by TE's/apex's FusedAdam, which keeps the
+                # step in each param group: take it from there, else 0.
+                group_step = {i: g.get("step") or 0 for g in inner.get("param_groups", []) for i in g.get("params", [])}
+                for key, state in inner["state"].items():
                     if isinstance(state, dict) and state and "step" not in state:
-                        state["step"] = torch.tensor(0.0)
+                        state["step"] = torch.tensor(float(group_step.get(key, 0)))
             return original(self, state_dict)
         return load_state_dict
 
