@@ -17,8 +17,8 @@
 #           ~51 ms of attention per micro-batch on the H100, and cuDNN halved DiT-XL/2's attention on the H200; a new
 #           run shape builds a cuDNN graph, which the timed steps carry), profiled on the device and on the host
 #           (cProfile: the functions to cut), with the host's time per phase of the step
-#   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume without
-#           apex/TE, FP8 (torchao, real float8 GEMMs), compiled == eager
+#   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume on torch's
+#           AdamW, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
 #           compiled, bf16 vs tensorwise vs rowwise_with_gw_hp (goal: >= 1.65x; fusion_traffic.py counts the casts at
 #           +85 to +141 kB/token/layer over bf16's 152 on DiT-XL/2, +171 to +337 over 290 on the 3B layer)

@@ -342,7 +342,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fp8", default="none", help="FP8 recipes of the transformer linears (model.fp8): any of "
                    f"none,{','.join(FLOAT8_RECIPES)} (torchao), {','.join('te:' + r for r in TE_FP8_RECIPES)} "
                    "(Transformer Engine's, model.backend=te, with --compile 0) (MFU stays against the --dtype peak)")
-    p.add_argument("--adam", default="auto", help="optim.adam_impl: any of auto,fused,flat,foreach")
+    p.add_argument("--adam", default="auto", help="optim.adam_impl: any of auto,fused,flat,foreach,megatron")
     p.add_argument("--step", default="auto",
                    help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "
                         "as with apex/TE Adam, to measure the device-decided step against)")

@@ -31,7 +31,7 @@ from packaging.version import Version
 from megatron.core import fp8_utils, parallel_state, tensor_parallel
 
 from dit_mcore.config import ConfigError
-from dit_mcore.models.float8 import misaligned_dims
+from dit_mcore.models.float8 import ALIGNMENT, misaligned_dims
 
 RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 """megatron's ``fp8_recipe`` values this project offers with TE (``model.fp8``)."""
@@ -76,7 +76,7 @@ def checkpoint(config, function, *args, distribute: Optional[bool] = None):
 def alignment(recipe: str) -> int:
     """What both dims of every FP8 GEMM operand must be a multiple of (megatron's
     ``get_fp8_align_size``: 32 for MXFP8's blocks, else 16)."""
-    return 32 if recipe == "mxfp8" else 16
+    return 32 if recipe == "mxfp8" else ALIGNMENT
 
 
 NEEDS = {"delayed": ((8, 9), "Ada, Hopper or newer", None),
@@ -94,51 +94,49 @@ def check_run(cfg, model, world_size: int) -> None:
     modules are checked with the model section's fields.)"""
     from megatron.core.utils import get_te_version
     m, data, parallel = cfg.model, cfg.data, cfg.parallel
+
+    def refuse(why: str):
+        return ConfigError(f"model.fp8={m.fp8!r} with model.backend=te{why}")
+
     fix = "or set model.backend=auto for torchao's FP8 (model.fp8 in tensorwise, rowwise, rowwise_with_gw_hp)"
     capability, generation, version = NEEDS[m.fp8]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < capability:
         where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs a GPU with that recipe's FP8 tensor cores "
-                          f"({generation}); this machine has {where}: pick another recipe {fix}")
+        raise refuse(f" needs a GPU with that recipe's FP8 tensor cores ({generation}); this machine has {where}: "
+                     f"pick another recipe {fix}")
     if version is not None and get_te_version() < Version(version):
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te needs Transformer Engine >= {version}; this "
-                          f"machine has {get_te_version()}: upgrade TE or pick another recipe")
+        raise refuse(f" needs Transformer Engine >= {version}; this machine has {get_te_version()}: upgrade TE or "
+                     "pick another recipe")
     if not cfg.trainer.bf16:
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te runs the layers around TE's GEMMs in bf16: "
-                          "set trainer.bf16=True")
+        raise refuse(" runs the layers around TE's GEMMs in bf16: set trainer.bf16=True")
     if getattr(model, "spatial_temporal", False) and parallel.context_parallel_size > 1:
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: the ST-DiT's frame/position switch under context "
-                          "parallel re-cuts the rows its projections see (positions padded per rank), which the "
-                          "alignment rules here do not cover; set parallel.context_parallel_size=1 or use torchao's "
-                          "FP8 (model.backend=auto)")
+        raise refuse(": the ST-DiT's frame/position switch under context parallel re-cuts the rows its projections "
+                     "see (positions padded per rank), which the alignment rules here do not cover; set "
+                     "parallel.context_parallel_size=1 or use torchao's FP8 (model.backend=auto)")
     align = alignment(m.fp8)
     bad = misaligned_dims(model, model.kv_channels or model.hidden_size // model.num_attention_heads, alignment=align,
                           tp=parallel.tensor_model_parallel_size)
     if bad:
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need every weight dim of the "
-                          f"transformer linears divisible by {align}, but {', '.join(bad)}; choose widths that are "
-                          f"multiples of {align} x TP or set model.fp8=None")
+        raise refuse(f": TE's FP8 GEMMs need every weight dim of the transformer linears divisible by {align}, but "
+                     f"{', '.join(bad)}; choose widths that are multiples of {align} x TP or set model.fp8=None")
     # TE quantizes each rank's own rows: its piece of the micro-batch's stream (under sequence parallel,
     # before the all-gather), so the stream must split into multiples of the alignment.
     shards = parallel.token_shards()
     split = (f"{shards} ranks (context_parallel_size x tensor_model_parallel_size under sequence parallel)"
              if shards > 1 else "one rank")
-    need = f"each rank's token count to be a multiple of {align}"
+    need = f": TE's FP8 GEMMs need each rank's token count to be a multiple of {align}"
     micro = data.micro_batch(parallel.data_parallel_size(world_size))
     if data.packs:  # packs are filled to max_seq_len
         if (micro * data.max_seq_len) % (align * shards):
-            raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, but "
-                              f"{micro} pack(s) of data.max_seq_len={data.max_seq_len} tokens over {split} are not; set "
-                              f"data.max_seq_len to a multiple of {align * shards}")
+            raise refuse(f"{need}, but {micro} pack(s) of data.max_seq_len={data.max_seq_len} tokens over {split} "
+                         f"are not; set data.max_seq_len to a multiple of {align * shards}")
         return
     if data.uses_energon:  # one sample per row, each padded to pad_multiple
         if data.pad_multiple % (align * shards):
-            raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, and unpacked "
-                              f"samples come in any length; set data.pad_multiple to a multiple of {align * shards} "
-                              f"({align} x the {split} a micro-batch is split over)")
+            raise refuse(f"{need}, and unpacked samples come in any length; set data.pad_multiple to a multiple "
+                         f"of {align * shards} ({align} x the {split} a micro-batch is split over)")
         return
     tokens = data.dense_tokens_per_sample(model.patch_size, model.patch_size_t)
     if (micro * tokens) % (align * shards):
-        raise ConfigError(f"model.fp8={m.fp8!r} with model.backend=te: TE's FP8 GEMMs need {need}, but a micro-batch "
-                          f"of {micro} x {tokens} tokens over {split} is not; change data.micro_batch_size or "
-                          "data.image_size")
+        raise refuse(f"{need}, but a micro-batch of {micro} x {tokens} tokens over {split} is not; change "
+                     "data.micro_batch_size or data.image_size")
