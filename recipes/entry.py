@@ -3,6 +3,9 @@ overrides read like the config tree (``trainer.max_steps=20 log.dir=/tmp/run``).
 import logging
 from typing import Optional
 
+from dit_mcore.generate.job import GenerateRequest  # noqa: F401  (the generate task's sections)
+from dit_mcore.generate.layout import GenerateParallel  # noqa: F401
+
 from dit_mcore.config import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig, RunConfig,
@@ -55,3 +58,20 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
     finally:
         destroy_distributed()
 
+
+
+def generate(request: Optional[GenerateRequest] = None, parallel: Optional[GenerateParallel] = None) -> None:
+    """Generate from a trained checkpoint (see ``dit_mcore.generate``): ``request`` says what and from
+    which checkpoint, ``parallel`` the generation layout. Raises on failure, as ``train`` does."""
+    from dit_mcore.generate.job import generate as run_generation
+    from dit_mcore.parallel.initialize import destroy_distributed
+
+    if request is None or not request.checkpoint:
+        raise ConfigError("request.checkpoint: give the run directory or checkpoint to sample, "
+                          "e.g. request.checkpoint=runs/digits")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    try:
+        run_generation(request, parallel)
+    finally:
+        destroy_distributed()

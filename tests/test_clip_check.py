@@ -24,11 +24,11 @@ def test_real_clips_read_right_and_wrong_prompts_fail():
 
 
 def test_preview_folder_round_trip(tmp_path):
-    from dit_mcore.training.text_preview import _grey_frames
+    from dit_mcore.generate.media import frames_of
     data = moving_digits(4, frames=4, size=16, seed=0, max_speed=2)
     index = []
     for i, (video, caption) in enumerate(zip(data.videos, data.captions)):
-        first, *rest = _grey_frames(video)
+        first, *rest = frames_of(video)
         first.save(tmp_path / f"{i}.gif", save_all=True, append_images=rest, duration=250, loop=0)
         index.append({"prompt": caption, "file": f"{i}.gif"})
     (tmp_path / "index.json").write_text(json.dumps(index))

@@ -8,7 +8,8 @@ import torch
 from dit_mcore.config import preset
 from dit_mcore.models import Conditioning, families, get_family
 from dit_mcore.training.config import ModelConfig
-from dit_mcore.training.preview import preview_classes, viewable
+from dit_mcore.generate.media import to_pixels
+from dit_mcore.training.preview import preview_classes
 from dit_mcore.training.trainer import Trainer
 from energon_data.batch import MicroBatch
 from energon_data.config import DataConfig
@@ -212,8 +213,8 @@ def test_preview_spreads_many_classes_and_shows_latents_in_grey():
     spread = preview_classes(1000)
     assert len(spread) == 16 and spread[0] == 0 and spread[-1] == 999 and bool((spread.diff() > 0).all())
     latents = torch.randn(2, 4, 8, 8)
-    assert torch.equal(viewable(latents), latents[:, :1])
-    assert viewable(latents, decoder=lambda z: z[:, :3]).shape == (2, 3, 8, 8)
+    assert torch.equal(to_pixels(latents), latents[:, :1].clamp(-1, 1))
+    assert to_pixels(latents, decoder=lambda z: z[:3]).shape == (2, 3, 8, 8)  # one [c, t, h, w] item per call
 
 
 def test_bf16_mixed_precision_tracks_fp32(tmp_path):

@@ -572,16 +572,36 @@ def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates
 @pytest.mark.parametrize("name", RESHARDED)
 def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name):
     """Weights, EMA and optimizer (the distributed optimizer's too) saved under a model-parallel
-    layout resume on one process and continue the one-process run exactly."""
+    layout resume on one process and continue the one-process run exactly; the generation command
+    samples the EMA the trainer resumed."""
     _, run_dir = world_results(4)
     data = name.rsplit("_", 1)[1]
     ref = reference(tmp_path_factory, data)
     resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" in name))  # FSDP -> plain DP too
     assert resumed.step == STEPS
+    want = _generated_from_ema(resumed)
     nxt = resumed.train_step()
     torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.tensor(nxt["grad_norm"]), torch.tensor(ref["grad_norm"][STEPS]), rtol=1e-4,
                                atol=1e-7)
+    # The generation command reads the same EMA from the checkpoint, resharded by dist_checkpointing
+    # into its own (one-process) model, without a trainer.
+    from dit_mcore.generate.job import GenerateRequest, generate
+    out = tmp_path_factory.mktemp(f"generated_{name}")
+    generate(GenerateRequest(checkpoint=str(run_dir / name), labels=["1", "2"], steps=2, cfg_scale=1.5, seed=3,
+                             out=str(out), save_latents=True, progress=False))
+    torch.testing.assert_close(torch.load(out / "latents.pt"), want, rtol=1e-5, atol=1e-6)
+
+
+def _generated_from_ema(trainer: Trainer) -> torch.Tensor:
+    """What ``dit_mcore.generate`` makes of labels 1 and 2 (seed 3, 2 steps, CFG 1.5), sampled from the
+    trainer's EMA shadow."""
+    from dit_mcore.generate.items import make_items
+    from dit_mcore.generate.sampling import latent_shape, sample_items
+    with trainer.ema.placed(trainer.device) as shadow, forward_view(shadow):
+        return sample_items(trainer.family.image_model_fn(PipelinedForward(shadow), trainer.model_config),
+                            trainer.model_config, trainer.objective, make_items(labels=[1, 2]),
+                            shape=latent_shape(trainer.model_config), seed=3, steps=2, cfg_scale=1.5)
 
 
 def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_path_factory):

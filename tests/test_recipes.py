@@ -32,12 +32,12 @@ def resolve(factory, overrides=()):
     return build_run_config(**fdl.build(task).keywords)
 
 
-def cli(args, tmp_path, *, nproc=None, timeout=240):
+def cli(args, tmp_path, *, nproc=None, timeout=240, script=SCRIPT):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env.update(COLUMNS="200", NEMORUN_HOME=str(tmp_path / "nemo_run"), PYTHONWARNINGS="ignore")
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    proc = subprocess.run([*launcher, str(SCRIPT), "--yes", *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([*launcher, str(script), "--yes", *args], cwd=tmp_path, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 

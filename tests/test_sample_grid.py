@@ -4,7 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dit_mcore.training.sample_grid import class_grid_labels, grid_array, save_grid
+from dit_mcore.generate.grid import class_grid_labels, grid_array, save_grid
 
 
 def _expected_cell(img: torch.Tensor, upscale: int) -> np.ndarray:

@@ -178,3 +178,25 @@ def test_drop_labels_rate_and_determinism():
     assert bool((drop_labels(labels, 1.0, 10) == 10).all())
     with pytest.raises(ValueError, match="probability"):
         drop_labels(labels, 1.5, 10)
+
+
+def test_heun_on_flow_is_second_order_and_euler_on_edm_first_order():
+    """``sample(..., sampler=)``: Heun on the rectified-flow ODE quarters its error as steps double
+    (Euler's halves, above); Euler on the EDM schedule halves it; a sampler of another objective is refused."""
+    mu, s = 1.5, 0.5
+    zs = _noise((2000, 3), seed=1)
+    flow = FlowObjective()
+    errs = [(sample(flow, flow_velocity(mu, s), zs, n, sampler="heun") - (mu + s * zs)).abs().max().item()
+            for n in (16, 32, 64)]
+    assert errs[-1] < 1e-3
+    for a, b in zip(errs, errs[1:]):
+        assert 3.5 < a / b < 4.7, errs
+    edm = EDMObjective()
+    smin, smax = edm.config.sigma_min, edm.config.sigma_max
+    zp = (smax * zs - mu) / math.sqrt(s ** 2 + smax ** 2)
+    ref = mu + s ** 2 / (s ** 2 + smin ** 2) * (mu + math.sqrt(s ** 2 + smin ** 2) * zp - mu)
+    errs = [(sample(edm, edm_network(mu, s), zs, n, sampler="euler") - ref).abs().max().item() for n in (64, 128, 256)]
+    for a, b in zip(errs, errs[1:]):
+        assert 1.6 < a / b < 2.4, errs
+    with pytest.raises(ValueError, match="does not sample the 'flow' objective"):
+        sample(flow, flow_velocity(mu, s), zs, 4, sampler="ddim")

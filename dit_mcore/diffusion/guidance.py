@@ -1,9 +1,11 @@
 """Classifier-free guidance (Ho & Salimans, 2021): label dropout in training, guided calls in sampling."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from dit_mcore.diffusion.objective import ModelFn
 from kernels.host_copy import to_device
@@ -60,5 +62,41 @@ def guided(model_fn: ModelFn, scale: float, null_label: Optional[int] = None, *,
             cond["text"] = text.with_null()
         both = model_fn(torch.cat([x, x]), torch.cat([timestep, timestep]), labels=labels, **cond)
         cond_out, uncond_out = both.chunk(2)
+        return uncond_out + scale * (cond_out - uncond_out)
+    return guided_fn
+
+
+def guided_parallel(model_fn: ModelFn, scale: float, null_label: Optional[int] = None, *, group,
+                    text: bool = False) -> ModelFn:
+    """CFG-parallel (xDiT's ``cfg_parallel``): :func:`guided` split over the two ranks of ``group``.
+    Rank 0 of the group calls the conditional half, rank 1 the unconditional half (null label, null
+    text), each on the batch's own size; one all-gather of the two predictions per call, and both
+    ranks return the same guided prediction, so their sampler states never diverge and need no
+    broadcast. Per sample the math is :func:`guided`'s (attention and modulation are per sample)."""
+    if dist.get_world_size(group) != 2:
+        raise ValueError(f"CFG-parallel splits the two halves over 2 ranks, got a group of {dist.get_world_size(group)}")
+    if scale == 1.0:
+        raise ValueError("CFG-parallel with scale 1 would compute an unconditional half nobody uses; "
+                         "use parallel.cfg_parallel=1")
+    if null_label is None and not text:
+        raise ValueError(f"classifier-free guidance with scale={scale} needs null_label (the null class index)")
+    unconditional = dist.get_rank(group) == 1
+
+    def guided_fn(x: torch.Tensor, timestep: torch.Tensor, labels: Optional[torch.Tensor] = None, text=None,
+                  **cond) -> torch.Tensor:
+        if labels is None and text is None:
+            raise ValueError("guided sampling needs per-sample labels or text")
+        if unconditional:
+            if labels is not None:
+                labels = torch.full_like(labels, null_label)
+            if text is not None:
+                text = dataclasses.replace(text, keep=torch.zeros(text.num_samples, dtype=torch.bool,
+                                                                  device=text.emb.device))
+        if text is not None:
+            cond["text"] = text
+        out = model_fn(x, timestep, labels=labels, **cond).contiguous()
+        halves = [torch.empty_like(out), torch.empty_like(out)]
+        dist.all_gather(halves, out, group=group)
+        cond_out, uncond_out = halves
         return uncond_out + scale * (cond_out - uncond_out)
     return guided_fn

@@ -1,5 +1,7 @@
 """Run configuration: plain dataclasses, one per concern, so nemo-run factories can build them with
 ``run.Config`` and the CLI can override any field (``trainer.max_steps=20 log.dir=/tmp/run``)."""
+import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -247,7 +249,8 @@ class DiffusionConfig:
     """Training objective and the sampler used for preview grids."""
 
     objective: str = "flow"
-    """"flow" (rectified flow, logit-normal t) or "edm" (Karras preconditioning)."""
+    """"flow" (rectified flow, logit-normal t), "edm" (Karras preconditioning) or "ddpm" (the original
+    DiT's linear-beta epsilon prediction, sampled with DDIM or DDPM)."""
     sample_steps: int = 32
     """Sampler steps for preview grids."""
     cfg_scale: float = 1.5
@@ -345,3 +348,24 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     log: LogConfig = field(default_factory=LogConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        """Plain values by section (what every checkpoint records, so that generation, evaluation and
+        export read the run from its checkpoint: no model flag is repeated)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        """The inverse of :meth:`to_dict`. Fields this version does not know (a checkpoint of a newer
+        one) are dropped with a warning; fields it added since take their defaults."""
+        sections = {}
+        for f in fields(cls):
+            section_cls = f.default_factory
+            known = {g.name for g in fields(section_cls)}
+            given = dict(values.get(f.name) or {})
+            unknown = sorted(set(given) - known)
+            if unknown:
+                logging.getLogger(__name__).warning("the recorded run config's %s.%s are unknown here; ignored",
+                                                    f.name, ", ".join(unknown))
+            sections[f.name] = section_cls(**{k: v for k, v in given.items() if k in known})
+        return cls(**sections)

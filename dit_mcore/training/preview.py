@@ -1,21 +1,27 @@
-"""Preview grids drawn from the EMA weights with fixed seeds: one row per previewed class.
+"""Training previews, drawn from the EMA weights with fixed seeds through the generation code
+(:mod:`dit_mcore.generate.sampling`: one sampling home).
 
-Latent models are shown through the dataset's latent decoder when its prepare run recorded one
-(``prepare_state.json``), otherwise as their first latent channel in grey (logged once). Models with
-many classes preview at most :data:`MAX_ROWS` of them, spread evenly over the label range and
-named in the log.
+- Class-conditional models: ``samples/step_XXXXXX.png``, one row per previewed class (every class up
+  to :data:`MAX_ROWS`, else that many spread evenly over the label range, named in the log).
+- Text-conditioned models: a folder ``samples/step_XXXXXX/`` holding one animated GIF per prompt,
+  ``strip.png`` (one row per prompt, its frames left to right) and ``index.json``, a list of
+  ``{"prompt": ..., "file": ...}`` so tools can read what was generated (``clip_check``).
+
+Latent models are shown through the dataset's latent decoder when its prepare run recorded one,
+otherwise as their first latent channel in grey (:func:`dit_mcore.generate.media.to_pixels`).
 """
 from __future__ import annotations
 
-import functools
+import json
 import logging
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from dit_mcore.diffusion import sample
-from dit_mcore.training.sample_grid import save_grid
+from dit_mcore.generate.items import make_items
+from dit_mcore.generate.media import save_gif, save_overview, slug, to_pixels
+from dit_mcore.generate.sampling import latent_shape, sample_items
 
 log = logging.getLogger(__name__)
 
@@ -30,40 +36,11 @@ def preview_classes(num_classes: int, max_rows: int = MAX_ROWS) -> torch.Tensor:
     return torch.linspace(0, num_classes - 1, max_rows).round().long()
 
 
-def dataset_decoder(data_path: Optional[str]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """The latent decoder recorded by ``energon_data.prepare`` for the dataset at ``data_path``, if
-    any (None for in-memory sources or datasets without a record)."""
-    from energon_data.prepare import prepare_record
-    record = prepare_record(data_path) if data_path else None
-    config = (record or {}).get("config", {})
-    if not config.get("encoder"):
-        return None
-    from energon_data.encoders import build_latent_encoder
-    try:
-        encoder = build_latent_encoder(config["encoder"], config.get("encoder_path"), **config.get("encoder_opts", {}))
-    except Exception as exc:  # a decoder we cannot build must not stop training
-        log.warning("preview: cannot build the dataset's latent decoder %r (%s); showing raw latents",
-                    config["encoder"], exc)
-        return None
-    return encoder.decode
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    log.info(message)
-
-
-def viewable(latents: torch.Tensor, decoder: Optional[Callable] = None) -> torch.Tensor:
-    """``[N, C, H, W]`` samples as ``[N, 1 or 3, H, W]`` images in [-1, 1]."""
-    if decoder is not None:
-        images = decoder(latents.float().cpu())
-        if images.dim() == 5:  # [N, C, T, H, W]: show the first frame
-            images = images[:, :, 0]
-        return images
-    if latents.shape[1] in (1, 3):
-        return latents
-    _log_once(f"preview: no latent decoder for {latents.shape[1]}-channel latents; showing channel 0 in grey")
-    return latents[:, :1]
+def moving_digits_prompts() -> list[str]:
+    """Ten prompts covering every digit and every direction of the ``moving_digits`` captions."""
+    from energon_data.datasets import DIRECTIONS
+    names = list(DIRECTIONS)
+    return [f"a {d} moving {names[d % len(names)]}" for d in range(10)]
 
 
 @torch.no_grad()
@@ -74,18 +51,43 @@ def draw_preview(ema_model, model_config, family, objective, cfg, step: int, out
     the PNG."""
     classes = preview_classes(model_config.num_classes)
     if len(classes) < model_config.num_classes:
-        _log_once(f"preview: {model_config.num_classes} classes; rows show classes {classes.tolist()}")
+        log.info("preview: %d classes; rows show classes %s", model_config.num_classes, classes.tolist())
     per_class = cfg.log.samples_per_class
-    labels = classes.repeat_interleave(per_class).to(device)
-    side = model_config.input_size
-    noise = torch.randn(len(labels), model_config.in_channels, side, side,
-                        generator=torch.Generator().manual_seed(seed)).to(device)
-    latents = sample(objective, family.image_model_fn(ema_model, model_config), noise,
-                     steps=cfg.diffusion.sample_steps, labels=labels, null_label=model_config.num_classes,
-                     cfg_scale=cfg.diffusion.cfg_scale)
+    items = make_items(labels=classes.tolist(), num_per_prompt=per_class)
+    latents = sample_items(family.image_model_fn(ema_model, model_config), model_config, objective, items,
+                           shape=latent_shape(model_config), seed=seed, steps=cfg.diffusion.sample_steps,
+                           cfg_scale=cfg.diffusion.cfg_scale, device=device)
     if not write:
         return None
-    path = out_dir / f"step_{step:06d}.png"
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_grid(viewable(latents, decoder).clamp(-1, 1), path, nrow=per_class)
-    return path
+    return save_overview(to_pixels(latents, decoder), out_dir / f"step_{step:06d}.png", per_row=per_class)
+
+
+@torch.no_grad()
+def draw_text_preview(ema_model, model_config, family, objective, cfg, step: int, out_dir: Path, *, write: bool,
+                      encode: Callable, prompts: list[str], device=None, seed: int = 0,
+                      decoder: Optional[Callable] = None) -> Optional[Path]:
+    """Sample one clip per prompt with the run's sampler and CFG scale (text dropped to the null
+    text for the unconditional half). Every rank computes; only ``write`` ranks save."""
+    if model_config.num_classes and not model_config.use_cfg_embedding:
+        log.warning("text previews of a model that also takes class labels need its null class "
+                    "(model.class_dropout_prob > 0); previews skipped")
+        return None
+    items = make_items(prompts=prompts)
+    shape = latent_shape(model_config, frames=max(1, cfg.data.video_frames))
+    clips = sample_items(family.image_model_fn(ema_model, model_config), model_config, objective, items,
+                         shape=shape, seed=seed, steps=cfg.diffusion.sample_steps, cfg_scale=cfg.diffusion.cfg_scale,
+                         encode=encode, device=device)
+    if not write:
+        return None
+    folder = out_dir / f"step_{step:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    pixels = to_pixels(clips, decoder)
+    index = []
+    for item, clip in zip(items, pixels):
+        name = f"{item.index:02d}_{slug(item.prompt)}.gif"
+        save_gif(clip, folder / name)
+        index.append({"prompt": item.prompt, "file": name})
+    save_overview(pixels, folder / "strip.png", per_row=len(items), upscale=4)
+    (folder / "index.json").write_text(json.dumps(index, indent=1))
+    return folder

@@ -26,6 +26,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
+from dit_mcore.generate.media import dataset_decoder
+from dit_mcore.generate.sampling import dataset_text_encoder
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
@@ -41,13 +43,12 @@ from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
 from dit_mcore.training.flops import peak_tflops
 from dit_mcore.training.metrics import MetricsLogger, StepRate
-from dit_mcore.training.text_preview import draw_text_preview, moving_digits_prompts, preview_text_encoder
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
 from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_and_norm, moment_dtypes,
                                      per_sample_loss_scale, prefers_flat, resolve_adam_impl, shard_fully,
                                      step_if_finite, step_on_device, steps_on_device, wrap_data_parallel)
-from dit_mcore.training.preview import dataset_decoder, draw_preview
+from dit_mcore.training.preview import draw_preview, draw_text_preview, moving_digits_prompts
 from dit_mcore.training.torch_optimizer import builds_torch_adam
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
@@ -195,7 +196,8 @@ class Trainer:
     def _common_state(self) -> dict:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
                  "skipped_samples": self.skipped_samples, "model_arch": self._architecture(),
-                 "divergence": self.divergence.state_dict(), "ema_unfolded_decay": self.ema.unfolded_decay}
+                 "divergence": self.divergence.state_dict(), "ema_unfolded_decay": self.ema.unfolded_decay,
+                 "run_config": self.cfg.to_dict()}
         if self._data_per_rank():
             state["data_layout"] = self.loader.layout()
         else:
@@ -629,7 +631,7 @@ class Trainer:
     def preview_text(self):
         """``(encode, prompts)`` for text-model previews: the dataset's text encoder and the run's
         prompts (``log.preview_prompts``, or prompts covering the ``moving_digits`` captions)."""
-        encode = preview_text_encoder(self.cfg.data)
+        encode = dataset_text_encoder(self.cfg.data)
         prompts = self.cfg.log.preview_prompts or (moving_digits_prompts() if self.cfg.data.name == "moving_digits"
                                                    and not self.cfg.data.path else None)
         return encode, prompts
@@ -649,7 +651,7 @@ class Trainer:
                 return None
             return draw_text_preview(PipelinedForward(shadow), self.model_config, self.family, self.objective,
                                      self.cfg, self.step, self.run_dir / "samples", write=dist.get_rank() == 0,
-                                     encode=encode, prompts=prompts, device=self.device)
+                                     encode=encode, prompts=prompts, device=self.device, decoder=self.preview_decoder)
         if self.model_config.num_classes == 0:
             log.warning("preview grids need a class-conditional model; skipped")
             return None

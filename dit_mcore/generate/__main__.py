@@ -1,0 +1,6 @@
+"""``python -m dit_mcore.generate``: see :mod:`dit_mcore.generate.cli`."""
+import sys
+
+from dit_mcore.generate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,314 @@
+"""The generation job: a checkpoint and a request in, files and ``index.json`` out, under any
+generation layout (:mod:`dit_mcore.generate.layout`).
+
+Everything about the model comes from the checkpoint (family, preset and overrides, objective and
+its sampling defaults, the dataset's text encoder and latent decoder); the request says what to make.
+Every check that needs no model runs before the process groups and the model are built.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dit_mcore.config import ConfigError
+from dit_mcore.diffusion import build_objective
+from dit_mcore.diffusion.samplers import SAMPLERS
+from dit_mcore.generate import checkpoint as source
+from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
+from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
+from dit_mcore.generate.media import dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels
+from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
+from dit_mcore.models.registry import get_family
+from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
+from dit_mcore.parallel.pipeline import PipelinedForward
+
+log = logging.getLogger("dit_mcore.generate")
+
+
+@dataclass
+class GenerateRequest:
+    """What to generate, from which checkpoint, where to put it. Unset sampling settings take the run's."""
+
+    checkpoint: str
+    """A run directory (its ``log.dir``), its ``checkpoints/`` folder or one ``step_*`` checkpoint."""
+    out: str = "generated"
+    """Output folder: one file per item, ``grid.png`` / ``strip.png`` and ``index.json``."""
+    step: Optional[int] = None
+    """The checkpoint's step (default: the newest intact one)."""
+    weights: str = "ema"
+    """"ema" (the average the previews draw) or "model" (the trained weights)."""
+    labels: Optional[list[str]] = None
+    """Class labels (class-conditional models); ``["all"]``: every class."""
+    prompts: Optional[list[str]] = None
+    """Prompts (text-conditioned models)."""
+    num_per_prompt: int = 1
+    """Items per label or prompt, each with its own noise."""
+    steps: Optional[int] = None
+    """Sampler steps (default: the run's ``diffusion.sample_steps``)."""
+    cfg_scale: Optional[float] = None
+    """Guidance scale (default: the run's ``diffusion.cfg_scale``); 1: unguided."""
+    sampler: Optional[str] = None
+    """A sampler of the run's objective (``dit_mcore.diffusion.samplers.SAMPLERS``); default: its first."""
+    seed: int = 0
+    """Item i's noise comes from (seed, i): the same pictures whatever the batch size and layout."""
+    batch_size: int = 16
+    """Items per sampler call on one rank (per CFG half under CFG-parallel)."""
+    frames: Optional[int] = None
+    """Latent frames of a video model's clips (default: the run's ``data.video_frames`` for video data)."""
+    height: Optional[int] = None
+    """Latent height (default: the model's ``input_size``)."""
+    width: Optional[int] = None
+    """Latent width (default: the model's ``input_size``)."""
+    dtype: Optional[str] = None
+    """"fp32" or "bf16" (default: bf16 on a GPU for a run trained in bf16, else fp32)."""
+    mp4: bool = True
+    """Clips: an MP4 beside each GIF."""
+    save_latents: bool = False
+    """Also write ``latents.pt``: the sampled latents ``[items, ...]`` in item order (float32)."""
+    progress: bool = True
+
+
+@dataclass
+class Plan:
+    """A request resolved against its checkpoint, before any model exists."""
+
+    request: GenerateRequest
+    parallel: GenerateParallel
+    path: Path
+    run: object
+    items: list
+    shape: tuple
+    steps: int
+    cfg_scale: float
+    sampler: str
+    dtype: torch.dtype
+
+
+def _world_size() -> int:
+    adopt_slurm_launch()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"  # (every rank probes at once)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {out}: not a writable folder ({e.strerror or e}); choose another --out") from None
+
+
+def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
+         world_size: Optional[int] = None) -> Plan:
+    """Resolve and check ``request`` and its layout (default: one process per model replica, the
+    ranks sharing the items) against its checkpoint: every error here is one line naming the
+    argument and the fix, raised before any process group or model is built."""
+    r, parallel = request, parallel or GenerateParallel()
+    if r.num_per_prompt < 1 or r.batch_size < 1:
+        raise ConfigError(f"--num-per-prompt ({r.num_per_prompt}) and --batch-size ({r.batch_size}) must be >= 1")
+    if r.steps is not None and r.steps < 1:
+        raise ConfigError(f"--steps {r.steps}: must be >= 1")
+    path = source.find_checkpoint(r.checkpoint, r.step)
+    run = source.read_run(path)
+    model = source.generation_model_config(run)
+    model_config = model.build(ParallelConfig())  # sizes and conditioning only: no groups, no weights
+    if r.labels is not None and r.prompts is not None:
+        raise ConfigError("give --labels or --prompts, not both")
+    if r.labels is None and r.prompts is None:
+        wants = "--prompts or --prompt-file" if model_config.text_dim else "--labels (e.g. --labels 0,3,7 or all)"
+        raise ConfigError(f"nothing to generate: give {wants}")
+    if r.prompts is not None and not model_config.text_dim:
+        raise ConfigError(f"--prompts: this model (family {run.model.family}) is conditioned on class labels "
+                          f"0..{model_config.num_classes - 1}, not text; give --labels")
+    if r.labels is not None and model_config.text_dim:
+        raise ConfigError("--labels: this model is conditioned on text; give --prompts or --prompt-file")
+    labels = r.labels
+    if labels is not None:
+        if not model_config.num_classes:
+            raise ConfigError("--labels: this model is unconditional; it takes no labels")
+        if [str(x) for x in labels] == ["all"]:
+            labels = list(range(model_config.num_classes))
+        try:
+            labels = [int(x) for x in labels]
+        except ValueError:
+            raise ConfigError(f"--labels {','.join(map(str, labels))}: give integers (e.g. 0,3,7) or 'all'") from None
+        bad = [y for y in labels if not 0 <= y < model_config.num_classes]
+        if bad:
+            raise ConfigError(f"--labels {bad[0]}: out of range; this model has classes 0..{model_config.num_classes - 1}")
+    if r.prompts is not None and not [p for p in r.prompts if p.strip()]:
+        raise ConfigError("--prompts: every prompt is empty")
+    items = make_items(labels=labels, prompts=r.prompts, num_per_prompt=r.num_per_prompt)
+    frames = r.frames
+    if frames is None and run.data.name == "moving_digits" and not run.data.uses_energon:
+        frames = run.data.video_frames
+    shape = latent_shape(model_config, frames=frames, height=r.height, width=r.width)
+    objective_name = run.diffusion.objective
+    sampler = r.sampler or SAMPLERS[objective_name][0]
+    if sampler not in SAMPLERS[objective_name]:
+        raise ConfigError(f"--sampler {sampler}: the model was trained with the {objective_name!r} objective; "
+                          f"use one of {', '.join(SAMPLERS[objective_name])}")
+    cfg_scale = run.diffusion.cfg_scale if r.cfg_scale is None else r.cfg_scale
+    check_guidance(model_config, cfg_scale)
+    world = world_size or _world_size()
+    check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
+    on_gpu = torch.cuda.is_available()
+    dtype_name = r.dtype or ("bf16" if on_gpu and run.trainer.bf16 else "fp32")
+    if dtype_name not in ("fp32", "bf16"):
+        raise ConfigError(f"--dtype {dtype_name}: use fp32 or bf16")
+    _check_out(Path(r.out))
+    return Plan(request=r, parallel=parallel, path=path, run=run, items=items, shape=shape,
+                steps=r.steps or run.diffusion.sample_steps, cfg_scale=cfg_scale, sampler=sampler,
+                dtype=torch.bfloat16 if dtype_name == "bf16" else torch.float32)
+
+
+def layout_name(p: GenerateParallel, world_size: int) -> str:
+    """``"tp2 cp2(a2a) cfg2 items2"``-style summary of a generation layout (``"1 process"`` for none)."""
+    parts = []
+    if p.tensor_model_parallel_size > 1:
+        parts.append(f"tp{p.tensor_model_parallel_size}" + ("+sp" if p.sequence_parallel else ""))
+    if p.context_parallel_size > 1:
+        parts.append(f"cp{p.context_parallel_size}({p.cp_comm_type})")
+    if p.pipeline_model_parallel_size > 1:
+        vpp = p.virtual_pipeline_model_parallel_size
+        parts.append(f"pp{p.pipeline_model_parallel_size}" + (f"x{vpp}" if vpp else ""))
+    if p.cfg_parallel > 1:
+        parts.append(f"cfg{p.cfg_parallel}")
+    items = p.items_parallel_size(world_size)
+    if items > 1:
+        parts.append(f"items{items}")
+    return " ".join(parts) or "1 process"
+
+
+def _file_stem(item: Item) -> str:
+    return f"{item.index:04d}_" + (f"class{item.label}" if item.label is not None else slug(item.prompt))
+
+
+def _write_item(item: Item, pixels: torch.Tensor, out: Path, mp4: bool) -> list[str]:
+    stem = _file_stem(item)
+    if pixels.dim() == 3:
+        return [save_image(pixels, out / f"{stem}.png").name]
+    files = [save_gif(pixels, out / f"{stem}.gif").name]
+    if mp4:
+        files.append(save_mp4(pixels, out / f"{stem}.mp4").name)
+    return files
+
+
+def _evaluations(sampler: str, objective: str, steps: int) -> int:
+    """Network calls of one sampler run (the progress bar's unit)."""
+    if sampler == "heun":
+        return 2 * steps - (1 if objective == "edm" else 0)
+    return steps
+
+
+def run_plan(p: Plan) -> dict:
+    """Build the model for the layout, sample this rank's items and write them; returns the summary
+    (on every rank). Process groups must be initialised (:func:`generate` does it)."""
+    r = p.request
+    world = dist.get_world_size()
+    groups = sampling_groups(p.parallel)
+    device = run_device()
+    model, model_config = source.build_model(source.generation_model_config(p.run), p.parallel,
+                                             dtype=p.dtype, device=device)
+    source.load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
+    family = get_family(p.run.model.family)
+    objective = build_objective(p.run.diffusion.objective)
+    model_fn = family.image_model_fn(PipelinedForward(model), model_config)
+    encode = dataset_text_encoder(p.run.data) if model_config.text_dim else None
+    decoder = dataset_decoder(p.run.data.path) if groups.writes else None
+    layout = layout_name(p.parallel, world)
+    mine = batches(share(p.items, groups.items_rank, groups.items_size), r.batch_size)
+    out = Path(r.out)
+
+    from tqdm import tqdm
+    bar = tqdm(total=len(mine) * _evaluations(p.sampler, objective.name, p.steps), unit="eval",
+               disable=not (r.progress and dist.get_rank() == 0), desc="generate", leave=False)
+
+    def counted(*args, **kwargs):
+        out_ = model_fn(*args, **kwargs)
+        bar.update(1)
+        return out_
+
+    index, overview, latent_rows, start = [], [], [], time.perf_counter()
+    for batch in mine:
+        began = time.perf_counter()
+        latents = sample_items(counted, model_config, objective, batch, shape=p.shape, seed=r.seed, steps=p.steps,
+                               cfg_scale=p.cfg_scale, sampler=p.sampler, encode=encode, device=device,
+                               cfg_group=groups.cfg_group)
+        seconds = (time.perf_counter() - began) / len(batch)
+        if not groups.writes:
+            continue
+        pixels = to_pixels(latents, decoder)
+        for item, px in zip(batch, pixels):
+            files = _write_item(item, px, out, r.mp4)
+            entry = {"index": item.index, **({"label": item.label} if item.label is not None else {"prompt": item.prompt}),
+                     "seed": r.seed, "noise_seed": item_seed(r.seed, item.index), "file": files[0], "files": files,
+                     "steps": p.steps, "sampler": p.sampler, "cfg_scale": p.cfg_scale, "weights": r.weights,
+                     "checkpoint": str(p.path), "layout": layout, "seconds": round(seconds, 4)}
+            index.append(entry)
+            overview.append((item.index, px))
+        if r.save_latents:
+            latent_rows.extend(zip((it.index for it in batch), latents.float().cpu()))
+    bar.close()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (index, overview, latent_rows) if groups.writes else ([], [], []))
+    summary = {"items": len(p.items), "seconds": round(seconds, 3), "items_per_s": round(len(p.items) / seconds, 4),
+               "layout": layout, "world_size": world, "out": str(out)}
+    if dist.get_rank() == 0:
+        index = sorted((e for part, _, _ in gathered for e in part), key=lambda e: e["index"])
+        pictures = [px for _, px in sorted((x for _, part, _ in gathered for x in part), key=lambda x: x[0])]
+        if r.save_latents:
+            rows = sorted((x for _, _, part in gathered for x in part), key=lambda x: x[0])
+            torch.save(torch.stack([x for _, x in rows]), out / "latents.pt")
+        (out / "index.json").write_text(json.dumps(index, indent=1))
+        stacked = torch.stack(pictures)
+        name = "strip.png" if stacked.dim() == 5 else "grid.png"
+        save_overview(stacked, out / name, per_row=r.num_per_prompt if r.num_per_prompt > 1 else min(len(pictures), 8),
+                      upscale=max(1, 128 // max(stacked.shape[-1], stacked.shape[-2])))
+        print(f"generated {summary['items']} items in {summary['seconds']:.1f} s ({summary['items_per_s']:.3g} items/s) "
+              f"on {layout}{f' ({world} processes)' if world > 1 else ''} -> {out}", flush=True)
+    return summary
+
+
+def generate(request: GenerateRequest, parallel: Optional[GenerateParallel] = None) -> dict:
+    """Plan, initialise the layout's process groups, run, and release the groups this job made."""
+    from dit_mcore.parallel.initialize import release_model_parallel_groups
+    p = plan(request, parallel)
+    initialize_distributed(p.parallel, seed=0)
+    try:
+        return run_plan(p)
+    finally:
+        release_model_parallel_groups()
+
+
+def layout_from_overrides(overrides: list[str]) -> GenerateParallel:
+    """The layout of ``parallel.name=value`` overrides (one line per unknown name)."""
+    import ast
+
+    from dit_mcore.training.validate import did_you_mean
+    names = {f.name: f for f in dataclasses.fields(GenerateParallel)}
+    values = {}
+    for arg in overrides:
+        key, sep, raw = arg.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section != "parallel":
+            raise ConfigError(f"{arg}: generation takes parallel.<field>=<value> overrides (model settings come "
+                              "from the checkpoint); e.g. parallel.cfg_parallel=2")
+        if name not in names:
+            raise ConfigError(f"parallel.{name}: unknown field{did_you_mean(name, names)}")
+        try:
+            values[name] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            values[name] = raw
+    return GenerateParallel(**values)

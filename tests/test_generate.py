@@ -1,0 +1,195 @@
+"""Generation from checkpoints (``dit_mcore.generate``): every layout gives the one-process latents,
+item for item; an item's noise is the same whatever the batch; bad input gives one line.
+
+The checkpoints are tiny models with random weights keyed by name (as the layout tests use: an
+adaLN-Zero model fresh from init would predict zeros under any layout). Layouts of one world size run
+one after another inside one spawn; the one-process references run in the pytest process.
+"""
+import json
+from dataclasses import replace as dataclasses_replace
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from dit_mcore.config import ConfigError
+from dit_mcore.generate.job import GenerateRequest, generate, layout_from_overrides, plan
+from dit_mcore.generate.layout import GenerateParallel
+
+STEPS = 3
+LABELS = ["1", "4", "7"]
+PROMPTS = ["a 1 moving left", "a 6 moving up"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``{"dit": run dir, "xattn": run dir, "ddpm": run dir}``: a class-conditional DiT on 8x8x4 latents,
+    a cross-attention DiT on moving-digit clips (4 frames of 8x8, labels and text), and the first with
+    the DDPM objective (its stochastic sampler draws fresh noise each step); one saved step each."""
+    from dit_mcore.parallel.initialize import destroy_distributed
+    from dit_mcore.training.trainer import Trainer
+    from test_parallel_layouts import _randomize, layout_run
+    root = tmp_path_factory.mktemp("generate")
+    runs = {}
+    for name, data, family in (("dit", "dense", "dit"), ("xattn", "video", "dit_xattn"), ("ddpm", "dense", "dit")):
+        cfg = layout_run(root / name, data, family=family)
+        if name == "ddpm":
+            cfg.diffusion.objective = "ddpm"
+        trainer = Trainer(cfg)
+        _randomize(trainer)
+        trainer.save()
+        destroy_distributed()
+        runs[name] = str(root / name)
+    return runs
+
+
+def _request(ckpt: str, out, case: str, **kwargs) -> GenerateRequest:
+    conditioning = dict(labels=LABELS, num_per_prompt=2) if "xattn" not in case else dict(prompts=PROMPTS)
+    if case.startswith("ddpm"):
+        conditioning["sampler"] = "ddpm"
+    settings = dict(steps=STEPS, cfg_scale=2.0, seed=5, progress=False, save_latents=True, mp4=False)
+    return GenerateRequest(checkpoint=ckpt, out=str(out), **{**settings, **conditioning, **kwargs})
+
+
+def _run_cases(rank, world, cases):
+    for ckpt, out, case, kwargs, layout in cases:
+        generate(_request(ckpt, out, case, **kwargs), GenerateParallel(**layout))
+
+
+def _reference(checkpoints, tmp_path, case, **kwargs) -> torch.Tensor:
+    out = tmp_path / f"one_{case}"
+    generate(_request(checkpoints[case.split("_")[0]], out, case, **kwargs))
+    return torch.load(out / "latents.pt")
+
+
+LAYOUTS_2 = {
+    "dit_cfg2": {"cfg_parallel": 2},
+    "dit_items2": {},
+    "dit_cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"},
+    "dit_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "dit_pp2": {"pipeline_model_parallel_size": 2},
+    "xattn_cfg2": {"cfg_parallel": 2},
+    "xattn_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
+    "ddpm_cfg2": {"cfg_parallel": 2},
+}
+LAYOUTS_4 = {
+    "dit_cfg2_cp2_a2a": {"cfg_parallel": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},
+    "dit_cfg2_items2_bs1": {"cfg_parallel": 2},
+    "dit_cp4_usp": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]},
+    "xattn_tp2_cfg2": {"tensor_model_parallel_size": 2, "cfg_parallel": 2},
+    "ddpm_items4": {},
+}
+
+
+@pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["world2", "world4"])
+def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_path, world, layouts):
+    """CFG-parallel, data parallel over items, sequence parallel (ring, Ulysses, USP), tensor and
+    pipeline parallel and their products: the one-process latents within fp32 rounding, item for item
+    (the 4-rank CFG x items case also with one item per batch: noise is per item, not per batch; so
+    is the DDPM sampler's fresh noise at every step, with the items shared over 4 ranks)."""
+    cases = [(checkpoints[name.split("_")[0]], tmp_path / name, name, {"batch_size": 1} if name.endswith("bs1") else {},
+              layout) for name, layout in layouts.items()]
+    run_distributed(_run_cases, world, cases)
+    references = {}
+    for _, out, name, _, _ in cases:
+        family = name.split("_")[0]
+        if family not in references:
+            references[family] = _reference(checkpoints, tmp_path, family)
+        got, want = torch.load(out / "latents.pt"), references[family]
+        assert got.shape == want.shape
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"
+        index = json.loads((out / "index.json").read_text())
+        assert [e["index"] for e in index] == list(range(len(want)))
+        assert all(e["layout"] != "1 process" for e in index)
+
+
+def _error(argv, capsys) -> str:
+    """The one line ``python -m dit_mcore.generate`` prints for ``argv`` (status 2)."""
+    from dit_mcore.generate.cli import main
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("generate: error: "), lines
+    return lines[0]
+
+
+def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoints, tmp_path, capsys, monkeypatch):
+    import dit_mcore.generate.job as job
+    monkeypatch.setattr(job, "initialize_distributed", lambda *a, **k: pytest.fail("a process group was built"))
+    dit, xattn, out = checkpoints["dit"], checkpoints["xattn"], str(tmp_path / "out")
+    assert "no such directory" in _error(["--checkpoint", str(tmp_path / "nope"), "--labels", "1", "--out", out], capsys)
+    empty = tmp_path / "empty"
+    (empty / "notes").mkdir(parents=True)
+    line = _error(["--checkpoint", str(empty), "--labels", "1", "--out", out], capsys)
+    assert "no checkpoint there" in line and "notes/" in line  # lists what is there
+    line = _error(["--checkpoint", dit, "--step", "7", "--labels", "1", "--out", out], capsys)
+    assert "--step 7" in line and "it has steps 0" in line
+    assert "--prompts" in _error(["--checkpoint", dit, "--prompts", "a cat", "--out", out], capsys)
+    assert "--labels" in _error(["--checkpoint", xattn, "--labels", "1", "--out", out], capsys)
+    assert "classes 0..9" in _error(["--checkpoint", dit, "--labels", "10", "--out", out], capsys)
+    assert "nothing to generate" in _error(["--checkpoint", dit, "--out", out], capsys)
+    assert "--height 7" in _error(["--checkpoint", dit, "--labels", "1", "--height", "7", "--out", out], capsys)
+    assert "--sampler" in _error(["--checkpoint", dit, "--labels", "1", "--sampler", "ddim", "--out", out], capsys)
+    line = _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.tensor_model_parallel_size=3"], capsys)
+    assert "world size 1" in line
+    assert "did you mean" in _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.cfg_paralel=2"], capsys)
+    assert "parallel.cfg_parallel=2" in _error(["--checkpoint", dit, "--labels", "1", "--cfg-scale", "1", "--out", out,
+                                                "parallel.cfg_parallel=2"], capsys)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert "--out" in _error(["--checkpoint", dit, "--labels", "1", "--out", str(blocker / "sub")], capsys)
+
+
+def test_the_same_request_gives_the_same_items_whatever_the_batch_and_writes_its_index(checkpoints, tmp_path):
+    """Batch size 1 and 4 give the same latents (noise per item); one PNG per item, a grid and
+    index.json with what made each item; the run's sampling defaults apply when not given."""
+    one = _request(checkpoints["dit"], tmp_path / "b1", "dit", batch_size=1)
+    four = _request(checkpoints["dit"], tmp_path / "b4", "dit", batch_size=4, steps=None, cfg_scale=None)
+    generate(one)
+    summary = generate(dataclasses_replace(four, steps=STEPS, cfg_scale=2.0))
+    a, b = torch.load(tmp_path / "b1" / "latents.pt"), torch.load(tmp_path / "b4" / "latents.pt")
+    assert ((a - b).norm() / a.norm()).item() <= 1e-5  # fp32 rounding of other GEMM shapes only
+    index = json.loads((tmp_path / "b4" / "index.json").read_text())
+    assert [e["label"] for e in index] == [1, 1, 4, 4, 7, 7] and summary["items"] == 6
+    assert all((tmp_path / "b4" / e["file"]).is_file() for e in index) and (tmp_path / "b4" / "grid.png").is_file()
+    assert {e["steps"] for e in index} == {STEPS} and {e["sampler"] for e in index} == {"euler"}
+    defaults = plan(four, world_size=1)  # the run's diffusion.sample_steps and cfg_scale
+    assert (defaults.steps, defaults.cfg_scale) == (2, 1.5)
+
+
+def test_clips_of_a_text_model_are_gifs_and_mp4s_with_a_strip(checkpoints, tmp_path):
+    import av
+    request = _request(checkpoints["xattn"], tmp_path / "clips", "xattn", mp4=True, num_per_prompt=1)
+    generate(request)
+    index = json.loads((tmp_path / "clips" / "index.json").read_text())
+    assert [e["prompt"] for e in index] == PROMPTS
+    for entry in index:
+        gif, mp4 = entry["files"]
+        assert gif.endswith(".gif") and mp4.endswith(".mp4")
+        with av.open(str(tmp_path / "clips" / mp4)) as container:
+            assert sum(1 for _ in container.decode(video=0)) == 4  # the model's 4 frames
+    assert (tmp_path / "clips" / "strip.png").is_file()
+    assert torch.load(tmp_path / "clips" / "latents.pt").shape == (2, 1, 4, 8, 8)
+
+
+def test_overrides_are_the_generation_layout():
+    layout = layout_from_overrides(["parallel.cfg_parallel=2", "parallel.cp_comm_type=a2a"])
+    assert layout.cfg_parallel == 2 and layout.cp_comm_type == "a2a"
+    with pytest.raises(ConfigError, match="parallel.<field>=<value>"):
+        layout_from_overrides(["model.num_layers=2"])
+
+
+@pytest.mark.slow
+def test_the_nemo_run_factory_under_torchrun_gives_the_one_process_latents(checkpoints, tmp_path):
+    """``recipes/generate.py --factory generate`` launched by torchrun (2 ranks, CFG-parallel) as
+    training is launched: the in-process one-process latents."""
+    from test_recipes import REPO, cli
+    rc, out = cli(["--factory", "generate", f"request.checkpoint={checkpoints['dit']}", 'request.labels=["1","4","7"]',
+                   "request.num_per_prompt=2", f"request.steps={STEPS}", "request.cfg_scale=2.0", "request.seed=5",
+                   "request.save_latents=True", "request.progress=False", f"request.out={tmp_path / 'tr'}",
+                   "parallel.cfg_parallel=2"], tmp_path, nproc=2, script=REPO / "recipes" / "generate.py")
+    assert rc == 0, out
+    assert "on cfg2 (2 processes)" in out
+    want = _reference(checkpoints, tmp_path, "dit")
+    got = torch.load(tmp_path / "tr" / "latents.pt")
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
