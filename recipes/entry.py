@@ -66,9 +66,9 @@ def generate(request: Optional[GenerateRequest] = None, parallel: Optional[Gener
     from dit_mcore.generate.job import generate as run_generation
     from dit_mcore.parallel.initialize import destroy_distributed
 
-    if request is None or not request.checkpoint:
-        raise ConfigError("request.checkpoint: give the run directory or checkpoint to sample, "
-                          "e.g. request.checkpoint=runs/digits")
+    if request is None or not (request.checkpoint or request.diffusers or request.facebookresearch):
+        raise ConfigError("request.checkpoint: give the run directory or checkpoint to sample, e.g. "
+                          "request.checkpoint=runs/digits (or request.diffusers / request.facebookresearch)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     try:

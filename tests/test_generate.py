@@ -31,24 +31,43 @@ def checkpoints(tmp_path_factory):
     from test_parallel_layouts import _randomize, layout_run
     root = tmp_path_factory.mktemp("generate")
     runs = {}
-    for name, data, family in (("dit", "dense", "dit"), ("xattn", "video", "dit_xattn"), ("ddpm", "dense", "dit")):
+    for name, data, family in (("dit", "dense", "dit"), ("xattn", "video", "dit_xattn"), ("ddpm", "dense", "dit"),
+                               ("uncond", "dense", "dit")):
         cfg = layout_run(root / name, data, family=family)
         if name == "ddpm":
             cfg.diffusion.objective = "ddpm"
+        if name == "uncond":  # no classes: no guidance either
+            cfg.model.num_classes, cfg.model.class_dropout_prob, cfg.diffusion.cfg_scale = 0, 0.0, 1.0
         trainer = Trainer(cfg)
         _randomize(trainer)
         trainer.save()
         destroy_distributed()
         runs[name] = str(root / name)
+    runs["diffusers"] = str(_diffusers_dir(root / "diffusers"))
     return runs
 
 
-def _request(ckpt: str, out, case: str, **kwargs) -> GenerateRequest:
+def _diffusers_dir(path):
+    """A small random diffusers ``DiTTransformer2DModel`` (10 classes, learned sigma) saved at ``path``."""
+    from diffusers import DiTTransformer2DModel
+
+    from test_interop import _fill_random
+    d = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
+                              num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_eps=1e-6)
+    _fill_random(d.parameters(), seed=6)
+    for block in d.transformer_blocks[1:]:
+        block.norm1.emb.load_state_dict(d.transformer_blocks[0].norm1.emb.state_dict())
+    d.eval().save_pretrained(path)
+    return path
+
+
+def _request(source: str, out, case: str, **kwargs) -> GenerateRequest:
     conditioning = dict(labels=LABELS, num_per_prompt=2) if "xattn" not in case else dict(prompts=PROMPTS)
     if case.startswith("ddpm"):
         conditioning["sampler"] = "ddpm"
     settings = dict(steps=STEPS, cfg_scale=2.0, seed=5, progress=False, save_latents=True, mp4=False)
-    return GenerateRequest(checkpoint=ckpt, out=str(out), **{**settings, **conditioning, **kwargs})
+    where = {"diffusers": source} if case.startswith("diffusers") else {"checkpoint": source}
+    return GenerateRequest(out=str(out), **where, **{**settings, **conditioning, **kwargs})
 
 
 def _run_cases(rank, world, cases):
@@ -71,6 +90,7 @@ LAYOUTS_2 = {
     "xattn_cfg2": {"cfg_parallel": 2},
     "xattn_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
     "ddpm_cfg2": {"cfg_parallel": 2},
+    "diffusers_cfg2": {"cfg_parallel": 2},
 }
 LAYOUTS_4 = {
     "dit_cfg2_cp2_a2a": {"cfg_parallel": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -135,6 +155,20 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
     assert "did you mean" in _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.cfg_paralel=2"], capsys)
     assert "parallel.cfg_parallel=2" in _error(["--checkpoint", dit, "--labels", "1", "--cfg-scale", "1", "--out", out,
                                                 "parallel.cfg_parallel=2"], capsys)
+    assert "no label given" in _error(["--checkpoint", dit, "--labels", ",", "--out", out], capsys)
+    assert "an integer" in _error(["--checkpoint", dit, "--labels", "1", "--out", out,
+                                   "parallel.tensor_model_parallel_size=two"], capsys)
+    assert "experts whole" in _error(["--checkpoint", dit, "--labels", "1", "--out", out,
+                                      "parallel.expert_model_parallel_size=2"], capsys)
+    assert "--steps 1001" in _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--steps", "1001",
+                                     "--out", out], capsys)
+    assert "unconditional" in _error(["--checkpoint", checkpoints["uncond"], "--labels", "1", "--out", out], capsys)
+    from dit_mcore.training import checkpoint as ckpt
+    load_common = ckpt.load_common
+    monkeypatch.setattr(ckpt, "load_common", lambda path: {k: v for k, v in load_common(path).items()
+                                                           if k != "run_config"})
+    assert "resume its training" in _error(["--checkpoint", dit, "--labels", "1", "--out", out], capsys)
+    monkeypatch.setattr(ckpt, "load_common", load_common)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert "--out" in _error(["--checkpoint", dit, "--labels", "1", "--out", str(blocker / "sub")], capsys)
@@ -170,6 +204,62 @@ def test_clips_of_a_text_model_are_gifs_and_mp4s_with_a_strip(checkpoints, tmp_p
             assert sum(1 for _ in container.decode(video=0)) == 4  # the model's 4 frames
     assert (tmp_path / "clips" / "strip.png").is_file()
     assert torch.load(tmp_path / "clips" / "latents.pt").shape == (2, 1, 4, 8, 8)
+
+
+def test_diffusers_weights_generate_as_the_imported_model_samples_with_ddim(checkpoints, tmp_path, capsys):
+    """``--diffusers``: the DDPM objective's DDIM on the interop-loaded model (which equals diffusers'
+    own ``DiTPipeline``, ``tests/test_ddpm.py``), with each item's noise; model parallel layouts are
+    refused with the way round."""
+    from dit_mcore.diffusion import build_objective
+    from dit_mcore.diffusion.samplers import sample
+    from dit_mcore.generate.items import item_noise, make_items
+    from dit_mcore.interop import load_diffusers
+    from dit_mcore.models.adapter import image_model_fn
+    request = _request(checkpoints["diffusers"], tmp_path / "d", "diffusers", steps=None, cfg_scale=None)
+    p = plan(request, world_size=1)
+    assert (p.steps, p.cfg_scale, p.sampler, p.run.diffusion.objective) == (50, 4.0, "ddim", "ddpm")
+    generate(dataclasses_replace(request, steps=6))
+    got = torch.load(tmp_path / "d" / "latents.pt")
+    model = load_diffusers(checkpoints["diffusers"])
+    items = make_items(labels=[int(y) for y in LABELS], num_per_prompt=2)
+    want = sample(build_objective("ddpm"), image_model_fn(model, model.config), item_noise(items, 5, (4, 8, 8)), 6,
+                  labels=torch.tensor([it.label for it in items]), null_label=10, cfg_scale=4.0)
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+    line = _error(["--diffusers", checkpoints["diffusers"], "--labels", "1", "--out", str(tmp_path / "x"),
+                   "parallel.context_parallel_size=2"], capsys)
+    assert "save them as a dit_mcore checkpoint" in line
+
+
+def test_facebookresearch_weights_generate_as_the_imported_model_samples(tmp_path):
+    """``--facebookresearch FILE --preset``: the state dict (a training checkpoint's ``ema`` too) loads
+    through the interop and samples with DDIM (frequency shift 0, as the reference DiT)."""
+    from dit_mcore.config import preset
+    from dit_mcore.diffusion import build_objective
+    from dit_mcore.diffusion.samplers import sample
+    from dit_mcore.generate.items import item_noise, make_items
+    from dit_mcore.interop import export_facebookresearch
+    from dit_mcore.interop.mapping import build_model, require_whole_model_world
+    from dit_mcore.models.adapter import image_model_fn
+    from test_interop import _fill_random
+    require_whole_model_world()
+    model = build_model(preset("tiny", timestep_freq_shift=0.0)).eval()
+    _fill_random(model.parameters(), seed=7)
+    torch.save({"ema": export_facebookresearch(model), "args": None}, tmp_path / "dit.pt")
+    generate(GenerateRequest(facebookresearch=str(tmp_path / "dit.pt"), preset="tiny", labels=["0", "9"], steps=4,
+                             seed=2, save_latents=True, progress=False, out=str(tmp_path / "out")))
+    items = make_items(labels=[0, 9])
+    want = sample(build_objective("ddpm"), image_model_fn(model, model.config), item_noise(items, 2, (4, 8, 8)), 4,
+                  labels=torch.tensor([0, 9]), null_label=10, cfg_scale=4.0)
+    got = torch.load(tmp_path / "out" / "latents.pt")
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
+def test_an_unconditional_model_generates_num_per_prompt_items(checkpoints, tmp_path):
+    generate(GenerateRequest(checkpoint=checkpoints["uncond"], num_per_prompt=3, steps=2, progress=False,
+                             save_latents=True, out=str(tmp_path / "u")))
+    index = json.loads((tmp_path / "u" / "index.json").read_text())
+    assert [e["index"] for e in index] == [0, 1, 2] and all("label" not in e and "prompt" not in e for e in index)
+    assert torch.load(tmp_path / "u" / "latents.pt").shape == (3, 4, 8, 8)
 
 
 def test_overrides_are_the_generation_layout():

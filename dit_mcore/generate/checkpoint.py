@@ -17,7 +17,7 @@ from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.pipeline import ModelChunks
 from dit_mcore.training import checkpoint as ckpt
-from dit_mcore.training.config import ModelConfig, RunConfig
+from dit_mcore.training.config import ModelConfig, RunConfig  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def find_checkpoint(path: str | Path, step: Optional[int] = None) -> Path:
         raise ConfigError(f"--checkpoint {path}: no such directory"
                           + (f"; {parent} holds {_listing(parent)}" if parent else "")
                           + "; give a run directory (e.g. runs/digits), its checkpoints/ or one step_* folder")
-    if path.name.startswith("step_") and (path / "metadata.json").exists() or (path / ckpt.MANIFEST).exists():
+    if path.name.startswith("step_") and ((path / "metadata.json").exists() or (path / ckpt.MANIFEST).exists()):
         if step is not None and int(path.name.removeprefix("step_")) != step:
             raise ConfigError(f"--step {step}: --checkpoint names the checkpoint {path.name} itself; drop --step "
                               "or give the run directory")
@@ -68,20 +68,17 @@ def find_checkpoint(path: str | Path, step: Optional[int] = None) -> Path:
 
 
 def read_run(path: Path) -> RunConfig:
-    """The run the checkpoint at ``path`` records. Checkpoints from before the run was recorded hold
-    only the model's architecture: the rest takes the defaults (logged)."""
+    """The run the checkpoint at ``path`` records (checkpoints from before runs were recorded are
+    refused: their objective and data are unknown)."""
     common = ckpt.load_common(path)
     if "run_config" in common:
         return RunConfig.from_dict(common["run_config"])
-    arch = dict(common.get("model_arch") or {})
-    if not arch:
-        raise ConfigError(f"--checkpoint {path}: the checkpoint records neither its run nor its model; was it "
-                          "written by dit_mcore's trainer?")
-    log.warning("checkpoint %s predates recorded run configs: model from its architecture, objective and "
-                "sampling defaults from the config defaults", path)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = ModelConfig(**{k: v for k, v in arch.items() if k in known and v is not None})
-    return RunConfig(model=model)
+    if common.get("model_arch"):
+        raise ConfigError(f"--checkpoint {path}: written before checkpoints recorded their run (objective, text "
+                          "encoder, decoder); resume its training with this version for a step or more "
+                          "(trainer.max_steps one higher) and generate from the new checkpoint")
+    raise ConfigError(f"--checkpoint {path}: the checkpoint records neither its run nor its model; was it "
+                      "written by dit_mcore's trainer?")
 
 
 def generation_model_config(run: RunConfig) -> ModelConfig:
@@ -115,8 +112,9 @@ def load_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfi
     arch = ckpt.architecture(model_config, run.model.family, run.model.preset)
     ckpt.refuse_other_model(path, ema_view, ckpt.load_common(path).get("model_arch"), arch)
     loaded = dist_checkpointing.load(template, str(path))
-    state = {k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix) or not prefix}
-    state = {k: v for k, v in state.items() if k in dict(chunks.state_dict())}
+    ours = set(chunks.state_dict())
+    state = {k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix)}
+    state = {k: v for k, v in state.items() if k in ours}
     missing, _ = chunks.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]
     if missing:

@@ -2,6 +2,7 @@
 
     python -m dit_mcore.generate --checkpoint runs/digits --labels 0,3,7 --num-per-prompt 4 --out out/digits
     python -m dit_mcore.generate --checkpoint runs/t2v_digits --prompts "a 3 moving left" --out out/t2v
+    python -m dit_mcore.generate --diffusers DiT-XL-2-256/transformer --labels 207,360 --out out/imagenet
     torchrun --nproc-per-node 4 -m dit_mcore.generate --checkpoint runs/x --labels all \\
         parallel.cfg_parallel=2 parallel.context_parallel_size=2 parallel.cp_comm_type=a2a
 
@@ -35,7 +36,10 @@ def parser() -> argparse.ArgumentParser:
                                 epilog="Layouts: parallel.tensor_model_parallel_size, context_parallel_size, "
                                        "cp_comm_type (p2p|a2a|all_gather|a2a+p2p), pipeline_model_parallel_size, "
                                        "cfg_parallel (1|2), ...; the ranks left over share the items.")
-    p.add_argument("--checkpoint", required=True, help="a run directory (log.dir), its checkpoints/ or one step_* folder")
+    p.add_argument("--checkpoint", help="a run directory (log.dir), its checkpoints/ or one step_* folder")
+    p.add_argument("--diffusers", help="instead: a diffusers DiTTransformer2DModel directory (sampled with DDPM/DDIM)")
+    p.add_argument("--facebookresearch", help="instead: a facebookresearch/DiT state dict (.pt; sampled with DDPM/DDIM)")
+    p.add_argument("--preset", help="with --facebookresearch: the architecture (default DiT-XL/2)")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest intact one)")
     p.add_argument("--weights", default="ema", help="ema (default: the average previews draw) or model")
     what = p.add_mutually_exclusive_group()
@@ -45,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-per-prompt", type=int, default=1, help="items per label or prompt (default 1)")
     p.add_argument("--steps", type=int, help="sampler steps (default: the run's diffusion.sample_steps)")
     p.add_argument("--cfg-scale", type=float, help="guidance scale (default: the run's diffusion.cfg_scale)")
-    p.add_argument("--sampler", help="euler or heun (default: the objective's: euler for flow, heun for edm)")
+    p.add_argument("--sampler", help="euler|heun for flow (default euler), heun|euler for edm (default heun), "
+                                     "ddim|ddpm for ddpm (default ddim)")
     p.add_argument("--seed", type=int, default=0, help="item i's noise comes from (seed, i) (default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="items per sampler call on one rank (default 16)")
     p.add_argument("--frames", type=int, help="latent frames of a video model's clips")
@@ -71,7 +76,8 @@ def request_from_args(argv: Optional[list] = None) -> tuple[GenerateRequest, Gen
         if not prompts:
             raise ConfigError(f"--prompt-file {path}: holds no prompt (one per line)")
     request = GenerateRequest(
-        checkpoint=args.checkpoint, out=args.out, step=args.step, weights=args.weights, labels=_split(args.labels),
+        checkpoint=args.checkpoint, diffusers=args.diffusers, facebookresearch=args.facebookresearch,
+        preset=args.preset, out=args.out, step=args.step, weights=args.weights, labels=_split(args.labels),
         prompts=prompts, num_per_prompt=args.num_per_prompt, steps=args.steps, cfg_scale=args.cfg_scale,
         sampler=args.sampler, seed=args.seed, batch_size=args.batch_size, frames=args.frames, height=args.height,
         width=args.width, dtype=args.dtype, mp4=not args.no_mp4, save_latents=args.save_latents, progress=not args.no_progress)

@@ -25,8 +25,13 @@ class Item:
 
 
 def make_items(*, labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
-               num_per_prompt: int = 1) -> list[Item]:
-    """``num_per_prompt`` items per label or prompt, in the order given (label 0's items first)."""
+               num_per_prompt: int = 1, count: Optional[int] = None) -> list[Item]:
+    """``num_per_prompt`` items per label or prompt, in the order given (label 0's items first); or
+    ``count`` items with no condition (an unconditional model)."""
+    if count is not None:
+        if labels is not None or prompts is not None:
+            raise ValueError("count is for unconditional items: give no labels or prompts with it")
+        return [Item(index=i) for i in range(count)]
     if (labels is None) == (prompts is None):
         raise ValueError("give labels or prompts, not both and not neither")
     conditions = [dict(label=int(y)) for y in labels] if labels is not None else [dict(prompt=p) for p in prompts]

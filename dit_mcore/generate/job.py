@@ -22,24 +22,35 @@ from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import build_objective
 from dit_mcore.diffusion.samplers import SAMPLERS
 from dit_mcore.generate import checkpoint as source
+from dit_mcore.generate.grid import to_uint8
 from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
+from dit_mcore.generate.imported import Imported
 from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
 from dit_mcore.generate.media import dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
-from dit_mcore.parallel.pipeline import PipelinedForward
+from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 
 log = logging.getLogger("dit_mcore.generate")
+
+MAX_OVERVIEW = 256
+"""Items the grid or strip of one call shows at most (the files hold every item)."""
 
 
 @dataclass
 class GenerateRequest:
     """What to generate, from which checkpoint, where to put it. Unset sampling settings take the run's."""
 
-    checkpoint: str
+    checkpoint: Optional[str] = None
     """A run directory (its ``log.dir``), its ``checkpoints/`` folder or one ``step_*`` checkpoint."""
+    diffusers: Optional[str] = None
+    """Instead of a checkpoint: a diffusers ``DiTTransformer2DModel`` directory (DDPM objective)."""
+    facebookresearch: Optional[str] = None
+    """Instead of a checkpoint: a facebookresearch/DiT state dict file (DDPM objective)."""
+    preset: Optional[str] = None
+    """With ``facebookresearch``: the architecture's preset (default ``DiT-XL/2``)."""
     out: str = "generated"
     """Output folder: one file per item, ``grid.png`` / ``strip.png`` and ``index.json``."""
     step: Optional[int] = None
@@ -84,6 +95,7 @@ class Plan:
     request: GenerateRequest
     parallel: GenerateParallel
     path: Path
+    imported: Optional[Imported]
     run: object
     items: list
     shape: tuple
@@ -91,6 +103,8 @@ class Plan:
     cfg_scale: float
     sampler: str
     dtype: torch.dtype
+    encode: Optional[object] = None
+    """The dataset's text encoder (text models)."""
 
 
 def _world_size() -> int:
@@ -118,15 +132,33 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         raise ConfigError(f"--num-per-prompt ({r.num_per_prompt}) and --batch-size ({r.batch_size}) must be >= 1")
     if r.steps is not None and r.steps < 1:
         raise ConfigError(f"--steps {r.steps}: must be >= 1")
-    path = source.find_checkpoint(r.checkpoint, r.step)
-    run = source.read_run(path)
-    model = source.generation_model_config(run)
-    model_config = model.build(ParallelConfig())  # sizes and conditioning only: no groups, no weights
+    sources = [k for k in ("checkpoint", "diffusers", "facebookresearch") if getattr(r, k)]
+    if len(sources) != 1:
+        raise ConfigError("give one of --checkpoint (a dit_mcore run), --diffusers or --facebookresearch "
+                          f"(got {', '.join('--' + k for k in sources) or 'none'})")
+    imported = None
+    if r.checkpoint:
+        path = source.find_checkpoint(r.checkpoint, r.step)
+        run = source.read_run(path)
+        # sizes and conditioning only: no groups, no weights
+        model_config = source.generation_model_config(run).build(ParallelConfig())
+    else:
+        if r.step is not None or r.weights != "ema":
+            raise ConfigError("--step and --weights pick from a dit_mcore checkpoint; imported weights are one set")
+        kind = sources[0]
+        imported = Imported.describe(kind, getattr(r, kind), r.preset)
+        imported.check_layout(parallel)
+        path, run, model_config = imported.path, imported.run, imported.model_config
+    if r.weights not in source.WEIGHTS:
+        raise ConfigError(f"--weights {r.weights}: use one of {', '.join(source.WEIGHTS)}")
     if r.labels is not None and r.prompts is not None:
         raise ConfigError("give --labels or --prompts, not both")
-    if r.labels is None and r.prompts is None:
+    unconditional = not model_config.num_classes and not model_config.text_dim
+    if r.labels is None and r.prompts is None and not unconditional:
         wants = "--prompts or --prompt-file" if model_config.text_dim else "--labels (e.g. --labels 0,3,7 or all)"
         raise ConfigError(f"nothing to generate: give {wants}")
+    if r.labels is not None and not [str(x) for x in r.labels if str(x).strip()]:
+        raise ConfigError("--labels: no label given; e.g. --labels 0,3,7 or all")
     if r.prompts is not None and not model_config.text_dim:
         raise ConfigError(f"--prompts: this model (family {run.model.family}) is conditioned on class labels "
                           f"0..{model_config.num_classes - 1}, not text; give --labels")
@@ -135,7 +167,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     labels = r.labels
     if labels is not None:
         if not model_config.num_classes:
-            raise ConfigError("--labels: this model is unconditional; it takes no labels")
+            raise ConfigError("--labels: this model is unconditional; it takes no labels (give --num-per-prompt N)")
         if [str(x) for x in labels] == ["all"]:
             labels = list(range(model_config.num_classes))
         try:
@@ -147,18 +179,43 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
             raise ConfigError(f"--labels {bad[0]}: out of range; this model has classes 0..{model_config.num_classes - 1}")
     if r.prompts is not None and not [p for p in r.prompts if p.strip()]:
         raise ConfigError("--prompts: every prompt is empty")
-    items = make_items(labels=labels, prompts=r.prompts, num_per_prompt=r.num_per_prompt)
+    items = (make_items(labels=labels, prompts=r.prompts, num_per_prompt=r.num_per_prompt) if not unconditional
+             else make_items(count=r.num_per_prompt))
     frames = r.frames
     if frames is None and run.data.name == "moving_digits" and not run.data.uses_energon:
         frames = run.data.video_frames
     shape = latent_shape(model_config, frames=frames, height=r.height, width=r.width)
     objective_name = run.diffusion.objective
+    if objective_name not in SAMPLERS:
+        raise ConfigError(f"the checkpoint's diffusion.objective={objective_name!r} has no sampler here; "
+                          f"known: {', '.join(SAMPLERS)}")
     sampler = r.sampler or SAMPLERS[objective_name][0]
     if sampler not in SAMPLERS[objective_name]:
         raise ConfigError(f"--sampler {sampler}: the model was trained with the {objective_name!r} objective; "
                           f"use one of {', '.join(SAMPLERS[objective_name])}")
+    steps = r.steps or run.diffusion.sample_steps
+    objective = build_objective(objective_name)
+    if objective_name == "ddpm" and steps > objective.config.num_train_timesteps:
+        raise ConfigError(f"--steps {steps}: a DDPM model samples at most its "
+                          f"{objective.config.num_train_timesteps} training steps")
     cfg_scale = run.diffusion.cfg_scale if r.cfg_scale is None else r.cfg_scale
     check_guidance(model_config, cfg_scale)
+    encode = None
+    if model_config.text_dim:
+        encode = dataset_text_encoder(run.data)
+        if encode is None:
+            where = run.data.path
+            raise ConfigError(
+                f"no text encoder for this model's prompts: the run's dataset {where} is not readable here (its "
+                "prepare record names the encoder); copy it or point to it" if where and not Path(where).exists()
+                else "no text encoder for this model's prompts: the run's dataset recorded none it can build here "
+                     "(energon_data.prepare --text-encoder; built-in: moving_digits)")
+        if model_config.num_classes and not model_config.use_cfg_embedding:
+            raise ConfigError("this text model also takes class labels but has no null class (trained with "
+                              "model.class_dropout_prob=0), so prompts alone cannot drive it")
+    if model_config.in_channels not in (1, 3) and not (run.data.path and Path(run.data.path).exists()):
+        log.warning("no latent decoder for %d-channel latents (the run's dataset %s records it): images show "
+                    "channel 0 in grey", model_config.in_channels, run.data.path or "is built in and")
     world = world_size or _world_size()
     check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
     on_gpu = torch.cuda.is_available()
@@ -166,8 +223,8 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     if dtype_name not in ("fp32", "bf16"):
         raise ConfigError(f"--dtype {dtype_name}: use fp32 or bf16")
     _check_out(Path(r.out))
-    return Plan(request=r, parallel=parallel, path=path, run=run, items=items, shape=shape,
-                steps=r.steps or run.diffusion.sample_steps, cfg_scale=cfg_scale, sampler=sampler,
+    return Plan(request=r, parallel=parallel, path=path, imported=imported, run=run, items=items, shape=shape,
+                steps=steps, cfg_scale=cfg_scale, sampler=sampler, encode=encode,
                 dtype=torch.bfloat16 if dtype_name == "bf16" else torch.float32)
 
 
@@ -190,7 +247,8 @@ def layout_name(p: GenerateParallel, world_size: int) -> str:
 
 
 def _file_stem(item: Item) -> str:
-    return f"{item.index:04d}_" + (f"class{item.label}" if item.label is not None else slug(item.prompt))
+    name = f"class{item.label}" if item.label is not None else slug(item.prompt) if item.prompt is not None else "sample"
+    return f"{item.index:04d}_{name}"
 
 
 def _write_item(item: Item, pixels: torch.Tensor, out: Path, mp4: bool) -> list[str]:
@@ -201,6 +259,17 @@ def _write_item(item: Item, pixels: torch.Tensor, out: Path, mp4: bool) -> list[
     if mp4:
         files.append(save_mp4(pixels, out / f"{stem}.mp4").name)
     return files
+
+
+def _agree(problem: Optional[BaseException], device) -> None:
+    """Raise on every rank when any rank failed: one rank's error would leave the others waiting in
+    their next collective."""
+    failed = torch.tensor([float(problem is not None)], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if problem is not None:
+        raise problem
+    if failed.item():
+        raise ConfigError("another rank failed to load the model (its error names the cause)")
 
 
 def _evaluations(sampler: str, objective: str, steps: int) -> int:
@@ -215,15 +284,29 @@ def run_plan(p: Plan) -> dict:
     (on every rank). Process groups must be initialised (:func:`generate` does it)."""
     r = p.request
     world = dist.get_world_size()
+    paths = [None] * world
+    dist.all_gather_object(paths, str(p.path))  # each rank resolved "the newest" on its own
+    if len(set(paths)) > 1:
+        raise ConfigError(f"--checkpoint: the ranks found different newest checkpoints ({', '.join(sorted(set(paths)))}; "
+                          "the run is still saving); pass --step")
     groups = sampling_groups(p.parallel)
     device = run_device()
-    model, model_config = source.build_model(source.generation_model_config(p.run), p.parallel,
-                                             dtype=p.dtype, device=device)
-    source.load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
+    problem = None
+    try:
+        if p.imported is not None:
+            model = ModelChunks([p.imported.load()]).to(device=device, dtype=p.dtype).eval()
+            model_config = model.config
+        else:
+            model, model_config = source.build_model(source.generation_model_config(p.run), p.parallel,
+                                                     dtype=p.dtype, device=device)
+            source.load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
+    except ConfigError as e:
+        problem = e
+    _agree(problem, device)
     family = get_family(p.run.model.family)
     objective = build_objective(p.run.diffusion.objective)
     model_fn = family.image_model_fn(PipelinedForward(model), model_config)
-    encode = dataset_text_encoder(p.run.data) if model_config.text_dim else None
+    encode = p.encode
     decoder = dataset_decoder(p.run.data.path) if groups.writes else None
     layout = layout_name(p.parallel, world)
     mine = batches(share(p.items, groups.items_rank, groups.items_size), r.batch_size)
@@ -250,24 +333,30 @@ def run_plan(p: Plan) -> dict:
         pixels = to_pixels(latents, decoder)
         for item, px in zip(batch, pixels):
             files = _write_item(item, px, out, r.mp4)
-            entry = {"index": item.index, **({"label": item.label} if item.label is not None else {"prompt": item.prompt}),
+            condition = ({"label": item.label} if item.label is not None else
+                         {"prompt": item.prompt} if item.prompt is not None else {})
+            entry = {"index": item.index, **condition,
                      "seed": r.seed, "noise_seed": item_seed(r.seed, item.index), "file": files[0], "files": files,
                      "steps": p.steps, "sampler": p.sampler, "cfg_scale": p.cfg_scale, "weights": r.weights,
                      "checkpoint": str(p.path), "layout": layout, "seconds": round(seconds, 4)}
             index.append(entry)
-            overview.append((item.index, px))
+            if len(overview) < MAX_OVERVIEW:
+                overview.append((item.index, to_uint8(px)))
         if r.save_latents:
             latent_rows.extend(zip((it.index for it in batch), latents.float().cpu()))
     bar.close()
     dist.barrier()
     seconds = time.perf_counter() - start
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (index, overview, latent_rows) if groups.writes else ([], [], []))
+    gathered = [None] * world if dist.get_rank() == 0 else None  # (to rank 0 only: pixels as uint8)
+    dist.gather_object((index, overview, latent_rows) if groups.writes else ([], [], []), gathered, dst=0)
     summary = {"items": len(p.items), "seconds": round(seconds, 3), "items_per_s": round(len(p.items) / seconds, 4),
                "layout": layout, "world_size": world, "out": str(out)}
     if dist.get_rank() == 0:
         index = sorted((e for part, _, _ in gathered for e in part), key=lambda e: e["index"])
         pictures = [px for _, px in sorted((x for _, part, _ in gathered for x in part), key=lambda x: x[0])]
+        pictures = [px.float() / 127.5 - 1 for px in pictures[:MAX_OVERVIEW]]
+        if len(p.items) > MAX_OVERVIEW:
+            log.warning("the overview shows the first %d of %d items", MAX_OVERVIEW, len(p.items))
         if r.save_latents:
             rows = sorted((x for _, _, part in gathered for x in part), key=lambda x: x[0])
             torch.save(torch.stack([x for _, x in rows]), out / "latents.pt")
@@ -308,7 +397,11 @@ def layout_from_overrides(overrides: list[str]) -> GenerateParallel:
         if name not in names:
             raise ConfigError(f"parallel.{name}: unknown field{did_you_mean(name, names)}")
         try:
-            values[name] = ast.literal_eval(raw)
+            value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            values[name] = raw
+            value = raw
+        default = getattr(GenerateParallel(), name)
+        if isinstance(default, (bool, int)) and type(value) is not type(default):
+            raise ConfigError(f"parallel.{name}={raw}: give {'True or False' if isinstance(default, bool) else 'an integer'}")
+        values[name] = value
     return GenerateParallel(**values)

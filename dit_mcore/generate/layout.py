@@ -44,6 +44,10 @@ def check_generation_layout(p: GenerateParallel, model_config, world_size: int, 
     if p.cfg_parallel == 2 and cfg_scale == 1.0:
         raise ConfigError("parallel.cfg_parallel=2 with --cfg-scale 1: there is no unconditional half to run; "
                           "raise --cfg-scale or set parallel.cfg_parallel=1")
+    if p.expert_model_parallel_size > 1:
+        raise ConfigError(f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}: generation keeps an MoE "
+                          "model's experts whole on every rank (ranks sharing items make different numbers of calls, "
+                          "which expert all-to-alls cannot span); use 1")
     if p.fsdp != "none" or p.overlap_grad_reduce or p.overlap_param_gather or p.tp_comm_overlap:
         raise ConfigError("parallel.fsdp / overlap_grad_reduce / overlap_param_gather / tp_comm_overlap are "
                           "training settings; generation layouts use TP, CP, PP, cfg_parallel and data parallel")

@@ -31,8 +31,8 @@ def latent_shape(model_config, *, frames: Optional[int] = None, height: Optional
                  width: Optional[int] = None) -> tuple:
     """The latent of one item: ``(C, H, W)``, or ``(C, T, H, W)`` when ``frames`` is given; sides
     default to the model's ``input_size``. Refuses sizes the patches do not tile."""
-    height = height or model_config.input_size
-    width = width or model_config.input_size
+    height = model_config.input_size if height is None else height
+    width = model_config.input_size if width is None else width
     p, pt = model_config.patch_size, getattr(model_config, "patch_size_t", 1) or 1
     for name, side in (("height", height), ("width", width)):
         if side < p or side % p:

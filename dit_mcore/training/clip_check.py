@@ -1,4 +1,5 @@
-"""Does a generated moving-digits clip show the prompted digit moving the prompted way?
+"""Does a generated moving-digits clip show the prompted digit moving the prompted way? Does a
+generated digit image show the requested class?
 
 Reads a text-preview folder (``samples/step_XXXXXX/index.json`` and its GIFs, see
 :mod:`dit_mcore.training.preview`) whose prompts are ``moving_digits`` captions ("a 3 moving
@@ -11,8 +12,11 @@ left") and checks each clip:
   (cosine similarity, best sprite-sized window of the frame); the clip's digit is the majority.
   Leave-one-out on real ``moving_digits`` clips it reads 99% of them right (tests/test_clip_check.py).
 
-``python -m dit_mcore.training.clip_check runs/t2v_digits/samples/step_002400`` prints one line per
-clip and a summary.
+Digit images (``dit_mcore.generate`` of a digits model: ``index.json`` entries with a ``label``) are
+read by the same classifier over the whole image (the scans at the image's size).
+
+``python -m dit_mcore.training.clip_check runs/t2v_digits/samples/step_002400`` (or a generation
+folder) prints one line per clip or image and a summary, and writes ``check.json``.
 """
 from __future__ import annotations
 
@@ -112,11 +116,56 @@ def check_preview(folder) -> list[ClipCheck]:
     return [check_clip(load_gif(folder / entry["file"]), entry["prompt"]) for entry in index]
 
 
+@dataclass(frozen=True)
+class ImageCheck:
+    label: int
+    """The requested class."""
+    read: int
+    """The classifier's digit."""
+
+    @property
+    def ok(self) -> bool:
+        return self.read == self.label
+
+
+def load_png(path) -> torch.Tensor:
+    """``[H, W]`` float pixels in [0, 1] of a grey PNG."""
+    with Image.open(path) as image:
+        return torch.from_numpy(np.asarray(image.convert("L"), dtype=np.float32) / 255.0)
+
+
+def check_image(image: torch.Tensor, label: int, exclude_exact: bool = False) -> ImageCheck:
+    """Read the digit of ``image [H, W]`` (0 = background, 1 = ink), a whole-image digit."""
+    return ImageCheck(int(label), read_digit(image, min(image.shape[-2:]), exclude_exact))
+
+
+def check_images(folder) -> list[ImageCheck]:
+    """Check every image of a generation folder whose ``index.json`` entries carry a ``label``."""
+    folder = Path(folder)
+    index = json.loads((folder / "index.json").read_text())
+    return [check_image(load_png(folder / entry["file"]), entry["label"]) for entry in index if "label" in entry]
+
+
+def _main_images(folder: Path, checks: list[ImageCheck]) -> int:
+    for c in checks:
+        print(f"class {c.label}: read {c.read} {'ok' if c.ok else 'NO'}")
+    summary = {"images": len(checks), "read_right": sum(c.ok for c in checks),
+               "agreement": round(sum(c.ok for c in checks) / max(1, len(checks)), 4)}
+    print(json.dumps(summary))
+    (folder / "check.json").write_text(json.dumps({"summary": summary, "images": [asdict(c) for c in checks]},
+                                                  indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m dit_mcore.training.clip_check <samples/step_XXXXXX>", file=sys.stderr)
+        print("usage: python -m dit_mcore.training.clip_check <samples/step_XXXXXX | generation folder>",
+              file=sys.stderr)
         return 2
+    index = json.loads((Path(argv[0]) / "index.json").read_text())
+    if index and "label" in index[0]:
+        return _main_images(Path(argv[0]), check_images(argv[0]))
     checks = check_preview(argv[0])
     for c in checks:
         print(f"{c.prompt:<22} digit {'ok ' if c.digit_ok else 'NO '} read {list(c.read_digits)}  "

@@ -360,7 +360,7 @@ class RunConfig:
         one) are dropped with a warning; fields it added since take their defaults."""
         sections = {}
         for f in fields(cls):
-            section_cls = f.default_factory
+            section_cls = f.type if dataclasses.is_dataclass(f.type) else f.default_factory
             known = {g.name for g in fields(section_cls)}
             given = dict(values.get(f.name) or {})
             unknown = sorted(set(given) - known)

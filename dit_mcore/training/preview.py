@@ -12,6 +12,7 @@ otherwise as their first latent channel in grey (:func:`dit_mcore.generate.media
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from dit_mcore.config import ConfigError
 from dit_mcore.generate.items import make_items
 from dit_mcore.generate.media import save_gif, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import latent_shape, sample_items
@@ -36,6 +38,11 @@ def preview_classes(num_classes: int, max_rows: int = MAX_ROWS) -> torch.Tensor:
     return torch.linspace(0, num_classes - 1, max_rows).round().long()
 
 
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str, level: int = logging.INFO) -> None:
+    log.log(level, message)
+
+
 def moving_digits_prompts() -> list[str]:
     """Ten prompts covering every digit and every direction of the ``moving_digits`` captions."""
     from energon_data.datasets import DIRECTIONS
@@ -51,12 +58,16 @@ def draw_preview(ema_model, model_config, family, objective, cfg, step: int, out
     the PNG."""
     classes = preview_classes(model_config.num_classes)
     if len(classes) < model_config.num_classes:
-        log.info("preview: %d classes; rows show classes %s", model_config.num_classes, classes.tolist())
+        _log_once(f"preview: {model_config.num_classes} classes; rows show classes {classes.tolist()}")
     per_class = cfg.log.samples_per_class
     items = make_items(labels=classes.tolist(), num_per_prompt=per_class)
-    latents = sample_items(family.image_model_fn(ema_model, model_config), model_config, objective, items,
-                           shape=latent_shape(model_config), seed=seed, steps=cfg.diffusion.sample_steps,
-                           cfg_scale=cfg.diffusion.cfg_scale, device=device)
+    try:
+        latents = sample_items(family.image_model_fn(ema_model, model_config), model_config, objective, items,
+                               shape=latent_shape(model_config), seed=seed, steps=cfg.diffusion.sample_steps,
+                               cfg_scale=cfg.diffusion.cfg_scale, device=device)
+    except ConfigError as e:  # e.g. guidance without a null class: the run trains on, without previews
+        _log_once(f"previews skipped: {e}", logging.WARNING)
+        return None
     if not write:
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,10 +85,14 @@ def draw_text_preview(ema_model, model_config, family, objective, cfg, step: int
                     "(model.class_dropout_prob > 0); previews skipped")
         return None
     items = make_items(prompts=prompts)
-    shape = latent_shape(model_config, frames=max(1, cfg.data.video_frames))
-    clips = sample_items(family.image_model_fn(ema_model, model_config), model_config, objective, items,
-                         shape=shape, seed=seed, steps=cfg.diffusion.sample_steps, cfg_scale=cfg.diffusion.cfg_scale,
-                         encode=encode, device=device)
+    try:
+        shape = latent_shape(model_config, frames=max(1, cfg.data.video_frames))
+        clips = sample_items(family.image_model_fn(ema_model, model_config), model_config, objective, items,
+                             shape=shape, seed=seed, steps=cfg.diffusion.sample_steps,
+                             cfg_scale=cfg.diffusion.cfg_scale, encode=encode, device=device)
+    except ConfigError as e:
+        _log_once(f"previews skipped: {e}", logging.WARNING)
+        return None
     if not write:
         return None
     folder = out_dir / f"step_{step:06d}"
