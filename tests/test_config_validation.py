@@ -26,7 +26,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("trainer", "bf16", "yes", "trainer.bf16='yes': must be of type bool"),
     ("log", "log_interval", 0, "log.log_interval=0: must be >= 1"),
     ("log", "sample_interval", -1, "log.sample_interval=-1: must be >= 0 (0: only a final grid)"),
-    ("diffusion", "objective", "flwo", "diffusion.objective='flwo': use one of ['edm', 'flow']; did you mean 'flow'?"),
+    ("diffusion", "objective", "flwo", "diffusion.objective='flwo': use one of ['ddpm', 'edm', 'flow']; did you mean 'flow'?"),
     ("diffusion", "sample_steps", 0, "diffusion.sample_steps=0: must be >= 1"),
     ("model", "preset", "DiT-XL/3", "model.preset='DiT-XL/3': unknown preset"),
     ("model", "family", "ditt", "did you mean 'dit'?"),

@@ -170,8 +170,8 @@ def test_registry_and_config_errors():
     assert isinstance(build_objective(), FlowObjective)
     edm = build_objective("edm", sigma_data=1.0, p_mean=0.0, p_std=1.0)
     assert isinstance(edm, EDMObjective) and edm.config.sigma_data == 1.0
-    with pytest.raises(ValueError, match=r"valid names: \['edm', 'flow'\]"):
-        build_objective("ddpm")
+    with pytest.raises(ValueError, match=r"valid names: \['ddpm', 'edm', 'flow'\]"):
+        build_objective("vdm")
     with pytest.raises(ValueError, match="logit_std"):
         build_objective("flow", sigma_data=0.5)
     with pytest.raises(ValueError, match="FlowConfig.sampling"):
