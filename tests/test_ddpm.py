@@ -93,7 +93,8 @@ def test_imported_diffusers_dit_samples_as_diffusers_dit_pipeline(tmp_path):
     from test_interop import _fill_random
     single_process_world()
     d = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
-                              num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000)
+                              num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000,
+                              norm_eps=1e-6)
     _fill_random(d.parameters(), seed=4)
     for block in d.transformer_blocks[1:]:
         block.norm1.emb.load_state_dict(d.transformer_blocks[0].norm1.emb.state_dict())
