@@ -132,3 +132,11 @@ def moving_digits(
         directions.append(direction)
         captions.append(f"a {label} moving {direction}")
     return MovingDigits(videos, labels, captions, directions, positions, sprite)
+
+
+@lru_cache(maxsize=1)
+def moving_digits_text_encoder():
+    """The text encoder of the built-in ``moving_digits`` captions (``tiny_text``: deterministic, 32
+    wide), built once per process for the data, the config check, previews and generation."""
+    from energon_data.encoders import build_text_encoder
+    return build_text_encoder("tiny_text")

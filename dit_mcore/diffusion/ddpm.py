@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from dit_mcore.diffusion.guidance import bind_guidance
 from dit_mcore.diffusion.objective import ModelFn, Objective, TrainInputs, broadcast_level, check_batch, compute_dtype
 from kernels.host_copy import to_device
 
@@ -152,9 +153,12 @@ def _eps_call(model_fn: ModelFn, x: torch.Tensor, t: int, cond: dict) -> torch.T
 
 @torch.no_grad()
 def ddim(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: DDPMObjective,
-         noise_seed: NoiseSeed = 0, **cond) -> torch.Tensor:
+         noise_seed: NoiseSeed = 0, cfg_scale: float = 1.0, labels: Optional[torch.Tensor] = None,
+         null_label: Optional[int] = None, text=None, cfg_group=None, **cond) -> torch.Tensor:
     """DDIM from ``x_T = noise`` down ``objective.sampling_steps(steps)``; ``model_fn`` returns epsilon
-    (with learned-sigma channels dropped by the adapter). ``eta`` from the objective's config."""
+    (with learned-sigma channels dropped by the adapter), guided as in every sampler
+    (:func:`~dit_mcore.diffusion.guidance.bind_guidance`). ``eta`` from the objective's config."""
+    model_fn = bind_guidance(model_fn, cfg_scale, labels, null_label, text, cfg_group)
     c = objective.config
     times = objective.sampling_steps(steps)
     ratio = c.num_train_timesteps // steps
@@ -174,10 +178,12 @@ def ddim(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: DDPMO
 
 @torch.no_grad()
 def ddpm(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: DDPMObjective, noise_seed: NoiseSeed = 0,
-         **cond) -> torch.Tensor:
+         cfg_scale: float = 1.0, labels: Optional[torch.Tensor] = None, null_label: Optional[int] = None, text=None,
+         cfg_group=None, **cond) -> torch.Tensor:
     """Ancestral sampling down the respaced steps (DiT's ``space_timesteps``: the betas of the visited
     steps recomputed from their ``abar``), with the posterior variance ("fixed small"); its noise from
-    a generator seeded with ``noise_seed``. ``model_fn`` returns epsilon."""
+    a generator seeded with ``noise_seed``. ``model_fn`` returns epsilon, guided as :func:`ddim`'s."""
+    model_fn = bind_guidance(model_fn, cfg_scale, labels, null_label, text, cfg_group)
     times = objective.sampling_steps(steps)
     x = noise.to(compute_dtype(noise))
     gens = _generators(noise_seed, x.shape[0])

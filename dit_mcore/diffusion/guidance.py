@@ -1,7 +1,6 @@
 """Classifier-free guidance (Ho & Salimans, 2021): label dropout in training, guided calls in sampling."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -90,8 +89,7 @@ def guided_parallel(model_fn: ModelFn, scale: float, null_label: Optional[int] =
             if labels is not None:
                 labels = torch.full_like(labels, null_label)
             if text is not None:
-                text = dataclasses.replace(text, keep=torch.zeros(text.num_samples, dtype=torch.bool,
-                                                                  device=text.emb.device))
+                text = text.dropped()
         if text is not None:
             cond["text"] = text
         out = model_fn(x, timestep, labels=labels, **cond).contiguous()
@@ -100,3 +98,20 @@ def guided_parallel(model_fn: ModelFn, scale: float, null_label: Optional[int] =
         cond_out, uncond_out = halves
         return uncond_out + scale * (cond_out - uncond_out)
     return guided_fn
+
+
+def bind_guidance(model_fn: ModelFn, cfg_scale: float, labels: Optional[torch.Tensor],
+                 null_label: Optional[int], text=None, cfg_group=None) -> ModelFn:
+    """Bind labels and text (and guidance) so a sampler's loop only sees ``fn(x, timestep, **cond)``;
+    ``cfg_group``: the two ranks of CFG-parallel (None: both halves in one call here)."""
+    if labels is None and text is None:
+        if cfg_scale != 1.0:
+            raise ValueError(f"cfg_scale={cfg_scale} needs labels (and null_label) or text; pass cfg_scale=1 "
+                             "for unconditional sampling")
+        return model_fn
+    if cfg_group is not None:
+        fn = guided_parallel(model_fn, cfg_scale, null_label, group=cfg_group, text=text is not None)
+    else:
+        fn = guided(model_fn, cfg_scale, null_label, text=text is not None)
+    per_sample = {} if text is None else {"text": text}
+    return lambda x, timestep, **cond: fn(x, timestep, labels=labels, **per_sample, **cond)

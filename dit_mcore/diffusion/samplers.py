@@ -17,28 +17,11 @@ from dit_mcore.diffusion import timesteps as ts
 from dit_mcore.diffusion.ddpm import DDPMObjective, ddim, ddpm
 from dit_mcore.diffusion.edm import EDMObjective
 from dit_mcore.diffusion.flow import FlowObjective
-from dit_mcore.diffusion.guidance import guided, guided_parallel
+from dit_mcore.diffusion.guidance import bind_guidance
 from dit_mcore.diffusion.objective import ModelFn, Objective, compute_dtype
 
 SAMPLERS = {"flow": ("euler", "heun"), "edm": ("heun", "euler"), "ddpm": ("ddim", "ddpm")}
 """Samplers by objective name, the objective's default first."""
-
-
-def _with_labels(model_fn: ModelFn, cfg_scale: float, labels: Optional[torch.Tensor],
-                 null_label: Optional[int], text=None, cfg_group=None) -> ModelFn:
-    """Bind labels and text (and guidance) so the integrators only see ``fn(x, timestep, **cond)``;
-    ``cfg_group``: the two ranks of CFG-parallel (None: both halves in one call here)."""
-    if labels is None and text is None:
-        if cfg_scale != 1.0:
-            raise ValueError(f"cfg_scale={cfg_scale} needs labels (and null_label) or text; pass cfg_scale=1 "
-                             "for unconditional sampling")
-        return model_fn
-    if cfg_group is not None:
-        fn = guided_parallel(model_fn, cfg_scale, null_label, group=cfg_group, text=text is not None)
-    else:
-        fn = guided(model_fn, cfg_scale, null_label, text=text is not None)
-    per_sample = {} if text is None else {"text": text}
-    return lambda x, timestep, **cond: fn(x, timestep, labels=labels, **per_sample, **cond)
 
 
 def _solve(slope: Callable, x: torch.Tensor, times: list, heun: bool, *, defined_at_zero: bool) -> torch.Tensor:
@@ -64,7 +47,7 @@ def euler_flow(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective:
     ``shift`` defaults to the objective's training shift; ``text``: a ``TextContext`` of the
     samples' prompts for text models (guidance drops it to the null text); ``cfg_group``: CFG-parallel."""
     objective = objective or FlowObjective()
-    fn = _with_labels(model_fn, cfg_scale, labels, null_label, text, cfg_group)
+    fn = bind_guidance(model_fn, cfg_scale, labels, null_label, text, cfg_group)
     times = ts.flow_schedule(steps, objective.config.shift if shift is None else shift).tolist()
     x = noise.to(compute_dtype(noise))
     x = _solve(lambda x, t: objective.velocity(fn, x, t, **cond).to(x.dtype), x, times, heun, defined_at_zero=True)
@@ -85,7 +68,7 @@ def heun_edm(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: O
     sigmas = ts.karras_sigmas(steps, c.sigma_min if sigma_min is None else sigma_min,
                               c.sigma_max if sigma_max is None else sigma_max,
                               c.rho if rho is None else rho).tolist()
-    fn = _with_labels(model_fn, cfg_scale, labels, null_label, text, cfg_group)
+    fn = bind_guidance(model_fn, cfg_scale, labels, null_label, text, cfg_group)
 
     def slope(x: torch.Tensor, sigma: float) -> torch.Tensor:
         return ((x - objective.denoise(fn, x, sigma, **cond)) / sigma).to(x.dtype)
@@ -105,11 +88,7 @@ def sample(objective: Objective, model_fn: ModelFn, noise: torch.Tensor, steps: 
     if sampler not in names:
         raise ValueError(f"sampler {sampler!r} does not sample the {objective.name!r} objective; use one of {names}")
     if isinstance(objective, DDPMObjective):
-        guidance = {k: kwargs.pop(k) for k in ("cfg_scale", "labels", "null_label", "text", "cfg_group")
-                    if k in kwargs}
-        fn = _with_labels(model_fn, guidance.get("cfg_scale", 1.0), guidance.get("labels"),
-                          guidance.get("null_label"), guidance.get("text"), guidance.get("cfg_group"))
-        return (ddim if sampler == "ddim" else ddpm)(fn, noise, steps, objective=objective, **kwargs)
+        return (ddim if sampler == "ddim" else ddpm)(model_fn, noise, steps, objective=objective, **kwargs)
     heun = sampler == "heun"
     if isinstance(objective, FlowObjective):
         return euler_flow(model_fn, noise, steps, objective=objective, heun=heun, **kwargs)

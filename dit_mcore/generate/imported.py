@@ -9,15 +9,13 @@ parallel, save them as a dit_mcore checkpoint first.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
 
-from dit_mcore.config import ConfigError, preset as build_preset
+from dit_mcore.config import ConfigError
 from dit_mcore.training.config import DiffusionConfig, ModelConfig, RunConfig
 
 KINDS = ("diffusers", "facebookresearch")
@@ -55,28 +53,22 @@ class Imported:
         state = None
         try:
             if kind == "diffusers":
-                from dit_mcore.interop.diffusers_dit import _config_from_diffusers
-                config_file = path / "config.json"
-                if not config_file.is_file():
-                    raise ConfigError(f"--diffusers {path}: no config.json; give the transformer folder of a "
-                                      "DiT pipeline (its save_pretrained directory)")
-                config = _config_from_diffusers(json.loads(config_file.read_text()), str(path))
+                from dit_mcore.interop.diffusers_dit import diffusers_config
+                config = diffusers_config(str(path))
             elif kind == "facebookresearch":
-                from dit_mcore.interop.facebookresearch import _infer_shape_fields
+                from dit_mcore.interop.facebookresearch import facebookresearch_config
                 preset = preset or "DiT-XL/2"
                 state = _facebookresearch_state(path)
-                base = build_preset(preset, timestep_freq_shift=0.0)
-                config = build_preset(preset, timestep_freq_shift=0.0, **_infer_shape_fields(state, base))
+                config = facebookresearch_config(state, preset)
             else:
                 raise ConfigError(f"unknown weights format {kind!r}; use one of {KINDS}")
         except InteropError as e:
             raise ConfigError(f"--{kind} {path}: {e}") from None
         except ValueError as e:  # an unknown preset
             raise ConfigError(f"--preset {preset}: {e}") from None
-        model = ModelConfig(family="dit", preset=preset or "imported", **{
-            f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)
-            if f.name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "patch_size",
-                          "input_size", "in_channels", "num_classes", "learn_sigma")})
+        fields = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "patch_size", "input_size",
+                  "in_channels", "num_classes", "learn_sigma")
+        model = ModelConfig(family="dit", preset=preset or "imported", **{f: getattr(config, f) for f in fields})
         return cls(kind=kind, path=path, preset=preset, model_config=config, state=state,
                    run=RunConfig(model=model, diffusion=DiffusionConfig(**SAMPLING)))
 

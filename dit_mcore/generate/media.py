@@ -46,8 +46,9 @@ def slug(prompt: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    log.info(message)
+def log_once(message: str, level: int = logging.INFO) -> None:
+    """Log ``message`` the first time only (previews and generation repeat theirs every call)."""
+    log.log(level, message)
 
 
 def to_pixels(latents: torch.Tensor, decoder: Optional[Decoder] = None) -> torch.Tensor:
@@ -60,7 +61,7 @@ def to_pixels(latents: torch.Tensor, decoder: Optional[Decoder] = None) -> torch
     elif latents.shape[1] in (1, 3):
         pixels = latents
     else:
-        _log_once(f"no latent decoder for {latents.shape[1]}-channel latents; showing channel 0 in grey")
+        log_once(f"no latent decoder for {latents.shape[1]}-channel latents; showing channel 0 in grey")
         pixels = latents[:, :1]
     return pixels.clamp(-1, 1)
 

@@ -116,5 +116,6 @@ def dataset_text_encoder(data) -> Optional[TextEncode]:
             log.warning("cannot build the dataset's text encoder (%s)", exc)
             return None
     if data.name == "moving_digits":
-        return build_text_encoder("tiny_text").encode
+        from energon_data.datasets import moving_digits_text_encoder
+        return moving_digits_text_encoder().encode
     return None

@@ -139,14 +139,19 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
                        ".index.json shards, or diffusion_pytorch_model.bin)")
 
 
-def load_diffusers(path: str) -> DiT:
-    """Build our ``DiT`` from a diffusers ``DiTTransformer2DModel`` directory (local files only)."""
+def diffusers_config(path: str) -> DiTConfig:
+    """The architecture of a diffusers ``DiTTransformer2DModel`` directory, from its ``config.json``."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise InteropError(f"{config_file} not found; pass the directory written by save_pretrained "
                            "(for a pipeline, its `transformer` subfolder)")
     with open(config_file) as f:
-        cfg = _config_from_diffusers(json.load(f), path)
+        return _config_from_diffusers(json.load(f), path)
+
+
+def load_diffusers(path: str) -> DiT:
+    """Build our ``DiT`` from a diffusers ``DiTTransformer2DModel`` directory (local files only)."""
+    cfg = diffusers_config(path)
     weights = _read_weights(path)
     weights.pop("pos_embed.pos_embed", None)  # the fixed sin-cos table, if an old save kept it
     return build_and_load(cfg, diffusers_rules(cfg), weights, source=f"diffusers ({path})",

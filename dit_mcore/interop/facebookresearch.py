@@ -98,6 +98,16 @@ def _infer_shape_fields(state_dict: Mapping[str, torch.Tensor], base: DiTConfig)
     return dict(input_size=side * base.patch_size, learn_sigma=channel_options[rows])
 
 
+def facebookresearch_config(state_dict: Mapping[str, torch.Tensor], preset: str, **overrides) -> DiTConfig:
+    """The architecture of a facebookresearch/DiT state dict: ``preset`` with ``overrides``, its
+    ``input_size`` and ``learn_sigma`` inferred from the tensors (frequency shift 0, as the reference)."""
+    overrides = {"timestep_freq_shift": 0.0, **overrides}
+    base = build_preset(preset, **overrides)
+    cfg = build_preset(preset, **{**_infer_shape_fields(state_dict, base), **overrides})
+    _check_reference_architecture(cfg)
+    return cfg
+
+
 def load_facebookresearch(state_dict: Mapping[str, torch.Tensor], preset: str, **overrides) -> DiT:
     """Build our ``DiT`` from a facebookresearch/DiT state dict.
 
@@ -110,9 +120,7 @@ def load_facebookresearch(state_dict: Mapping[str, torch.Tensor], preset: str, *
         raise InteropError(f"state dict holds nested dicts {nested}: this looks like a training checkpoint; "
                            "pass one of them (usually checkpoint['ema']), not the whole file")
     overrides = {"timestep_freq_shift": 0.0, **overrides}
-    base = build_preset(preset, **overrides)
-    cfg = build_preset(preset, **{**_infer_shape_fields(state_dict, base), **overrides})
-    _check_reference_architecture(cfg)
+    cfg = facebookresearch_config(state_dict, preset, **overrides)
     h, side = cfg.hidden_size, cfg.input_size // cfg.patch_size
     pos_shape = torch.empty(1, side * side, h)
     model = build_and_load(cfg, facebookresearch_rules(cfg), state_dict, source="facebookresearch/DiT",

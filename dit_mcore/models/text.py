@@ -56,11 +56,17 @@ class TextContext:
     def num_samples(self) -> int:
         return len(self.lens)
 
+    def dropped(self) -> "TextContext":
+        """The same layout with every text dropped to the null text (the unconditional half)."""
+        return dataclasses.replace(self, keep=torch.zeros(self.num_samples, dtype=torch.bool,
+                                                          device=self.emb.device))
+
     def with_null(self) -> "TextContext":
-        """``2n`` samples: these, then the same layout with every text dropped (for one guided call)."""
+        """``2n`` samples: these, then :meth:`dropped` (for one guided call)."""
         keep = self.keep if self.keep is not None else torch.ones(self.num_samples, dtype=torch.bool,
                                                                   device=self.emb.device)
-        return TextContext(torch.cat([self.emb, self.emb]), self.lens * 2, torch.cat([keep, torch.zeros_like(keep)]))
+        return TextContext(torch.cat([self.emb, self.emb]), self.lens * 2,
+                           torch.cat([keep, self.dropped().keep]))
 
     def take(self, samples: Sequence[int]) -> "TextContext":
         """The text of ``samples`` (host indices, repeats allowed), in that order."""

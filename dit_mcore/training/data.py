@@ -8,7 +8,6 @@ exactly the same batches.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 
 import torch
 
@@ -16,14 +15,6 @@ from energon_data.batch import MicroBatch, cumsum0
 from energon_data.config import ConfigError, DataConfig
 from energon_data.packing import round_up
 from energon_data.tokens import patchify
-
-
-@functools.lru_cache(maxsize=1)
-def moving_digits_text_encoder():
-    """The text encoder of the built-in ``moving_digits`` captions (``tiny_text``: deterministic, 32
-    wide), built once per process for the data, the config check and the previews."""
-    from energon_data.encoders import build_text_encoder
-    return build_text_encoder("tiny_text")
 
 
 class _GlobalBatchCounter:
@@ -205,7 +196,7 @@ def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_siz
         images, labels = load_digits(size=data.image_size)
         return InMemoryImageLoader(images, labels, patch_size=model_config.patch_size, **common)
     if data.name == "moving_digits":
-        from energon_data.datasets import moving_digits
+        from energon_data.datasets import moving_digits, moving_digits_text_encoder
         videos = moving_digits(data.num_videos, frames=data.video_frames, size=data.image_size, seed=0,
                                max_speed=2)  # a fixed dataset, like the digits
         captions = sorted(set(videos.captions))  # 40 distinct ones: encode each once

@@ -12,7 +12,6 @@ otherwise as their first latent channel in grey (:func:`dit_mcore.generate.media
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from dit_mcore.config import ConfigError
 from dit_mcore.generate.items import make_items
-from dit_mcore.generate.media import save_gif, save_overview, slug, to_pixels
+from dit_mcore.generate.media import log_once, save_gif, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import latent_shape, sample_items
 
 log = logging.getLogger(__name__)
@@ -36,11 +35,6 @@ def preview_classes(num_classes: int, max_rows: int = MAX_ROWS) -> torch.Tensor:
     if num_classes <= max_rows:
         return torch.arange(num_classes)
     return torch.linspace(0, num_classes - 1, max_rows).round().long()
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str, level: int = logging.INFO) -> None:
-    log.log(level, message)
 
 
 def moving_digits_prompts() -> list[str]:
@@ -58,7 +52,7 @@ def draw_preview(ema_model, model_config, family, objective, cfg, step: int, out
     the PNG."""
     classes = preview_classes(model_config.num_classes)
     if len(classes) < model_config.num_classes:
-        _log_once(f"preview: {model_config.num_classes} classes; rows show classes {classes.tolist()}")
+        log_once(f"preview: {model_config.num_classes} classes; rows show classes {classes.tolist()}")
     per_class = cfg.log.samples_per_class
     items = make_items(labels=classes.tolist(), num_per_prompt=per_class)
     try:
@@ -66,7 +60,7 @@ def draw_preview(ema_model, model_config, family, objective, cfg, step: int, out
                                shape=latent_shape(model_config), seed=seed, steps=cfg.diffusion.sample_steps,
                                cfg_scale=cfg.diffusion.cfg_scale, device=device)
     except ConfigError as e:  # e.g. guidance without a null class: the run trains on, without previews
-        _log_once(f"previews skipped: {e}", logging.WARNING)
+        log_once(f"previews skipped: {e}", logging.WARNING)
         return None
     if not write:
         return None
@@ -91,7 +85,7 @@ def draw_text_preview(ema_model, model_config, family, objective, cfg, step: int
                              shape=shape, seed=seed, steps=cfg.diffusion.sample_steps,
                              cfg_scale=cfg.diffusion.cfg_scale, encode=encode, device=device)
     except ConfigError as e:
-        _log_once(f"previews skipped: {e}", logging.WARNING)
+        log_once(f"previews skipped: {e}", logging.WARNING)
         return None
     if not write:
         return None

@@ -27,7 +27,7 @@ from dit_mcore.models.te_fp8 import FORMATS as TE_FP8_FORMATS, RECIPES as TE_FP8
 from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
-from dit_mcore.training.data import moving_digits_text_encoder
+from energon_data.datasets import moving_digits_text_encoder
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
 from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
