@@ -6,6 +6,7 @@ adaLN-Zero model fresh from init would predict zeros under any layout). Layouts 
 one after another inside one spawn; the one-process references run in the pytest process.
 """
 import json
+import math
 from dataclasses import replace as dataclasses_replace
 
 import pytest
@@ -91,6 +92,9 @@ LAYOUTS_2 = {
     "xattn_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
     "ddpm_cfg2": {"cfg_parallel": 2},
     "diffusers_cfg2": {"cfg_parallel": 2},
+    "dit_pf2_sync": {"pipefusion": 2, "pipefusion_warmup_steps": STEPS},
+    "dit_pf2": {"pipefusion": 2},
+    "xattn_pf2x4": {"pipefusion": 2, "pipefusion_patches": 4},
 }
 LAYOUTS_4 = {
     "dit_cfg2_cp2_a2a": {"cfg_parallel": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -98,25 +102,60 @@ LAYOUTS_4 = {
     "dit_cp4_usp": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]},
     "xattn_tp2_cfg2": {"tensor_model_parallel_size": 2, "cfg_parallel": 2},
     "ddpm_items4": {},
+    "dit_pf2_cfg2": {"pipefusion": 2, "cfg_parallel": 2},
+    "xattn_pf2_tp2": {"pipefusion": 2, "tensor_model_parallel_size": 2},
 }
+
+
+def _displaced(layout: dict) -> bool:
+    """Whether a layout runs PipeFusion with fewer warm-up steps than steps (not the one-process latents)."""
+    p = GenerateParallel(**layout)
+    return p.patches() > 1 and p.pipefusion_warmup_steps < STEPS
+
+
+def _psnr(got: torch.Tensor, want: torch.Tensor) -> float:
+    mse = ((got - want) ** 2).mean().item()
+    return 10 * math.log10((want.max() - want.min()).item() ** 2 / max(mse, 1e-30))
+
+
+def _check_displaced(checkpoints, tmp_path, name, layout, got, want) -> None:
+    """PipeFusion after its warm-up: equal to the patches run displaced on one process (so the stages,
+    sends and coroutines change nothing), and within a measured distance of the one-process latents
+    (3 steps of a random model: each step changes the latents far more than a trained sampler's)."""
+    p = GenerateParallel(**layout)
+    out = tmp_path / f"{name}_one_stage"
+    generate(_request(checkpoints[name.split("_")[0]], out, name),
+             GenerateParallel(pipefusion_patches=p.patches(), pipefusion_warmup_steps=p.pipefusion_warmup_steps))
+    one_stage = torch.load(out / "latents.pt")
+    rel = ((got - one_stage).norm() / one_stage.norm()).item()
+    assert rel <= 1e-5, f"{name}: relative error {rel:.2e} against the same patches on one process"
+    psnr = _psnr(got, want)
+    print(f"{name}: PSNR {psnr:.1f} dB against one process ({STEPS} steps, warm-up {p.pipefusion_warmup_steps}, "
+          f"{p.patches()} patches)")
+    assert 20 < psnr < 100, f"{name}: PSNR {psnr:.1f} dB against one process"
 
 
 @pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["world2", "world4"])
 def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_path, world, layouts):
     """CFG-parallel, data parallel over items, sequence parallel (ring, Ulysses, USP), tensor and
-    pipeline parallel and their products: the one-process latents within fp32 rounding, item for item
+    pipeline parallel, PipeFusion synchronised over every step, and their products: the one-process
+    latents within fp32 rounding, item for item
     (the 4-rank CFG x items case also with one item per batch: noise is per item, not per batch; so
-    is the DDPM sampler's fresh noise at every step, with the items shared over 4 ranks)."""
+    is the DDPM sampler's fresh noise at every step, with the items shared over 4 ranks). PipeFusion
+    with one warm-up step: :func:`_check_displaced`."""
     cases = [(checkpoints[name.split("_")[0]], tmp_path / name, name, {"batch_size": 1} if name.endswith("bs1") else {},
               layout) for name, layout in layouts.items()]
     run_distributed(_run_cases, world, cases)
     references = {}
-    for _, out, name, _, _ in cases:
+    for _, out, name, _, layout in cases:
         family = name.split("_")[0]
         if family not in references:
             references[family] = _reference(checkpoints, tmp_path, family)
         got, want = torch.load(out / "latents.pt"), references[family]
         assert got.shape == want.shape
+        if _displaced(layout):
+            _check_displaced(checkpoints, tmp_path, name, layout, got, want)
+            continue
         rel = ((got - want).norm() / want.norm()).item()
         assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"
         index = json.loads((out / "index.json").read_text())
@@ -162,6 +201,16 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
                                       "parallel.expert_model_parallel_size=2"], capsys)
     assert "--steps 1001" in _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--steps", "1001",
                                      "--out", out], capsys)
+    line = _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.pipefusion_patches=3"], capsys)
+    assert "16 tokens" in line and "pipefusion_patches=3" in line
+    line = _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--sampler", "ddpm", "--out", out,
+                   "parallel.pipefusion_patches=2"], capsys)
+    assert "--sampler ddim" in line
+    assert "not supported yet" in _error(["--checkpoint", dit, "--labels", "1", "--out", out,
+                                          "parallel.pipefusion_patches=2", "parallel.context_parallel_size=2"], capsys)
+    assert "set parallel.pipefusion only" in _error(["--checkpoint", dit, "--labels", "1", "--out", out,
+                                                     "parallel.pipefusion=2", "parallel.pipeline_model_parallel_size=4"],
+                                                    capsys)
     assert "unconditional" in _error(["--checkpoint", checkpoints["uncond"], "--labels", "1", "--out", out], capsys)
     from dit_mcore.training import checkpoint as ckpt
     load_common = ckpt.load_common

@@ -74,7 +74,8 @@ class Imported:
 
     def check_layout(self, parallel) -> None:
         split = {name: getattr(parallel, name) for name in ("tensor_model_parallel_size", "context_parallel_size",
-                                                             "pipeline_model_parallel_size", "expert_model_parallel_size")
+                                                             "pipeline_model_parallel_size", "expert_model_parallel_size",
+                                                             "pipefusion")
                  if getattr(parallel, name) > 1}
         if split:
             raise ConfigError(f"--{self.kind}: imported weights generate whole on every rank (CFG-parallel and items "

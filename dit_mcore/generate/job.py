@@ -26,6 +26,7 @@ from dit_mcore.generate.grid import to_uint8
 from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
 from dit_mcore.generate.imported import Imported
 from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
+from dit_mcore.generate.pipefusion import PipeFusion
 from dit_mcore.generate.media import dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.models.registry import get_family
@@ -218,6 +219,10 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
                     "channel 0 in grey", model_config.in_channels, run.data.path or "is built in and")
     world = world_size or _world_size()
     check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
+    parallel = parallel.staged()
+    if parallel.patches() > 1 and sampler == "ddpm":
+        raise ConfigError("--sampler ddpm with parallel.pipefusion: DDPM draws its fresh noise per whole latent and "
+                          "PipeFusion samples patch by patch; use --sampler ddim")
     on_gpu = torch.cuda.is_available()
     dtype_name = r.dtype or ("bf16" if on_gpu and run.trainer.bf16 else "fp32")
     if dtype_name not in ("fp32", "bf16"):
@@ -235,7 +240,9 @@ def layout_name(p: GenerateParallel, world_size: int) -> str:
         parts.append(f"tp{p.tensor_model_parallel_size}" + ("+sp" if p.sequence_parallel else ""))
     if p.context_parallel_size > 1:
         parts.append(f"cp{p.context_parallel_size}({p.cp_comm_type})")
-    if p.pipeline_model_parallel_size > 1:
+    if p.patches() > 1:
+        parts.append(f"pipefusion{p.pipefusion}x{p.patches()}(warmup {p.pipefusion_warmup_steps})")
+    elif p.pipeline_model_parallel_size > 1:
         vpp = p.virtual_pipeline_model_parallel_size
         parts.append(f"pp{p.pipeline_model_parallel_size}" + (f"x{vpp}" if vpp else ""))
     if p.cfg_parallel > 1:
@@ -321,12 +328,18 @@ def run_plan(p: Plan) -> dict:
         bar.update(1)
         return out_
 
+    pipefusion = None
+    if p.parallel.patches() > 1:
+        per_step = _evaluations(p.sampler, objective.name, p.steps) / p.steps
+        pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(),
+                                warmup=round(p.parallel.pipefusion_warmup_steps * per_step),
+                                on_evaluation=lambda: bar.update(1))
     index, overview, latent_rows, start = [], [], [], time.perf_counter()
     for batch in mine:
         began = time.perf_counter()
         latents = sample_items(counted, model_config, objective, batch, shape=p.shape, seed=r.seed, steps=p.steps,
                                cfg_scale=p.cfg_scale, sampler=p.sampler, encode=encode, device=device,
-                               cfg_group=groups.cfg_group)
+                               cfg_group=groups.cfg_group, pipefusion=pipefusion)
         seconds = (time.perf_counter() - began) / len(batch)
         if not groups.writes:
             continue

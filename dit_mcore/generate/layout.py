@@ -3,12 +3,16 @@ checked by the same layout check) plus what sampling adds, over ``world = items 
 
 - ``parallel.cfg_parallel=2``: the conditional and unconditional halves of classifier-free guidance
   on two ranks, which exchange their predictions each step (one all-gather of the latent's size).
+- ``parallel.pipefusion=N`` (``pipefusion_patches=M``, ``pipefusion_warmup_steps=W``): PipeFusion,
+  the layers in N pipeline stages and each item's tokens in M patches streaming through them
+  (:mod:`dit_mcore.generate.pipefusion`); its stages are megatron's pipeline stages.
 - Data parallel over items: whatever is left of megatron's data-parallel ranks shares the items out
   (each rank its contiguous block, :func:`dit_mcore.generate.items.share`).
 
 megatron's data-parallel group spans ``items x cfg``; its consecutive pairs are the CFG groups.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,8 +24,6 @@ from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.layout import check_layout
 from energon_data.config import DataConfig
 
-SAMPLING_FIELDS = ("cfg_parallel",)
-
 
 @dataclass
 class GenerateParallel(ParallelConfig):
@@ -29,6 +31,23 @@ class GenerateParallel(ParallelConfig):
 
     cfg_parallel: int = 1
     """1: both halves of guidance in one batched call; 2: one half per rank (CFG-parallel)."""
+
+    pipefusion: int = 1
+    """PipeFusion's pipeline stages N (1: off, unless ``pipefusion_patches`` > 1 on one stage)."""
+    pipefusion_patches: int = 0
+    """PipeFusion's patches M per item (0: as many as stages)."""
+    pipefusion_warmup_steps: int = 1
+    """Sampler steps run synchronously on the whole item before the patches run displaced."""
+
+    def patches(self) -> int:
+        """Patches per item under PipeFusion (1: PipeFusion is off)."""
+        return self.pipefusion_patches or self.pipefusion
+
+    def staged(self) -> "GenerateParallel":
+        """The megatron layout: PipeFusion's stages are megatron's pipeline stages."""
+        if self.pipefusion > 1:
+            return dataclasses.replace(self, pipeline_model_parallel_size=self.pipefusion)
+        return self
 
     def items_parallel_size(self, world_size: int) -> int:
         """Ranks that share the items out: the data-parallel ranks over the CFG pairs."""
@@ -51,6 +70,8 @@ def check_generation_layout(p: GenerateParallel, model_config, world_size: int, 
     if p.fsdp != "none" or p.overlap_grad_reduce or p.overlap_param_gather or p.tp_comm_overlap:
         raise ConfigError("parallel.fsdp / overlap_grad_reduce / overlap_param_gather / tp_comm_overlap are "
                           "training settings; generation layouts use TP, CP, PP, cfg_parallel and data parallel")
+    _check_pipefusion(p, model_config)
+    p = p.staged()
     dp = p.data_parallel_size(world_size)
     if dp % p.cfg_parallel:
         raise ConfigError(f"world size {world_size} leaves {dp} data-parallel ranks after TP x CP x PP = "
@@ -69,6 +90,32 @@ def check_generation_layout(p: GenerateParallel, model_config, world_size: int, 
         raise ConfigError(f"an item of {'x'.join(map(str, shape[1:]))} latents has {tokens} tokens, not a multiple "
                           f"of the {shards} ranks the sequence is split over (context_parallel_size x TP under "
                           "sequence_parallel); change --height/--width/--frames or the layout")
+    if tokens % p.patches():
+        raise ConfigError(f"parallel.pipefusion_patches={p.patches()}: an item of {'x'.join(map(str, shape[1:]))} "
+                          f"latents has {tokens} tokens, which do not split into {p.patches()} equal patches; "
+                          "choose a divisor of the token count")
+
+
+def _check_pipefusion(p: GenerateParallel, model_config) -> None:
+    if p.pipefusion < 1 or p.pipefusion_patches < 0 or p.pipefusion_warmup_steps < 1:
+        raise ConfigError(f"parallel.pipefusion={p.pipefusion}, pipefusion_patches={p.pipefusion_patches}, "
+                          f"pipefusion_warmup_steps={p.pipefusion_warmup_steps}: stages and warm-up steps must be "
+                          ">= 1 and patches >= 0 (0: one per stage)")
+    if p.patches() == 1:
+        return
+    pp = p.pipeline_model_parallel_size
+    if pp > 1 and pp != p.pipefusion:
+        raise ConfigError(f"parallel.pipefusion={p.pipefusion} with pipeline_model_parallel_size={pp}: PipeFusion's "
+                          "stages are the pipeline; set parallel.pipefusion only")
+    if p.virtual_pipeline_model_parallel_size:
+        raise ConfigError("parallel.pipefusion runs one chunk per stage; unset virtual_pipeline_model_parallel_size")
+    if p.context_parallel_size > 1 or p.sequence_parallel:
+        raise ConfigError("parallel.pipefusion with context_parallel_size > 1 or sequence_parallel is not supported "
+                          "yet (each sequence rank would need the whole stream's keys and values); combine "
+                          "PipeFusion with cfg_parallel, tensor parallel and items instead")
+    if getattr(model_config, "spatial_temporal", False):
+        raise ConfigError("parallel.pipefusion: the ST-DiT's spatial and temporal attention are not displaced yet; "
+                          "use sequence parallel (context_parallel_size) for ST-DiT models")
 
 
 @dataclass

@@ -86,15 +86,23 @@ def check_guidance(model_config, cfg_scale: float) -> None:
 @torch.no_grad()
 def sample_items(model_fn, model_config, objective, items: Sequence[Item], *, shape: Sequence[int], seed: int,
                  steps: int, cfg_scale: float, sampler: Optional[str] = None, encode: Optional[TextEncode] = None,
-                 device=None, cfg_group=None) -> torch.Tensor:
+                 device=None, cfg_group=None, pipefusion=None) -> torch.Tensor:
     """Latents ``[len(items), *shape]`` for ``items``: each one's noise from ``(seed, item.index)``, the
     objective's ``sampler`` (None: its default) over ``steps``, guided with ``cfg_scale`` (split over
-    the two ranks of ``cfg_group`` when given). ``model_fn``: the family's ``image_model_fn``."""
+    the two ranks of ``cfg_group`` when given). ``model_fn``: the family's ``image_model_fn``;
+    ``pipefusion``: a :class:`~dit_mcore.generate.pipefusion.PipeFusion`, which runs the sampler patch by
+    patch through its pipeline instead (``model_fn`` unused)."""
     check_guidance(model_config, cfg_scale)
     cond = conditioning(items, model_config, encode, device)
     noise = item_noise(items, seed, shape, device)
     if objective.name == "ddpm":  # stochastic samplers: each row's fresh noise from its own item too
         cond["noise_seed"] = [item_seed(seed, it.index) ^ _SAMPLER_NOISE for it in items]
+    if pipefusion is not None:
+        if "noise_seed" in cond and sampler == "ddpm":
+            raise ConfigError("--sampler ddpm draws its fresh noise per whole latent; PipeFusion runs it per "
+                              "patch, so use --sampler ddim")
+        return pipefusion.sample(lambda fn, x: sample(objective, fn, x, steps=steps, sampler=sampler,
+                                                      cfg_scale=cfg_scale, cfg_group=cfg_group, **cond), noise)
     return sample(objective, model_fn, noise, steps=steps, sampler=sampler, cfg_scale=cfg_scale,
                   cfg_group=cfg_group, **cond)
 

@@ -69,6 +69,8 @@ class KernelsCoreAttention(MegatronModule):
     """
 
     st_kind: Optional[str] = None
+    displaced = None
+    """``(DisplacedKV, layer index)`` while PipeFusion samples (:mod:`dit_mcore.models.displaced_attention`)."""
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
@@ -96,6 +98,9 @@ class KernelsCoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DiT attention takes no mask or bias: sample boundaries come from "
                              "packed_seq_params.cu_seqlens_q/kv")
+        if self.displaced is not None:
+            buffer, layer = self.displaced
+            return buffer.attend(self, layer, query, key, value)
         # A packed pattern is host ints that change with every micro-batch: traced, each new packing
         # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
         # limit and ran at a third of its speed); communication breaks a graph too. In a compiled

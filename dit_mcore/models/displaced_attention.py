@@ -1,0 +1,66 @@
+"""Displaced patch attention (PipeFusion, Wang et al. 2024, arXiv 2405.14430): self-attention of one
+patch of the token stream against keys and values of the whole stream, in which the other patches'
+entries are the newest this layer computed, i.e. from the current diffusion step for the patches
+before this one and from the previous step for those after it.
+
+A :class:`DisplacedKV` holds, for each self-attention layer it is installed on, the keys and values
+of the whole stream. With ``patch`` unset the layer sees the whole stream: it attends as usual and
+(re)fills its buffer, which is how the synchronous warm-up steps run. With ``patch=(start, end)``
+the layer sees only those tokens: their fresh keys and values overwrite that slice of the buffer,
+and the patch's queries attend to the whole buffer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class DisplacedKV:
+    """Whole-stream keys and values of the self-attention layers of one model chunk."""
+
+    def __init__(self):
+        self.patch: Optional[tuple[int, int]] = None
+        """``[start, end)`` of the tokens the layers see now; None: the whole stream."""
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def install(self, chunk: nn.Module) -> int:
+        """Route every self-attention of ``chunk`` through this buffer; returns how many. Only the
+        kernels' core attention (``model.backend=local``) can be displaced; cross-attention to the
+        text is unchanged (every patch attends to all of it anyway)."""
+        from dit_mcore.models.core_attention import KernelsCoreAttention
+        layers = [m for m in chunk.modules()
+                  if isinstance(m, KernelsCoreAttention) and not m.cross and m.st_kind is None]
+        for i, module in enumerate(layers):
+            module.displaced = (self, i)
+        return len(layers)
+
+    @staticmethod
+    def remove(chunk: nn.Module) -> None:
+        from dit_mcore.models.core_attention import KernelsCoreAttention
+        for module in chunk.modules():
+            if isinstance(module, KernelsCoreAttention):
+                module.displaced = None
+
+    def reset(self) -> None:
+        """Forget every buffer (a new batch of items)."""
+        self._kv.clear()
+        self.patch = None
+
+    def attend(self, attention, layer: int, query, key, value):
+        """``attention``'s output for ``query`` (``[s, b, h, d]``), against this layer's buffer."""
+        if self.patch is None:
+            self._kv[layer] = (key.clone(), value.clone())
+            return attention._attend(query, key, value, None)
+        if layer not in self._kv:
+            raise RuntimeError("displaced attention before the buffer was filled: run at least one "
+                               "whole-stream (warm-up) call first")
+        keys, values = self._kv[layer]
+        start, end = self.patch
+        if keys.shape[1] != key.shape[1] or end - start != key.shape[0]:
+            raise RuntimeError(f"patch [{start}, {end}) of {key.shape[1]} rows does not fit the buffer "
+                               f"{tuple(keys.shape[:2])}")
+        keys[start:end] = key
+        values[start:end] = value
+        return attention._attend(query, keys, values, None)
