@@ -1,6 +1,7 @@
 """PipeFusion's displaced patch attention (``dit_mcore.models.displaced_attention``) against its
 definition in float64: a patch's queries attend to the keys and values of the whole stream, fresh
 for the patches already run in this step and for itself, one step stale for the patches after it."""
+import pytest
 import torch
 
 from dit_mcore.models.displaced_attention import DisplacedKV
@@ -29,9 +30,5 @@ def test_a_patch_sees_fresh_keys_before_it_and_the_previous_steps_after_it():
     torch.testing.assert_close(got, dense._attend(q1[4:], k1, v1, None), rtol=1e-12, atol=1e-12)
     kv.reset()
     kv.patch = (0, 4)
-    try:
+    with pytest.raises(RuntimeError, match="warm-up"):
         kv.attend(dense, 0, q1[:4], k1[:4], v1[:4])
-    except RuntimeError as e:
-        assert "warm-up" in str(e)
-    else:
-        raise AssertionError("a patch before any whole-stream call must be refused")

@@ -104,7 +104,19 @@ LAYOUTS_4 = {
     "ddpm_items4": {},
     "dit_pf2_cfg2": {"pipefusion": 2, "cfg_parallel": 2},
     "xattn_pf2_tp2": {"pipefusion": 2, "tensor_model_parallel_size": 2},
+    "dit_pf4x2": {"pipefusion": 4, "pipefusion_patches": 2},  # middle stages; fewer patches than stages
 }
+
+
+def test_pipefusion_warms_up_whole_steps_of_every_sampler():
+    """Warm-up steps in network evaluations: one per Euler/DDIM step, two per Heun step, and EDM's Heun
+    makes no second call on its last step."""
+    from dit_mcore.generate.pipefusion import warmup_evaluations
+    assert warmup_evaluations(steps=3, evaluations=3, warmup_steps=2) == 2  # Euler, DDIM
+    assert warmup_evaluations(steps=3, evaluations=6, warmup_steps=2) == 4  # flow's Heun
+    assert warmup_evaluations(steps=3, evaluations=5, warmup_steps=2) == 4  # EDM's Heun
+    assert warmup_evaluations(steps=3, evaluations=5, warmup_steps=3) == 5
+    assert warmup_evaluations(steps=1, evaluations=1, warmup_steps=1) == 1
 
 
 def _displaced(layout: dict) -> bool:
@@ -202,7 +214,13 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
     assert "--steps 1001" in _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--steps", "1001",
                                      "--out", out], capsys)
     line = _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.pipefusion_patches=3"], capsys)
-    assert "16 tokens" in line and "pipefusion_patches=3" in line
+    assert "16 tokens" in line and "3 patches" in line
+    assert "plain pipeline" in _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.pipefusion=2",
+                                       "parallel.pipefusion_patches=1"], capsys)
+    assert "one chunk per stage" in _error(["--checkpoint", dit, "--labels", "1", "--out", out, "parallel.pipefusion=2",
+                                            "parallel.virtual_pipeline_model_parallel_size=2"], capsys)
+    assert "pipefusion_patches=2" in _error(["--diffusers", checkpoints["diffusers"], "--labels", "1", "--out", out,
+                                             "parallel.pipefusion_patches=2"], capsys)
     line = _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--sampler", "ddpm", "--out", out,
                    "parallel.pipefusion_patches=2"], capsys)
     assert "--sampler ddim" in line

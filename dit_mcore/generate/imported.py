@@ -74,9 +74,10 @@ class Imported:
 
     def check_layout(self, parallel) -> None:
         split = {name: getattr(parallel, name) for name in ("tensor_model_parallel_size", "context_parallel_size",
-                                                             "pipeline_model_parallel_size", "expert_model_parallel_size",
-                                                             "pipefusion")
+                                                             "pipeline_model_parallel_size", "expert_model_parallel_size")
                  if getattr(parallel, name) > 1}
+        if parallel.patches() > 1:
+            split["pipefusion_patches"] = parallel.patches()
         if split:
             raise ConfigError(f"--{self.kind}: imported weights generate whole on every rank (CFG-parallel and items "
                               f"over ranks), not with {', '.join(f'parallel.{k}={v}' for k, v in split.items())}; "

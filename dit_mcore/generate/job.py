@@ -26,7 +26,7 @@ from dit_mcore.generate.grid import to_uint8
 from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
 from dit_mcore.generate.imported import Imported
 from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
-from dit_mcore.generate.pipefusion import PipeFusion
+from dit_mcore.generate.pipefusion import PipeFusion, warmup_evaluations
 from dit_mcore.generate.media import dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.models.registry import get_family
@@ -330,9 +330,9 @@ def run_plan(p: Plan) -> dict:
 
     pipefusion = None
     if p.parallel.patches() > 1:
-        per_step = _evaluations(p.sampler, objective.name, p.steps) / p.steps
-        pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(),
-                                warmup=round(p.parallel.pipefusion_warmup_steps * per_step),
+        warmup = warmup_evaluations(p.steps, _evaluations(p.sampler, objective.name, p.steps),
+                                    p.parallel.pipefusion_warmup_steps)
+        pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), warmup=warmup,
                                 on_evaluation=lambda: bar.update(1))
     index, overview, latent_rows, start = [], [], [], time.perf_counter()
     for batch in mine:

@@ -91,7 +91,8 @@ def check_generation_layout(p: GenerateParallel, model_config, world_size: int, 
                           f"of the {shards} ranks the sequence is split over (context_parallel_size x TP under "
                           "sequence_parallel); change --height/--width/--frames or the layout")
     if tokens % p.patches():
-        raise ConfigError(f"parallel.pipefusion_patches={p.patches()}: an item of {'x'.join(map(str, shape[1:]))} "
+        raise ConfigError(f"PipeFusion's {p.patches()} patches (parallel.pipefusion_patches; 0: one per stage of "
+                          f"parallel.pipefusion): an item of {'x'.join(map(str, shape[1:]))} "
                           f"latents has {tokens} tokens, which do not split into {p.patches()} equal patches; "
                           "choose a divisor of the token count")
 
@@ -101,6 +102,9 @@ def _check_pipefusion(p: GenerateParallel, model_config) -> None:
         raise ConfigError(f"parallel.pipefusion={p.pipefusion}, pipefusion_patches={p.pipefusion_patches}, "
                           f"pipefusion_warmup_steps={p.pipefusion_warmup_steps}: stages and warm-up steps must be "
                           ">= 1 and patches >= 0 (0: one per stage)")
+    if p.pipefusion > 1 and p.patches() == 1:
+        raise ConfigError(f"parallel.pipefusion={p.pipefusion} with pipefusion_patches=1: one patch is a plain "
+                          "pipeline; use pipeline_model_parallel_size, or 2+ patches (0: one per stage)")
     if p.patches() == 1:
         return
     pp = p.pipeline_model_parallel_size

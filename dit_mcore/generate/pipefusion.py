@@ -21,14 +21,18 @@ unit's timesteps and conditioning, and the first stage ends with the latents.
 
 With ``warmup`` covering every evaluation the result is the one-process sampler's; with fewer
 warm-up steps it differs by the staleness the method accepts (measured in
-``tests/test_pipefusion.py`` and ``benchmarks/generate_speed.py``).
+``tests/test_generate.py`` and ``benchmarks/generate_speed.py``).
+
+Messages. A non-last stage posts the receive of a unit's prediction right after it sends the unit's
+activations, so every pair of stages sees its sends and receives in one order (NCCL runs a pair's
+messages in issue order on one stream; gloo does not care).
 """
 from __future__ import annotations
 
 import contextlib
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -57,11 +61,12 @@ class _Stopped(BaseException):
 
 
 class _PatchRun:
-    """One patch's sampler, run in a thread that takes turns with the driver: :meth:`next` hands it
-    the reply to its last network call and blocks until it makes the next call (returned as
-    ``("call", (x, timestep, labels, text))``) or finishes (``("done", tokens)``)."""
+    """One patch's sampler, run in a thread that takes turns with the driver: :meth:`reply` hands it
+    the prediction for its last network call and blocks until it makes the next call (then
+    ``request`` is ``(x, timestep, labels, text)``) or finishes (then ``result`` holds its tokens)."""
 
     def __init__(self, run: Callable[[Callable], torch.Tensor]):
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._inbox: queue.Queue = queue.Queue(1)
         self._outbox: queue.Queue = queue.Queue(1)
         self._thread = threading.Thread(target=self._main, args=(run,), daemon=True)
@@ -70,6 +75,8 @@ class _PatchRun:
 
     def _main(self, run) -> None:
         try:
+            if self._device is not None:  # (the current device is per thread)
+                torch.cuda.set_device(self._device)
             with torch.no_grad():
                 self._outbox.put(("done", run(self._call)))
         except _Stopped:
@@ -104,10 +111,29 @@ class _PatchRun:
             self._thread.join()
 
 
+@dataclass
+class _Call:
+    """What one :meth:`PipeFusion.sample` call tracks."""
+
+    grid: tuple
+    total: int
+    bounds: list
+    stream: Optional[torch.Tensor] = None
+    """The network input of the whole stream, patch by patch the newest (the model embeds one patch)."""
+    units: list = field(default_factory=list)
+    """Per unit: its patch (None: the whole stream)."""
+    uses: dict = field(default_factory=dict)
+    """Per unit whose prediction is here or on its way: the patches still to read it."""
+    predictions: dict = field(default_factory=dict)
+    """Per unit: its prediction, or (non-last stages) ``(work, buffer)`` of its receive."""
+    sends: list = field(default_factory=list)
+    """``(unit, work)`` of sends not yet known to be received."""
+
+
 class PipeFusion:
     """The displaced patch pipeline of this rank's stage (``chunks``: its one model chunk).
-    ``patches``: M; ``warmup``: synchronous evaluations before the patches run displaced;
-    ``on_evaluation``: called once per network evaluation (a progress bar)."""
+    ``patches``: M; ``warmup``: synchronous network evaluations before the patches run displaced
+    (:func:`warmup_evaluations`); ``on_evaluation``: called once per evaluation (a progress bar)."""
 
     def __init__(self, chunks, config, *, patches: int, warmup: int, on_evaluation: Callable = lambda: None):
         if len(chunks) != 1:
@@ -124,33 +150,35 @@ class PipeFusion:
         self.stage = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.first, self.last = self.stage == 0, self.stage == len(self.ranks) - 1
         self.dtype = next(self.chunk.parameters()).dtype
+        self._call: Optional[_Call] = None
 
     def sample(self, run: Callable[[Callable, torch.Tensor], torch.Tensor], noise: torch.Tensor) -> torch.Tensor:
         """``run(model_fn, noise)``: one sampler call, e.g. ``sample(objective, model_fn, noise, ...)``
         with ``model_fn(x, timestep, labels=None, text=None)`` on tokens; ``noise``: latents
         ``[N, C, (T,) H, W]``. Returns the latents the sampler ends with, patch by patch."""
-        tokens, self.grid = patchify(noise, self.config.patch_size, self.config.patch_size_t)
+        tokens, grid = patchify(noise, self.config.patch_size, self.config.patch_size_t)
         total = tokens.shape[1]
         if total % self.patches:
             raise ValueError(f"{total} tokens do not split into {self.patches} equal patches")
-        self.total, size = total, total // self.patches
-        self.bounds = [(j * size, (j + 1) * size) for j in range(self.patches)]
-        runs = [_PatchRun(lambda fn, x=tokens[:, a:b]: run(fn, x)) for a, b in self.bounds]
-        self.kv.reset()
-        self._sends, self._outputs, self._uses, self._outputs_seen = [], {}, {}, []
-        self._units: list[tuple] = []  # per unit: (patch or None for the whole stream, batch, device)
+        size = total // self.patches
+        self._call = _Call(grid=grid, total=total, bounds=[(j * size, (j + 1) * size) for j in range(self.patches)])
+        runs = [_PatchRun(lambda fn, x=tokens[:, a:b]: run(fn, x)) for a, b in self._call.bounds]
+        finished = False
         try:
             for r in runs:
                 r.start()
             self._drive(runs)
+            finished = True
         finally:
             for r in runs:
                 r.stop()
-            for work in self._sends:
-                work.wait()
+            if finished:  # (after a failure the peers may never receive: do not wait for them)
+                self._settle(len(self._call.units))
+            self.kv.reset()
+            self._call = None
         out = torch.cat([r.result for r in runs], dim=1)
-        return unpatchify(out, self.grid, self.config.in_channels, self.config.patch_size,
-                          self.config.patch_size_t, squeeze_time=noise.dim() == 4)
+        return unpatchify(out, grid, self.config.in_channels, self.config.patch_size, self.config.patch_size_t,
+                          squeeze_time=noise.dim() == 4)
 
     # -- the schedule ---------------------------------------------------------------------------
 
@@ -190,14 +218,15 @@ class PipeFusion:
 
     def _unit(self, patch: Optional[int], requests: list) -> int:
         """Run this stage's part of one unit (``patch`` None: the whole stream); returns its index."""
+        call = self._call
         x = torch.cat([req[0] for req in requests], dim=1)  # [n, the unit's tokens, D]
         _, timestep, labels, text = requests[0]
         if patch is None:
-            self._stream, shard, self.kv.patch = x, TokenShard(), None
-            rows = self.total
+            call.stream, shard, self.kv.patch = x, TokenShard(), None
+            rows = call.total
         else:  # the model takes the whole stream and embeds only the patch's tokens
-            start, end = self.bounds[patch]
-            self._stream[:, start:end] = x
+            start, end = call.bounds[patch]
+            call.stream[:, start:end] = x
             shard, self.kv.patch = PatchShard(size=self.patches, index=patch), (start, end)
             rows = end - start
         if not self.first:
@@ -205,44 +234,56 @@ class PipeFusion:
             dist.recv(hidden, src=self.ranks[self.stage - 1], tag=_ACTIVATION)
             self.chunk.set_input_tensor(hidden)
         with _shard(self.chunk, shard):
-            out = self.chunk(to_model_layout(self._stream).to(self.dtype), timestep, labels, grid=self.grid,
+            out = self.chunk(to_model_layout(call.stream).to(self.dtype), timestep, labels, grid=call.grid,
                              context=text)
-        unit = len(self._units)
-        self._units.append((patch, x.shape[0], x.device))
-        self._uses[unit] = self.patches if patch is None else 1
+        unit = len(call.units)
+        call.units.append(patch)
+        call.uses[unit] = self.patches if patch is None else 1
         if not self.last:
-            self._send(out, self.ranks[self.stage + 1], _ACTIVATION)
+            self._send(unit, out, self.ranks[self.stage + 1], _ACTIVATION)
+            pred = torch.empty((x.shape[0], rows, self.config.patch_dim), dtype=self.dtype, device=x.device)
+            call.predictions[unit] = (dist.irecv(pred, src=self.ranks[-1], tag=_PREDICTION), pred)
         else:
             pred = prediction(out, self.config).contiguous()
-            self._outputs[unit] = pred
+            call.predictions[unit] = pred
             for rank in self.ranks[:-1]:
-                self._send(pred, rank, _PREDICTION)
+                self._send(unit, pred, rank, _PREDICTION)
+            self._settle(unit - 2 * self.patches)  # every stage has read these long since
         return unit
 
     def _prediction(self, unit: int, patch: int) -> torch.Tensor:
-        """Patch ``patch``'s part of unit ``unit``'s prediction (the other stages receive the last
-        stage's predictions in unit order)."""
-        while unit not in self._outputs:
-            received = len(self._outputs_seen)
-            whole, n, device = self._units[received]
-            rows = self.total if whole is None else self.total // self.patches
-            pred = torch.empty((n, rows, self.config.patch_dim), dtype=self.dtype, device=device)
-            dist.recv(pred, src=self.ranks[-1], tag=_PREDICTION)
-            self._outputs[received] = pred
-            self._outputs_seen.append(received)
-        pred = self._outputs[unit]
-        self._uses[unit] -= 1
-        if not self._uses[unit]:
-            del self._outputs[unit]
-        if self._units[unit][0] is None:
-            start, end = self.bounds[patch]
+        """Patch ``patch``'s part of unit ``unit``'s prediction."""
+        call = self._call
+        pred = call.predictions[unit]
+        if isinstance(pred, tuple):  # its receive, posted with the unit's send
+            work, pred = pred
+            work.wait()
+            call.predictions[unit] = pred
+            self._settle(unit + 1)  # the last stage has computed it: the unit's activations arrived
+        call.uses[unit] -= 1
+        if not call.uses[unit]:
+            del call.predictions[unit], call.uses[unit]
+        if call.units[unit] is None:
+            start, end = call.bounds[patch]
             return pred[:, start:end]
         return pred
 
-    def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
-        self._sends.append(dist.isend(tensor.contiguous(), dst=rank, tag=tag))
-        while len(self._sends) > 4 * self.patches * len(self.ranks):
-            self._sends.pop(0).wait()
+    def _send(self, unit: int, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        self._call.sends.append((unit, dist.isend(tensor.contiguous(), dst=rank, tag=tag)))
+
+    def _settle(self, before: int) -> None:
+        """Complete (and free the buffers of) the sends of units before ``before``."""
+        sends = self._call.sends
+        while sends and sends[0][0] < before:
+            sends.pop(0)[1].wait()
+
+
+def warmup_evaluations(steps: int, evaluations: int, warmup_steps: int) -> int:
+    """Network evaluations in the first ``warmup_steps`` of a sampler making ``evaluations`` calls over
+    ``steps`` steps: one per step (Euler, DDIM), two (Heun), and EDM's Heun skips the last step's
+    second call (``2 * steps - 1``)."""
+    per_step = -(-evaluations // steps)
+    return min(warmup_steps * per_step, evaluations)
 
 
 @contextlib.contextmanager

@@ -26,22 +26,14 @@ class DisplacedKV:
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def install(self, chunk: nn.Module) -> int:
-        """Route every self-attention of ``chunk`` through this buffer; returns how many. Only the
-        kernels' core attention (``model.backend=local``) can be displaced; cross-attention to the
-        text is unchanged (every patch attends to all of it anyway)."""
+        """Route every self-attention of ``chunk`` through this buffer; returns how many.
+        Cross-attention to the text is unchanged (every patch attends to all of it anyway)."""
         from dit_mcore.models.core_attention import KernelsCoreAttention
         layers = [m for m in chunk.modules()
                   if isinstance(m, KernelsCoreAttention) and not m.cross and m.st_kind is None]
         for i, module in enumerate(layers):
             module.displaced = (self, i)
         return len(layers)
-
-    @staticmethod
-    def remove(chunk: nn.Module) -> None:
-        from dit_mcore.models.core_attention import KernelsCoreAttention
-        for module in chunk.modules():
-            if isinstance(module, KernelsCoreAttention):
-                module.displaced = None
 
     def reset(self) -> None:
         """Forget every buffer (a new batch of items)."""
