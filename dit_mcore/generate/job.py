@@ -26,7 +26,7 @@ from dit_mcore.generate.grid import to_uint8
 from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
 from dit_mcore.generate.imported import Imported
 from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
-from dit_mcore.generate.pipefusion import PipeFusion, warmup_evaluations
+from dit_mcore.generate.pipefusion import PipeFusion, check_sampler, warmup_evaluations
 from dit_mcore.generate.media import dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.models.registry import get_family
@@ -220,9 +220,8 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     world = world_size or _world_size()
     check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
     parallel = parallel.staged()
-    if parallel.patches() > 1 and sampler == "ddpm":
-        raise ConfigError("--sampler ddpm with parallel.pipefusion: DDPM draws its fresh noise per whole latent and "
-                          "PipeFusion samples patch by patch; use --sampler ddim")
+    if parallel.patches() > 1:
+        check_sampler(sampler)
     on_gpu = torch.cuda.is_available()
     dtype_name = r.dtype or ("bf16" if on_gpu and run.trainer.bf16 else "fp32")
     if dtype_name not in ("fp32", "bf16"):

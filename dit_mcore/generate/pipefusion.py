@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from dit_mcore.config import ConfigError
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.displaced_attention import DisplacedKV
 from dit_mcore.parallel.token_shard import TokenShard
@@ -276,6 +277,14 @@ class PipeFusion:
         sends = self._call.sends
         while sends and sends[0][0] < before:
             sends.pop(0)[1].wait()
+
+
+def check_sampler(sampler: Optional[str]) -> None:
+    """PipeFusion runs one copy of the sampler per patch: refuse a sampler whose fresh noise is drawn
+    per whole latent (each patch would draw the same)."""
+    if sampler == "ddpm":
+        raise ConfigError("--sampler ddpm with parallel.pipefusion: DDPM draws its fresh noise per whole latent and "
+                          "PipeFusion samples patch by patch; use --sampler ddim")
 
 
 def warmup_evaluations(steps: int, evaluations: int, warmup_steps: int) -> int:

@@ -17,6 +17,7 @@ import torch
 from dit_mcore.config import ConfigError
 from dit_mcore.diffusion import sample
 from dit_mcore.generate.items import Item, item_noise, item_seed
+from dit_mcore.generate.pipefusion import check_sampler
 from dit_mcore.models.text import TextContext
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,7 @@ def sample_items(model_fn, model_config, objective, items: Sequence[Item], *, sh
     if objective.name == "ddpm":  # stochastic samplers: each row's fresh noise from its own item too
         cond["noise_seed"] = [item_seed(seed, it.index) ^ _SAMPLER_NOISE for it in items]
     if pipefusion is not None:
-        if "noise_seed" in cond and sampler == "ddpm":
-            raise ConfigError("--sampler ddpm draws its fresh noise per whole latent; PipeFusion runs it per "
-                              "patch, so use --sampler ddim")
+        check_sampler(sampler)
         return pipefusion.sample(lambda fn, x: sample(objective, fn, x, steps=steps, sampler=sampler,
                                                       cfg_scale=cfg_scale, cfg_group=cfg_group, **cond), noise)
     return sample(objective, model_fn, noise, steps=steps, sampler=sampler, cfg_scale=cfg_scale,
