@@ -57,12 +57,19 @@ _GROUPS: list = []
 def group_key(group) -> int:
     """A constant naming ``group`` for the operator: the same for every layer on the same group, so
     the layers share one compiled graph. Call it outside compiled code (when a layer is built). The
-    registry only grows (by the process groups a process makes, a handful)."""
+    registry only grows (by the process groups a process makes, a handful); :func:`release_groups`
+    empties its entries when the groups are destroyed."""
     for key, known in enumerate(_GROUPS):
         if known is group:
             return key
     _GROUPS.append(group)
     return len(_GROUPS) - 1
+
+
+def release_groups() -> None:
+    """Forget every registered group (they are being destroyed), so none outlives its layout. The keys
+    stay taken: a graph compiled for a released group never runs on a group registered later."""
+    _GROUPS[:] = [None] * len(_GROUPS)
 
 
 def plan(segments: Segments) -> torch.Tensor:

@@ -5,6 +5,7 @@ pytest process so assertions run there (a failed assertion in a child would only
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -24,6 +25,7 @@ def free_port() -> int:
 def _worker(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    faulthandler.enable()  # a rank that crashes in native code prints where (the parent sees only a signal)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -33,6 +35,11 @@ def _worker(rank, world_size, port, fn, args, out_dir):
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def thread_count() -> int:
+    """This process's threads (Linux): gloo runs a few for every process group alive."""
+    return len(os.listdir("/proc/self/task"))
 
 
 def run_distributed(fn, world_size: int, *args):

@@ -30,6 +30,7 @@ are batches of short independent sequences.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -66,14 +67,24 @@ class STPattern:
     """Two-level mesh (``model.st_attention="mesh"``): the group whose ranks hold blocks of each
     frame's positions (``cp_group`` is then the frames' outer group)."""
 
+    @functools.cached_property
+    def geometry(self) -> STPattern:
+        """This pattern without its groups: all the cached plans below depend on (caches keyed on the
+        groups would keep them, and gloo's threads for each, alive after their layout is gone)."""
+        return dataclasses.replace(self, cp_group=None, inner_group=None)
+
     def layout(self) -> STLayout:
         """The kernels' resident layout of a dense row on this rank (context parallel only)."""
         return STLayout(grid=self.grids[0], group=self.cp_group, sharded="T", inner_group=self.inner_group)
 
 
-@functools.lru_cache(maxsize=64)
 def spatial_segments(pattern: STPattern) -> Segments:
     """One segment per frame of every sample."""
+    return _spatial_segments(pattern.geometry)
+
+
+@functools.lru_cache(maxsize=64)
+def _spatial_segments(pattern: STPattern) -> Segments:
     bounds = [(a + f * s, a + (f + 1) * s) for a, (t, s) in zip(pattern.starts, pattern.grids) for f in range(t)]
     starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
     return Segments(starts, ends, starts, ends)
@@ -95,7 +106,7 @@ def _temporal_plan(pattern: STPattern, device: str) -> tuple[torch.Tensor, torch
 
 def temporal_plan(pattern: STPattern, device) -> tuple[torch.Tensor, torch.Tensor, Segments]:
     """``(order, inverse, segments)`` of the temporal attention of ``pattern`` on ``device``."""
-    return _temporal_plan(pattern, str(device))
+    return _temporal_plan(pattern.geometry, str(device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,7 +155,7 @@ def st_plans(pattern: STPattern, device) -> Optional[STPlans]:
     parallel (None for dense video under CP, whose frame/position switches are traced as functional
     all-to-alls). Call it once per micro-batch, outside compiled code, and pass it to every layer."""
     if pattern.query_range is not None:
-        order, sort, unsort, segments = _gathered_temporal_plan(pattern, str(device))
+        order, sort, unsort, segments = _gathered_temporal_plan(pattern.geometry, str(device))
         return STPlans(plan(spatial_segments(pattern)), plan(segments), sort, order, unsort, group_key(pattern.cp_group))
     if pattern.cp_group is not None:
         return None
@@ -174,7 +185,7 @@ def _gathered(q, k, v, kind: str, pattern: STPattern, softmax_scale=None, backen
     if kind == "spatial":  # frames are contiguous ranges of the stream: the kernels' all-gather CP
         return all_gather_attention(q, k, v, group=pattern.cp_group, segments=spatial_segments(pattern),
                                     softmax_scale=scale, backend=backend)[0]
-    order, sort, unsort, segments = _gathered_temporal_plan(pattern, str(q.device))
+    order, sort, unsort, segments = _gathered_temporal_plan(pattern.geometry, str(q.device))
     k, v = (gather_along(x, 1, pattern.cp_group).index_select(1, order) for x in (k, v))
     out = segment_attention(q.index_select(1, sort), k, v, segments=segments, softmax_scale=scale,
                             backend=backend, return_lse=False)

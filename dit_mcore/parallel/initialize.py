@@ -86,6 +86,16 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
              parallel_state.get_data_parallel_world_size())
 
 
+_AT_RELEASE: list = []
+
+
+def at_release(fn) -> None:
+    """Call ``fn()`` in :func:`release_model_parallel_groups`, before the groups are destroyed: for state
+    a module below the trainer keeps that would otherwise hold the groups (see Megatron-FSDP's hooks)."""
+    if fn not in _AT_RELEASE:
+        _AT_RELEASE.append(fn)
+
+
 def release_model_parallel_groups() -> None:
     """Drop megatron's model-parallel state and destroy every process group but the world's.
 
@@ -98,22 +108,42 @@ def release_model_parallel_groups() -> None:
     DTensor's sharding caches go too: they key on ``DeviceMesh``es, which compare equal when they span
     the same ranks whatever groups they wrap, so the next FSDP model (either kind) would get output
     specs on the old model's meshes, whose groups are gone. So do the state that keeps groups for the
-    process's life: TE's userbuffers (bootstrapped over the TP group; the next trainer makes new ones)
-    and megatron's MoE logging tracker (each entry holds its reduce group)."""
+    process's life: TE's userbuffers (bootstrapped over the TP group; the next trainer makes new ones),
+    megatron's MoE logging tracker (each entry holds its reduce group), the packed attention
+    operator's group registry, and what modules registered with :func:`at_release`."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _forget_megatron_groups()
     if dist.is_initialized():
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
         from torch.distributed import distributed_c10d as c10d
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         from dit_mcore.parallel.tp_comm_overlap import release_userbuffers
+        from kernels.planned_attention import release_groups
         release_userbuffers()
+        release_groups()
+        for fn in _AT_RELEASE:
+            fn()
         get_moe_layer_wise_logging_tracker().clear()
         _clear_sharding_prop_cache()  # the python LRU and the C++ fast path's cache
         for group in list(c10d._world.pg_map):
             if group is not c10d.GroupMember.WORLD:
                 dist.destroy_process_group(group)
+
+
+def _forget_megatron_groups() -> None:
+    """megatron 0.16's ``destroy_model_parallel`` leaves some groups in its module (the hierarchical
+    context-parallel groups, the partial data-parallel groups with CP): drop every module-level group
+    or list of groups it still holds."""
+    def holds_groups(value) -> bool:
+        if isinstance(value, (list, tuple)):
+            return bool(value) and all(holds_groups(v) for v in value)
+        return isinstance(value, dist.ProcessGroup)
+
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and name.isupper() and holds_groups(value):
+            setattr(parallel_state, name, None)
 
 
 def run_device() -> torch.device:

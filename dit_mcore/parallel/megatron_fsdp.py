@@ -12,12 +12,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from dit_mcore.parallel.fsdp import fsdp_groups
-from dit_mcore.parallel.initialize import run_device
+from dit_mcore.parallel.initialize import at_release, run_device
+
+_WRAPPED: weakref.WeakSet = weakref.WeakSet()
+"""The Megatron-FSDP modules this process made (see :func:`release_hooks`)."""
+
+
+def release_hooks() -> None:
+    """Remove the hooks of every Megatron-FSDP module this process made. Its gradient hooks sit on the
+    parameters, where Python's collector cannot follow them (a tensor shared with C++ is not traversed),
+    and close over the module, so a finished model would live, with its process groups (gloo: threads
+    per group), as long as the process. Runs when the groups are destroyed; the modules are dead after."""
+    for fsdp in list(_WRAPPED):
+        for hooks in (fsdp.forward_pre_hooks, fsdp.forward_hooks, fsdp.backward_pre_hooks, fsdp.grad_acc_hooks):
+            for handle in hooks.values():
+                handle.remove()
+            hooks.clear()
+        root = getattr(fsdp, "_root_pre_backward_hook_handle", None)
+        if root is not None:
+            root.remove()
+    _WRAPPED.clear()
+
+
+at_release(release_hooks)
 
 
 class _NoTELinear:
@@ -45,6 +68,7 @@ def shard_module(module: torch.nn.Module, config, ddp_config):
         wrapper = mcore_fsdp_adapter.FullyShardedDataParallel(config, ddp_config, module,
                                                               fsdp_unit_modules=[TransformerLayer], device=device)
     module.__dict__["_megatron_fsdp"] = wrapper.module  # found by fsdp.publish_weights / forward_view
+    _WRAPPED.add(wrapper.module)
     return wrapper
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -39,6 +40,13 @@ class DataParallel(DistributedDataParallel):
                      "inside the GEMM" if self.wgrad_accumulates_in_gemm else "after the product (no in-place "
                      "mixed-dtype addmm on this device)")
         self._flag_fused_wgrads()
+
+    def _make_backward_post_hook(self, param):
+        # megatron's hook closes over ``self`` and is kept by the parameter's gradient accumulator, a C++
+        # node that this wrapper's ``grad_accs`` holds: a cycle through C++ that Python's collector cannot
+        # see, so a finished run's model, optimizer and process groups (gloo: threads) would live as long
+        # as the process. The hook reaches the wrapper through a weak proxy instead.
+        return DistributedDataParallel._make_backward_post_hook(weakref.proxy(self), param)
 
     def _flag_fused_wgrads(self) -> None:
         for param in self.wgrad_fused_params:
