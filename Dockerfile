@@ -21,6 +21,6 @@ COPY . .
 # are the image's too, so the [gpu] extra is not installed.
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
  && pip install --constraint /tmp/torch-constraint.txt -e ".[encoders]" \
- && python -c "import torch, dit_mcore, energon_data, kernels, recipes.entry; print('torch', torch.__version__)"
+ && python -c "import torch, dit_mcore, energon_data, dit_mcore.kernels, dit_mcore.recipes.entry; print('torch', torch.__version__)"
 
 # No ENTRYPOINT/CMD of our own: the base image's entrypoint stays, and the command is the user's.

@@ -11,7 +11,10 @@ setup(
     version="0.1.0",
     description="Scalable training backend for Diffusion Transformers on megatron-core",
     python_requires=">=3.10",
-    packages=find_packages(include=["dit_mcore*", "energon_data*", "kernels*", "recipes*"]),
+    # kernels/ and recipes/ install as dit_mcore.kernels and dit_mcore.recipes: bare top-level names
+    # `kernels` and `recipes` would clash with PyPI packages of those names (Hugging Face's `kernels`).
+    packages=find_packages(include=["dit_mcore*", "energon_data*"]) + ["dit_mcore.kernels", "dit_mcore.recipes"],
+    package_dir={"dit_mcore.kernels": "kernels", "dit_mcore.recipes": "recipes"},
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",

@@ -1,5 +1,5 @@
 """Forward+backward time of the DiT MLP's tanh-GELU under ``torch.compile``: ours
-(``dit_mcore.config.gelu_tanh``, written as ``x * sigmoid(2z)`` when traced) against torch's
+(``dit_mcore.models.dit.config.gelu_tanh``, written as ``x * sigmoid(2z)`` when traced) against torch's
 ``F.gelu(x, approximate="tanh")``, on a ``[tokens, 4 x hidden]`` activation (DiT-XL/2's fc1 output).
 
 Both compute the same function; Inductor lowers torch's ``tanh`` to libdevice's accurate tanh and our
@@ -28,7 +28,7 @@ from kernel_profile import sync_device  # noqa: E402  (benchmarks/ is the script
 from results_io import device_name, write_result  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dit_mcore.config import gelu_tanh  # noqa: E402
+from dit_mcore.models.dit.config import gelu_tanh  # noqa: E402
 
 
 def torch_gelu_tanh(x: torch.Tensor) -> torch.Tensor:

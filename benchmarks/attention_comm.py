@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import (CP_METHODS, STLayout, build_hybrid_groups, context_parallel_attention,  # noqa: E402
+from dit_mcore.kernels import (CP_METHODS, STLayout, build_hybrid_groups, context_parallel_attention,  # noqa: E402
                      count_comm, make_st_mesh, spatial_attention, st_attention)
 
 ST_METHODS = ("st_dsp", "st_dsp_overlap", "st_qkv_spatial", "st_mesh")

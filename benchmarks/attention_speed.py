@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import Segments, segment_attention  # noqa: E402
-from kernels.attention_kernels import resolve_backend  # noqa: E402
+from dit_mcore.kernels import Segments, segment_attention  # noqa: E402
+from dit_mcore.kernels.attention_kernels import resolve_backend  # noqa: E402
 
 DENSE = {"1k": (1, 1024), "2k": (2, 1024), "2k_long": (1, 2048)}
 """(batch, sequence length) per dense case."""

@@ -19,7 +19,7 @@ def layer_graph_breaks(preset_name: str = "DiT-S/2", tokens: int = 256, samples:
     ``initialize_distributed``)."""
     import torch._dynamo
 
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.models import build_model
     from dit_mcore.models.layer_stack import _quiet_default_tp_group
     from dit_mcore.models.modulation import Conditioning

@@ -268,7 +268,7 @@ def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     torch.compiler.reset()
     torch.manual_seed(0)
     ours, theirs = build_pair(preset_name, torch.device("cpu"), torch.bfloat16)
-    variant = {"aten_linears": False} if which == "ours_megatron_linears" else {}
+    variant = {"aten_linears": True} if which == "ours" else {}  # the opt-in aten linears; else megatron's
     if fp8_recipe(which):
         variant = {"float8_recipe": fp8_recipe(which)}
     if variant:

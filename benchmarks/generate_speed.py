@@ -97,7 +97,7 @@ def _measure(case: Case) -> dict:
     from dit_mcore.parallel.initialize import initialize_distributed
     from dit_mcore.parallel.pipeline import PipelinedForward
     from dit_mcore.training.config import ModelConfig
-    from kernels.comm_counter import count_comm
+    from dit_mcore.kernels.comm_counter import count_comm
 
     parallel = GenerateParallel(**case.layout).staged()
     initialize_distributed(parallel, seed=0)

@@ -43,7 +43,7 @@
 #           (11 bytes per parameter: bf16 buffers, moments and the weights' int16 remainders; the EMA offloaded) at
 #           batch 2 against batch 1 (2 micro-batches per step): does a second sample per micro-batch fit on 80 GB,
 #           and what the host gains from it (the grads phase times the split step alone: 33 vs 29 B/param)
-#   step    the trainer's step as it stands (~7 min): the fused-AdamW resume and the pipelined-step tests on
+#   step    the trainer's step as it stands (~7 min): the fused-AdamW resume and the device-decided step tests on
 #           CUDA; DiT-XL/2 compiled at batch 128 (device- vs host-decided step, `--step auto,host`) and 256
 #           (separate processes), the 3B packed point at batch 2, each profiled (host syncs, event waits and
 #           device busy per step: the first measure of the device-decided step at compiled points)
@@ -156,7 +156,7 @@ case "$phase" in
     work=/tmp/gpu_step; mkdir -p "$work"
     timeout 60 python3 -m pytest -q -p no:cacheprovider \
       tests/test_gpu_training.py::test_a_distributed_optimizer_checkpoint_resumes_on_the_gpu \
-      tests/test_gpu_training.py::test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once 2>&1 \
+      tests/test_gpu_training.py::test_steps_decided_on_the_gpu_equal_steps_decided_on_the_host 2>&1 \
       | tee "$out/tests.txt" | tail -n 5 || true
     for b in 128 256; do  # batch 128: the device-decided step against the host-decided one, same process
       step=$([ $b = 128 ] && echo auto,host || echo auto)
@@ -233,11 +233,11 @@ case "$phase" in
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py -k "wgrad" 2>&1 \
       | tee "$out/tests.txt" | tail -n 5 || true
     timeout 330 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 $B3 --accumulation 2 --wgrad-fusion 1,0 --compile 1 --dtype bf16 --profile \
+      --packed-lens 8192 $B3 --accumulation 2 --aten-linears 1 --wgrad-fusion 1,0 --compile 1 --dtype bf16 --profile \
       --warmup 3 --steps 4 --out "$work/throughput_3b_wgrad_fusion.jsonl" 2>&1 | grep -v -i warn \
       | tee "$out/3b.txt" | tail -n 40 || true
     timeout 150 python3 benchmarks/throughput.py --presets DiT-XL/2 --image-sizes 32 --batches 128 --compile 1 \
-      --dtype bf16 --wgrad-fusion 1,0 --warmup 3 --steps 6 --out "$work/throughput_xl_wgrad_fusion.jsonl" 2>&1 \
+      --dtype bf16 --aten-linears 1 --wgrad-fusion 1,0 --warmup 3 --steps 6 --out "$work/throughput_xl_wgrad_fusion.jsonl" 2>&1 \
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   tuning)

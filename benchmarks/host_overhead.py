@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 def emulated_varlen_kernels():
     """On the CPU, inside the block: the varlen kernels the GPU runs for packed attention, as zero
     outputs of their shapes (the host's work around them stays: plans, packing views, the op)."""
-    from kernels import attention_kernels as ak
+    from dit_mcore.kernels import attention_kernels as ak
 
     def forward(q, k, v, vl, scale):
         return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)

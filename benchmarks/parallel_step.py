@@ -125,7 +125,7 @@ def _route_megatron_collectives_through_torch_distributed() -> None:
 
 def measure(rank: int, world: int, run_dir: str, warmup: int, steps: int) -> dict:
     from dit_mcore.training.trainer import Trainer
-    from kernels.comm_counter import count_comm
+    from dit_mcore.kernels.comm_counter import count_comm
     _route_megatron_collectives_through_torch_distributed()
     results = {}
     for name, parallel in LAYOUTS[world].items():

@@ -232,9 +232,9 @@ def child(argv) -> int:
                 logged = {"loss": logged["loss"] * float("nan")}
             return loss_sum, count, logged
         Trainer._loss = poisoned
-    from recipes.entry import train
-    from recipes.launch import main
-    import recipes.pretrain_xl  # noqa: F401  (registers the factories)
+    from dit_mcore.recipes.entry import train
+    from dit_mcore.recipes.launch import main
+    import dit_mcore.recipes.pretrain_xl  # noqa: F401  (registers the factories)
     return main(train)
 
 

@@ -5,7 +5,7 @@ A point is one (preset, data shape, micro-batch, recompute, compile, precision, 
 ``Trainer`` on ``data.name=mock`` (dense image latents of ``--image-sizes``, or packed video-like
 sequences of ``--packed-lens`` tokens), warmed up, then timed over ``--steps`` optimizer steps
 (each step already ends on the host: the logged loss). FLOPs come from the trainer's own count
-(``dit_mcore.training.flops``). ``--autotune`` replaces each point's batch by the largest that
+(``dit_mcore.models.flops``). ``--autotune`` replaces each point's batch by the largest that
 fits (doubling, then bisecting on out-of-memory). ``--diffusers`` adds diffusers'
 ``DiTTransformer2DModel`` side by side for dense points (``benchmarks/train_step.py``'s pair: same
 weights, batch, precision), with the ratio.
@@ -90,7 +90,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
     """Build the trainer for ``point`` and time ``steps`` steps after ``warmup`` (then, with
     ``profile``, profile three more: ``kernel_profile.profile_steps``; with ``host_profile``, the
     host's functions over three more: ``kernel_profile.host_profile_steps``)."""
-    from dit_mcore.training.flops import peak_tflops
+    from dit_mcore.models.flops import peak_tflops
     from dit_mcore.training.trainer import Trainer
 
     if point["compile"]:  # each point compiles afresh: another batch size in the same process would
@@ -107,7 +107,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         graphs, retries = compiled_graphs(), alloc_retries()
         start = time.perf_counter()
         with host_phases(trainer) as host:
-            history = trainer.train_steps(steps)  # as fit runs them: step k read while step k+1 runs
+            history = trainer.train_steps(steps)  # as fit runs them
         if cuda:  # the last read is before the last update: count that update too
             torch.cuda.synchronize()
         trainer.ema.wait()  # and a host fold still running (trainer.ema_offload)
@@ -175,7 +175,7 @@ def host_phases(trainer):
     from energon_data.batch import MicroBatch
     from dit_mcore.training import trainer as trainer_module
     from dit_mcore.training.host_fold import HostFold
-    from kernels.host_copy import HostRead
+    from dit_mcore.kernels.host_copy import HostRead
     total = dict.fromkeys(HOST_PHASES, 0.0)
 
     def timed(name, method):
@@ -259,8 +259,8 @@ def variant(point: dict) -> str:
     parts = [f"adam={point['adam']}" if point.get("adam", "auto") != "auto" else "",
              f"attention={point['attention']}" if point.get("attention") else "",
              f"step={point['step']}" if point.get("step", "auto") != "auto" else "",
-             "" if point.get("aten_linears", True) else "megatron linears",
-             "" if point.get("wgrad_fusion", True) else "wgrad via DDP hook",
+             "aten linears" if point.get("aten_linears", False) else "",
+             "wgrad in GEMM" if point.get("wgrad_fusion", False) else "",
              f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
              f"ema_every={point['ema_every']}" if point.get("ema_every", 1) != 1 else "",
              "EMA offloaded" if point.get("ema_offload") else "",
@@ -366,10 +366,11 @@ def main(argv=None) -> list[dict]:
                    "separated by ';', each 'none' or comma-separated Inductor options, e.g. "
                    "'none;triton.multi_kernel=1;coordinate_descent_tuning=True' (values of torch's type; reductions also generated persistent, "
                    "the faster picked on the device; block sizes tuned on the device)")
-    p.add_argument("--aten-linears", default="1", help="model.aten_linears: any of 1,0 (0: megatron's linear "
-                   "autograd function, to measure the aten linears against)")
-    p.add_argument("--wgrad-fusion", default="1", help="model.fuse_wgrad_accumulation: any of 1,0 (0: megatron "
-                   "DDP's hook adds each weight gradient into main_grad, to measure the fused accumulation against)")
+    p.add_argument("--aten-linears", default="0", help="model.aten_linears (experimental): any of 0,1 (0, the "
+                   "default: megatron's linear autograd function; 1: the aten linears, to measure against it)")
+    p.add_argument("--wgrad-fusion", default="0", help="model.fuse_wgrad_accumulation (experimental, with "
+                   "--aten-linears 1): any of 0,1 (0, the default: megatron DDP's hook adds each weight gradient "
+                   "into main_grad; 1: the accumulation inside the GEMM, to measure against it)")
     p.add_argument("--attention", default="auto", help="model.attention_backend: e.g. auto,sdpa_flash")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

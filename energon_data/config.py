@@ -12,12 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from dit_mcore.errors import ConfigError
+
 BUILTIN_SOURCES = ("digits", "moving_digits", "mock")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix. Defined on the
-    lowest floor so data and model checks raise the same type (``dit_mcore.config`` re-exports it)."""
 
 
 @dataclass

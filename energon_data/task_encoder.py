@@ -21,7 +21,7 @@ import torch
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 
 from energon_data import shard_safety
-from energon_data.config import ConfigError
+from dit_mcore.errors import ConfigError
 from energon_data.batch import cumsum0
 from energon_data.packing import pack_lengths, round_up, shuffle_bins
 from energon_data.samples import EncodedSample, LatentBatch, LatentSample, PackedSample

@@ -6,7 +6,7 @@ from typing import Optional
 from dit_mcore.generate.job import GenerateRequest  # noqa: F401  (the generate task's sections)
 from dit_mcore.generate.layout import GenerateParallel  # noqa: F401
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig, RunConfig,
                                        TrainerConfig)

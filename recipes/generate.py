@@ -24,11 +24,11 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable w
 
 import nemo_run as run
 
-import recipes.executors  # noqa: F401  (registers run.executor=local|slurm)
+import dit_mcore.recipes.executors  # noqa: F401  (registers run.executor=local|slurm)
 from dit_mcore.generate.job import GenerateRequest
 from dit_mcore.generate.layout import GenerateParallel
-from recipes.entry import generate as generate_task
-from recipes.launch import main
+from dit_mcore.recipes.entry import generate as generate_task
+from dit_mcore.recipes.launch import main
 
 
 @run.cli.factory(target=generate_task)

@@ -77,7 +77,7 @@ class CheckedRunContext(run.cli.RunContext):
 def _check_override_names(fn: Callable, args) -> None:
     """A misspelt ``section.field=value`` fails with a did-you-mean instead of nemo-run's dump of
     the whole config."""
-    from dit_mcore.config import ConfigError
+    from dit_mcore.errors import ConfigError
     from dit_mcore.training.validate import config_sections, override_problem
     sections = config_sections(fn)
     problems = [p for p in (override_problem(a, sections) for a in args) if p]

@@ -23,12 +23,12 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable w
 
 import nemo_run as run
 
-import recipes.executors  # noqa: F401  (registers run.executor=local|slurm)
+import dit_mcore.recipes.executors  # noqa: F401  (registers run.executor=local|slurm)
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                        TrainerConfig)
-from recipes.entry import train
-from recipes.launch import main
+from dit_mcore.recipes.entry import train
+from dit_mcore.recipes.launch import main
 
 
 @run.cli.factory(target=train)

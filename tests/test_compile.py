@@ -26,7 +26,7 @@ def test_a_layer_recomputing_its_mlp_compiles_to_one_graph_keeps_less_and_comput
     gradients as the compiled layer without recompute, and fewer bytes saved for the backward (the
     MLP's hidden activations are recomputed, not kept)."""
     from megatron_env import single_process_world
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.models import build_model
     from dit_mcore.models.modulation import Conditioning
 
@@ -120,11 +120,11 @@ def test_a_compiled_layer_takes_a_new_packing_without_recompiling():
     import torch._dynamo
 
     from megatron_env import single_process_world
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.models import build_model
     from dit_mcore.models.core_attention import KernelsPackedSeqParams
     from dit_mcore.models.modulation import Conditioning
-    from kernels.local_attention import Segments
+    from dit_mcore.kernels.local_attention import Segments
 
     single_process_world()
     torch._dynamo.reset()
@@ -176,7 +176,7 @@ def test_compile_options_reach_every_layer_over_the_modes(monkeypatch):
     """``model.compile_options`` reach each layer's torch.compile as Inductor options, over the
     compile mode's own (torch.compile takes a mode or options, not both)."""
     from megatron_env import single_process_world
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.models import build_model
 
     single_process_world()
@@ -197,7 +197,7 @@ def test_compiled_gelu_is_the_sigmoid_form_of_the_same_function():
     torch's ``F.gelu(approximate="tanh")`` in float64; eager keeps torch's kernel."""
     import torch.nn.functional as F
 
-    from dit_mcore.config import gelu_tanh
+    from dit_mcore.models.dit.config import gelu_tanh
 
     graphs = []
 
@@ -237,7 +237,7 @@ def test_a_packed_text_layer_compiles_to_one_graph_and_trains_as_eager(tmp_path,
     torch._dynamo.utils.counters.clear()
     compiled = run("compiled", True)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, dict(torch._dynamo.utils.counters["graph_break"])
-    from kernels.planned_attention import _PLANS
+    from dit_mcore.kernels.planned_attention import _PLANS
     # each step forgets the step before's: the last step's (2 micro-batches, each a plan per attention pattern) and
     # the final preview's are kept, not all 3 steps'
     per_micro_batch = 2 if family == "llama" else 4  # packed self-attention and text; stdit adds frames and positions

@@ -2,7 +2,9 @@
 rule and the fix (the table below), and nothing is written."""
 import pytest
 
-from dit_mcore.config import ConfigError, preset
+from dit_mcore.errors import ConfigError
+
+from dit_mcore.models.dit.config import preset
 from dit_mcore.training.trainer import Trainer
 from dit_mcore.training.validate import config_sections, override_problem, run_problems, validate_run
 from test_training import tiny_run
@@ -106,7 +108,7 @@ def test_a_good_config_has_no_problems(tmp_path):
     ("--yes", None),
 ])
 def test_override_names_are_checked_with_a_did_you_mean(arg, expected):
-    from recipes.entry import train
+    from dit_mcore.recipes.entry import train
     problem = override_problem(arg, config_sections(train))
     assert (problem is None) if expected is None else (expected in problem), problem
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dit_mcore.config import preset
+from dit_mcore.models.dit.config import preset
 from dit_mcore.models import Conditioning, families, get_family
 from dit_mcore.training.config import ModelConfig
 from dit_mcore.generate.media import to_pixels

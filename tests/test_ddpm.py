@@ -87,7 +87,7 @@ def test_imported_diffusers_dit_samples_as_diffusers_dit_pipeline(tmp_path):
     noise, labels, steps and guidance: the same latents (the VAE is a stub that records them)."""
     from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 
-    from dit_mcore.interop import load_diffusers
+    from dit_mcore.models.dit.interop import load_diffusers
     from megatron_env import single_process_world
     from dit_mcore.models.adapter import image_model_fn
     from test_interop import _fill_random

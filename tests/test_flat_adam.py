@@ -165,10 +165,10 @@ def test_flat_resume_is_bit_identical_and_reads_a_fused_checkpoint(tmp_path, dis
 
 def test_a_step_skipped_on_the_device_changes_and_counts_nothing(tmp_path):
     """Clipped through the kernel's gradient scale, a non-finite step 2 skipped through its skip
-    flag, pipelined: the same losses, weights and EMA as torch's fused AdamW decided on the host, and
+    flag: the same losses, weights and EMA as torch's fused AdamW decided on the host, and
     every parameter's Adam step count says 4 updates, not 5."""
-    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, pipelined=False)
-    flat = _run_with_clipping_and_a_bad_step(tmp_path / "flat", on_device=True, pipelined=True, adam_impl="flat")
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False)
+    flat = _run_with_clipping_and_a_bad_step(tmp_path / "flat", on_device=True, adam_impl="flat")
     assert [h["skipped"] for h in flat[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and flat[3] == 4
     inner = _inners(flat[4])[0]
     assert isinstance(inner, FlatAdamW) and {float(s["step"]) for s in inner.state.values()} == {4.0}
@@ -269,10 +269,8 @@ def test_bf16_gradient_buffers_clip_alike_decided_on_the_host_or_the_device(tmp_
     """No main weight holds a gradient to scale when the flat step reads bf16 buffers, so megatron's
     host-decided clip goes through the kernel's gradient scale as the device-decided one does: every
     step clipped (clip 1e-3), the non-finite step skipped by both, the same losses, norms and weights."""
-    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, pipelined=False, adam_impl="flat",
-                                             grads="bf16")
-    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True, pipelined=False,
-                                               adam_impl="flat", grads="bf16")
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, adam_impl="flat", grads="bf16")
+    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True, adam_impl="flat", grads="bf16")
     assert isinstance(_inners(host[4])[0], FlatAdamW) and getattr(_inners(host[4])[0], "grad_scale", None) is None
     for run in (host, device):
         assert [h["skipped"] for h in run[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and run[3] == 4

@@ -7,9 +7,9 @@ the rest at 3x: ``counted = 3 * (forward - attention) + 3.5 * attention`` (model
 import pytest
 import torch
 
-from dit_mcore.config import preset
+from dit_mcore.models.dit.config import preset
 from dit_mcore.models import build_model
-from dit_mcore.training.flops import DiTFlops, dit_flops, peak_tflops
+from dit_mcore.models.flops import DiTFlops, dit_flops, peak_tflops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify
 from family_models import assert_flops_match, counted_flops

@@ -10,7 +10,9 @@ import torch
 
 pytest.importorskip("torchao")
 
-from dit_mcore.config import ConfigError, preset  # noqa: E402
+from dit_mcore.errors import ConfigError
+
+from dit_mcore.models.dit.config import preset  # noqa: E402
 from dit_mcore.models.dit.model import build_model  # noqa: E402
 from dit_mcore.models.float8 import float8_modules  # noqa: E402
 from dit_mcore.training.trainer import Trainer  # noqa: E402
@@ -129,7 +131,7 @@ def test_compiled_float8_layers_train_as_eager(tmp_path, monkeypatch):
     compiled = _fit(tmp_path / "compiled", 3, fp8="rowwise", compile=True)
     # Eager in the GELU's traced (sigmoid) form too: the same function, but float8's rounding of the
     # MLP's hidden activations would turn the forms' last-bit differences into loss differences.
-    monkeypatch.setattr("dit_mcore.config._sigmoid_form", lambda: True)
+    monkeypatch.setattr("dit_mcore.models.dit.config._sigmoid_form", lambda: True)
     torch.testing.assert_close(compiled, _fit(tmp_path / "eager", 3, fp8="rowwise"), rtol=rtol, atol=0)
 
 

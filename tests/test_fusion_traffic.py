@@ -13,7 +13,7 @@ pytest.importorskip("torchao")
 
 
 def test_fused_kernel_bytes_follow_the_layer_shapes_and_float8_adds_its_casts(tmp_path):
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
 
     result = fusion_traffic.main(["--preset", "DiT-S/8", "--size", "32", "--batches", "1,2",
                                   "--models", "ours,ours_fp8_tensorwise", "--out", str(tmp_path / "t.json")])

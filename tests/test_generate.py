@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.generate.job import GenerateRequest, generate, layout_from_overrides, plan
 from dit_mcore.generate.layout import GenerateParallel
 
@@ -280,7 +280,7 @@ def test_diffusers_weights_generate_as_the_imported_model_samples_with_ddim(chec
     from dit_mcore.diffusion import build_objective
     from dit_mcore.diffusion.samplers import sample
     from dit_mcore.generate.items import item_noise, make_items
-    from dit_mcore.interop import load_diffusers
+    from dit_mcore.models.dit.interop import load_diffusers
     from dit_mcore.models.adapter import image_model_fn
     request = _request(checkpoints["diffusers"], tmp_path / "d", "diffusers", steps=None, cfg_scale=None)
     p = plan(request, world_size=1)
@@ -300,12 +300,12 @@ def test_diffusers_weights_generate_as_the_imported_model_samples_with_ddim(chec
 def test_facebookresearch_weights_generate_as_the_imported_model_samples(tmp_path):
     """``--facebookresearch FILE --preset``: the state dict (a training checkpoint's ``ema`` too) loads
     through the interop and samples with DDIM (frequency shift 0, as the reference DiT)."""
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.diffusion import build_objective
     from dit_mcore.diffusion.samplers import sample
     from dit_mcore.generate.items import item_noise, make_items
-    from dit_mcore.interop import export_facebookresearch
-    from dit_mcore.interop.mapping import build_model, require_whole_model_world
+    from dit_mcore.models.dit.interop import export_facebookresearch
+    from dit_mcore.models.dit.interop.mapping import build_model, require_whole_model_world
     from dit_mcore.models.adapter import image_model_fn
     from test_interop import _fill_random
     require_whole_model_world()

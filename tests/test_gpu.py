@@ -5,9 +5,9 @@ import torch
 
 from attention_reference import reference_attention
 
-from kernels import Segments, attention_backward, attention_forward, segment_attention
-from kernels.attention_kernels import HAVE_FLASH_ATTN, cudnn_is_fastest, resolve_backend
-from kernels.ring import merge_attention
+from dit_mcore.kernels import Segments, attention_backward, attention_forward, segment_attention
+from dit_mcore.kernels.attention_kernels import HAVE_FLASH_ATTN, cudnn_is_fastest, resolve_backend
+from dit_mcore.kernels.ring import merge_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

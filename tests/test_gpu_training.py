@@ -142,18 +142,18 @@ def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_pat
     assert all(p.is_meta for p in resumed.ema._module.parameters())
 
 
-def test_steps_decided_on_the_gpu_pipeline_and_equal_reading_each_at_once(tmp_path):
-    """With fused AdamW the CUDA step is decided on the device and read back through an event
-    (``HostRead``) while the next one runs: the same losses, LR and weights as reading every step at
-    once, a non-finite step 2 skipped by the kernel (weights and Adam step counts untouched)."""
+def test_steps_decided_on_the_gpu_equal_steps_decided_on_the_host(tmp_path):
+    """With fused AdamW the CUDA step is decided on the device (clip and skip, no host read) and read
+    back through an event (``HostRead``): the same losses, LR and weights as megatron's host-decided
+    step, a non-finite step 2 skipped by the kernel (weights and Adam step counts untouched)."""
     from test_training import _run_with_clipping_and_a_bad_step
-    at_once = _run_with_clipping_and_a_bad_step(tmp_path / "at_once", on_device=True, pipelined=False)
-    pipelined = _run_with_clipping_and_a_bad_step(tmp_path / "pipelined", on_device=True, pipelined=True)
-    assert [h["skipped"] for h in pipelined[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and pipelined[3] == 4
-    torch.testing.assert_close(torch.tensor([h["loss"] for h in pipelined[0] if not h["skipped"]]),
-                               torch.tensor([h["loss"] for h in at_once[0] if not h["skipped"]]), rtol=1e-5, atol=1e-7)
-    assert [h["lr"] for h in pipelined[0]] == [h["lr"] for h in at_once[0]]
-    for got, ref in zip(pipelined[1] + pipelined[2], at_once[1] + at_once[2]):
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False)
+    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True)
+    assert [h["skipped"] for h in device[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and device[3] == 4
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in device[0] if not h["skipped"]]),
+                               torch.tensor([h["loss"] for h in host[0] if not h["skipped"]]), rtol=1e-5, atol=1e-7)
+    assert [h["lr"] for h in device[0]] == [h["lr"] for h in host[0]]
+    for got, ref in zip(device[1] + device[2], host[1] + host[2]):
         assert got.is_cuda
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
@@ -163,7 +163,7 @@ def test_wgrad_accumulates_in_fp32_inside_the_gemm(compiled):
     """On the GPU, bf16 weight gradients accumulate into the fp32 ``main_grad`` inside cuBLAS
     (``addmm`` with ``out_dtype``, in place: the buffer is the GEMM's C and D): nearer the float64
     sum than the bf16 product added after (DDP hook's rounding), the buffer's storage unmoved."""
-    from kernels.wgrad_accumulation import accumulate_wgrad, mixed_addmm_accumulates
+    from dit_mcore.kernels.wgrad_accumulation import accumulate_wgrad, mixed_addmm_accumulates
 
     device = torch.device("cuda")
     assert mixed_addmm_accumulates(device, torch.bfloat16, torch.float32), (

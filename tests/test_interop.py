@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dit_mcore.config import ConfigError, preset
-from dit_mcore.interop import (InteropError, export_diffusers, export_facebookresearch, load_diffusers,
+from dit_mcore.errors import ConfigError
+
+from dit_mcore.models.dit.config import preset
+from dit_mcore.models.dit.interop import (InteropError, export_diffusers, export_facebookresearch, load_diffusers,
                                load_facebookresearch, reference_forward)
 from dit_mcore.models import build_model
 from megatron_env import single_process_world

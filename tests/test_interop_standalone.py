@@ -15,7 +15,7 @@ _FRESH_INTERPRETER = """
 import os, sys
 from diffusers import DiTTransformer2DModel
 import torch
-from dit_mcore.interop import export_diffusers, load_diffusers, reference_forward
+from dit_mcore.models.dit.interop import export_diffusers, load_diffusers, reference_forward
 from test_interop import _close, _diffusers_forward, _inputs, _tiny_diffusers
 
 root = sys.argv[1]
@@ -47,8 +47,8 @@ def test_load_and_export_diffusers_in_a_fresh_interpreter(tmp_path):
 def test_model_parallel_worlds_are_refused(monkeypatch):
     from megatron.core import parallel_state
 
-    from dit_mcore.interop import InteropError
-    from dit_mcore.interop.mapping import require_whole_model_world
+    from dit_mcore.models.dit.interop import InteropError
+    from dit_mcore.models.dit.interop.mapping import require_whole_model_world
     single_process_world()
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     with pytest.raises(InteropError, match="tensor/pipeline parallel sizes are 2/1; convert in a single-process"):

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.models import Conditioning
 from dit_mcore.models.dit.llama import PRESETS
 from dit_mcore.models.embeddings import rope3d_freqs, rope_axis_pairs
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.text import TextContext
-from dit_mcore.parallel.token_shard import TokenShard
-from dit_mcore.training.flops import dit_flops
+from dit_mcore.models.token_shard import TokenShard
+from dit_mcore.models.flops import dit_flops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import grid_positions, patchify
 from family_models import assert_flops_match, count_params, counted_flops, randomize

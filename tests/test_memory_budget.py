@@ -4,7 +4,7 @@ the device refused before any compute."""
 import pytest
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.training import memory
 from dit_mcore.training.memory import state_budget
 from dit_mcore.training.torch_optimizer import torch_adams

@@ -57,10 +57,8 @@ def test_materialize_holds_one_part_at_a_time():
         peaks.append(live)
         copy_into(target, whole)
     try:
-        fsdp.copy_into = spy
-        materialize_parts(lambda: build(seed=123), parts)
+        materialize_parts(lambda: build(seed=123), parts, copy_into=spy)
     finally:
-        fsdp.copy_into = copy_into
         hook.remove()
     largest_part = max(sum(getattr(m, n).numel() for m, n in owned) for _, owned in parts)
     total = sum(p.numel() for p in model.parameters())

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from dit_mcore.config import ConfigError, PRESETS, preset
+from dit_mcore.errors import ConfigError
+
+from dit_mcore.models.dit.config import PRESETS, preset
 from dit_mcore.models import build_model
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify, unpatchify
@@ -182,7 +184,7 @@ def _producer(tensor) -> str:
 
 
 def test_aten_linears_equal_megatrons_and_leave_its_autograd_function(world):
-    """``model.aten_linears`` (the default): the same outputs and gradients as megatron's own linear
+    """``model.aten_linears`` (opt-in): the same outputs and gradients as megatron's own linear
     path on the same weights; at TP=1 every spec linear is one aten matmul (the QKV and fc1 biases in
     it: fc1 returns no separate bias), and no megatron linear autograd function is left."""
     import dataclasses

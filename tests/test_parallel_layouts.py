@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed, thread_count
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.parallel import fsdp
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.fsdp import copy_into, forward_view, publish_weights, to_shards, unsharded_shape, whole
@@ -71,6 +71,7 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           moe_aux_loss_coeff=0.1 if moe else None,
                           init_model_with_meta_device=parallel.pop("meta_init", None),
                           aten_linears=parallel.pop("aten_linears", None),
+                          fuse_wgrad_accumulation=parallel.pop("fuse_wgrad_accumulation", None),
                           st_attention=parallel.pop("st_attention", None), compile=parallel.pop("compile", False)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
@@ -196,19 +197,13 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         gc.collect()
         threads.append((name, thread_count()))
     results["threads"] = threads
-    if extras and world == 2:  # steps read while the next runs (``fit``) against read at once, overlapped parameter gather
+    if extras and world == 2:
         overlap = dict(distopt=True, overlap_grad_reduce=True, overlap_param_gather=True)
-        runs = []
-        for name, steps in (("at_once", lambda t: [t.train_step() for _ in range(4)]), ("pipelined", lambda t: t.train_steps(4))):
-            trainer = Trainer(layout_run(f"{run_dir}/overlap_{name}", "dense", **overlap))
-            _randomize(trainer)
-            runs.append([h["loss"] for h in steps(trainer)])
-        results["overlap_pipelined"] = runs
         # trainer.ema_every=2 under the overlapped gather: a replicated EMA has the updated parameters
         # gathered for it at fold steps only (the forward gathers them otherwise), the sharded one
         # (automatic under the distributed optimizer) never; each EMA is the one without overlap
         ema_every = {}
-        for name, extra in (("overlap", overlap), ("pipelined", overlap), ("replicated", overlap),
+        for name, extra in (("overlap", overlap), ("replicated", overlap),
                             ("plain", dict(distopt=True, overlap_grad_reduce=True)),
                             ("offloaded", overlap)):
             cfg = layout_run(f"{run_dir}/ema_every_{name}", "dense", **extra)
@@ -226,11 +221,7 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
                         forced.append(trainer.step)
                     return sync(*args, **kwargs)
                 chunk.start_param_sync = recorded
-            if name == "pipelined":  # step k settled after step k+1's forward gathered its update
-                trainer.train_steps(5)
-            else:
-                for _ in range(5):
-                    trainer.train_step()
+            trainer.train_steps(5)
             with trainer.ema.placed(torch.device("cpu")) as shadow:
                 ema_every[name] = {"forced": list(forced), "sharded": trainer.ema_sharded,
                                    "ema": [p.detach().clone() for p in shadow.parameters()],
@@ -319,10 +310,10 @@ def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit
 
 def _cases(world: int):
     two = [("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-           # megatron's linear autograd function throughout (model.aten_linears=False; the default
-           # runs TP2's row-parallel linears and every TP=1 linear as one aten matmul)
-           ("tp2_sp_megatron_linears", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
-                                        "aten_linears": False}),
+           # the opt-in aten linears (model.aten_linears: TP2's row-parallel linears as one aten
+           # matmul) with their weight gradients accumulated inside the GEMM (fuse_wgrad_accumulation)
+           ("tp2_sp_aten_linears", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                    "aten_linears": True, "fuse_wgrad_accumulation": True}),
            ("cp2_p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
            ("cp2_a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
            ("cp2_all_gather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
@@ -505,26 +496,16 @@ def test_context_parallel_on_energon_packed_data_equals_one_process(world_result
                                    rtol=1e-4, atol=1e-7)
 
 
-def test_pipelined_steps_equal_steps_read_at_once_with_overlapped_parameter_gather(world_results):
-    """DP2 with the distributed optimizer gathering updated parameters during the next forward:
-    settling step k after step k+1's forward must not mark step k+1's gather as done (a forced gather
-    there made step k+2's forward run on a mix of old and new parameter shards)."""
-    at_once, pipelined = world_results(2)[0][0]["overlap_pipelined"]
-    torch.testing.assert_close(torch.tensor(pipelined), torch.tensor(at_once), rtol=1e-6, atol=0)
-
-
 def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
     """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps: with
-    a replicated EMA (``trainer.ema_shard=False``), read at once, the parameters are gathered outside
-    the forward after steps 2 and 4 (the folds) only (it was every step); the sharded EMA (the default
-    here) reads the shard its optimizer wrote and never forces the gather, nor does a pipelined run (the
-    next forward gathered each update before the fold read it); every EMA equals the run that gathers
+    a replicated EMA (``trainer.ema_shard=False``), the parameters are gathered outside the forward
+    after steps 2 and 4 (the folds) only (it was every step); the sharded EMA (the default here) reads
+    the shard its optimizer wrote and never forces the gather; every EMA equals the run that gathers
     synchronously."""
     runs = world_results(2)[0][0]["ema_every_overlap"]
-    assert [runs[name]["forced"] for name in ("replicated", "overlap", "pipelined", "plain")] == [[2, 4], [], [], []]
-    assert [runs[name]["sharded"] for name in ("replicated", "overlap", "pipelined", "plain")] == \
-        [False, True, True, True]
-    for name in ("overlap", "pipelined", "replicated"):
+    assert [runs[name]["forced"] for name in ("replicated", "overlap", "plain")] == [[2, 4], [], []]
+    assert [runs[name]["sharded"] for name in ("replicated", "overlap", "plain")] == [False, True, True]
+    for name in ("overlap", "replicated"):
         for a, b in zip(runs[name]["ema"], runs["plain"]["ema"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 

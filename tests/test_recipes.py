@@ -12,11 +12,11 @@ import pytest
 from nemo_run.cli.cli_parser import parse_cli_args
 
 from dist_utils import run_distributed
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
 from energon_data.datasets import load_digits
-from recipes.pretrain_xl import pretrain_digits, pretrain_tiny, pretrain_xl
-from recipes.entry import build_run_config
+from dit_mcore.recipes.pretrain_xl import pretrain_digits, pretrain_tiny, pretrain_xl
+from dit_mcore.recipes.entry import build_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "pretrain_xl.py"

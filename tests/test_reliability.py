@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.training.checkpoint import CheckpointError
 from dit_mcore.training.divergence import DivergenceError
 from dit_mcore.training.preemption import EXIT_PREEMPTED, Preempted
@@ -155,16 +155,16 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     _signal_after(trainer, 2, signal.SIGUSR1)
     with pytest.raises(Preempted) as stop:
         trainer.fit()
-    # The signal arrived after step 2's vote (between steps): step 3's vote carries it, and step 3
-    # is read while step 4 runs (no host wait per step), so the run saves and stops after step 4.
-    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 4
+    # The signal arrived after step 2's vote (between steps): step 3's vote carries it, so the run
+    # saves and stops after step 3.
+    assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 3
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
     resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=5))
-    assert resumed.step == 4
+    assert resumed.step == 3
     rest = [h["loss"] for h in resumed.fit()]
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["loss"] for x in lines] == full and rest == full[4:]
+    assert [x["loss"] for x in lines] == full and rest == full[3:]
 
 
 def _preempted_worker(rank, world, run_dir):
@@ -184,8 +184,8 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Only rank 1 is signalled; the world-wide vote (read with the step's loss, no extra sync) makes
     both ranks save the same step and exit preempted."""
     from dist_utils import run_distributed
-    assert run_distributed(_preempted_worker, 2, str(tmp_path)) == [(4, "SIGTERM"), (4, "SIGTERM")]
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004"
+    assert run_distributed(_preempted_worker, 2, str(tmp_path)) == [(3, "SIGTERM"), (3, "SIGTERM")]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000003"
 
 
 def test_sigterm_to_the_clis_process_group_saves_and_exits_with_the_preempted_code(tmp_path):

@@ -4,12 +4,12 @@ presets and the layouts it refuses."""
 import pytest
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.models import Conditioning
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.st_attention import STPattern, st_attention, st_plans
 from dit_mcore.models.text import TextContext
-from dit_mcore.training.flops import dit_flops
+from dit_mcore.models.flops import dit_flops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify
 from family_models import assert_flops_match, count_params, counted_flops, randomize
@@ -225,7 +225,7 @@ def test_config_errors(world):
 def _switch_worker(rank, world):
     from dit_mcore.parallel.config import ParallelConfig
     from dit_mcore.parallel.initialize import initialize_distributed
-    from kernels.comm_counter import count_comm
+    from dit_mcore.kernels.comm_counter import count_comm
     initialize_distributed(ParallelConfig(context_parallel_size=2), seed=0)
     g = torch.Generator().manual_seed(0)
     tokens, grid = patchify(torch.randn(2, 4, 4, 8, 8, generator=g), 2)  # 4 frames x 16 positions

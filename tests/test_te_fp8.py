@@ -13,7 +13,7 @@ from packaging.version import Version
 from megatron.core import fp8_utils, parallel_state, tensor_parallel
 from megatron.core.extensions import transformer_engine as megatron_te
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.models import specs, te_fp8
 from dit_mcore.models.aten_linear import AtenColumnParallelLinear, AtenRowParallelLinear
 from dit_mcore.models.dit.model import build_model

@@ -13,9 +13,9 @@ from family_models import count_params  # noqa: E402
 
 
 def test_grid_writes_one_consistent_line_per_point(tmp_path):
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.models.registry import get_family
-    from dit_mcore.training.flops import dit_flops
+    from dit_mcore.models.flops import dit_flops
 
     out = tmp_path / "tp.jsonl"
     throughput.main(["--presets", "tiny", "--image-sizes", "8", "--batches", "2,4", "--accumulation", "1,2",
@@ -50,7 +50,7 @@ def test_host_phases_count_the_host_time_of_each_part_of_a_step(monkeypatch):
     from dit_mcore.training import trainer as trainer_module
     from dit_mcore.training.host_fold import HostFold
     from energon_data.batch import MicroBatch
-    from kernels.host_copy import HostRead
+    from dit_mcore.kernels.host_copy import HostRead
 
     def slow(read):
         time.sleep(0.05)

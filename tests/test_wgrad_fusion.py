@@ -1,10 +1,12 @@
 """``model.fuse_wgrad_accumulation``: the aten-path linears add their weight gradients into megatron
 DDP's fp32 ``main_grad`` inside their backward (``kernels.wgrad_accumulation``), instead of DDP's
 hook adding a separate gradient after."""
+import dataclasses
+
 import pytest
 import torch
 
-from kernels.wgrad_accumulation import accumulate_wgrad, mixed_addmm_accumulates
+from dit_mcore.kernels.wgrad_accumulation import accumulate_wgrad, mixed_addmm_accumulates
 from test_training import tiny_run
 
 
@@ -63,6 +65,7 @@ def test_fused_wgrad_accumulation_leaves_the_gradients_of_ddps_hook(tmp_path, mo
 
     def run(fuse):
         cfg = tiny_run(tmp_path / f"{case}_{fuse}", max_steps=3)  # 16 samples per step, micro-batches of 8
+        cfg.model.aten_linears = True  # the accumulation rides the aten-path linears (both opt-in)
         cfg.model.fuse_wgrad_accumulation = fuse
         for section, field, value in FUSION_CASES[case]:
             setattr(getattr(cfg, section), field, value)
@@ -103,12 +106,12 @@ def test_a_fused_linear_refuses_another_weight():
     """DDP skips whatever else reaches a fused weight, so a fused linear called with another weight
     refuses instead of letting that gradient drop."""
     from megatron_env import single_process_world
-    from dit_mcore.config import preset
+    from dit_mcore.models.dit.config import preset
     from dit_mcore.models import build_model
     from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
 
     single_process_world()
-    model = build_model(preset("tiny"))
+    model = build_model(dataclasses.replace(preset("tiny"), aten_linears=True, fuse_wgrad_accumulation=True))
     for p in model.parameters():
         p.main_grad = torch.zeros_like(p)
     assert len(fuse_wgrad_accumulation(model)) == 8 + 3  # two layers' four linears; three adaLN modulations

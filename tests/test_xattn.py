@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion.samplers import euler_flow
 from dit_mcore.models.dit.xattn import PRESETS
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.text import TextContext
-from dit_mcore.training.flops import dit_flops
+from dit_mcore.models.flops import dit_flops
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify
 from family_models import assert_flops_match, count_params, counted_flops, randomize

@@ -28,7 +28,7 @@ import torch
 
 from dit_mcore.diffusion.guidance import bind_guidance
 from dit_mcore.diffusion.objective import ModelFn, Objective, TrainInputs, broadcast_level, check_batch, compute_dtype
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dit_mcore.diffusion.objective import ModelFn
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 
 def drop_labels(labels: torch.Tensor, p: float, null_label: int,

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 # Flow-time sampling distributions accepted by ``FlowConfig.sampling``.
 FLOW_TIME_DISTRIBUTIONS = ("logit_normal", "uniform")

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from megatron.core import dist_checkpointing
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.pipeline import ModelChunks

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.generate.job import GenerateRequest, generate, layout_from_overrides
 from dit_mcore.generate.layout import GenerateParallel
 

@@ -1,6 +1,6 @@
 """Generating from weights trained elsewhere: a diffusers ``DiTTransformer2DModel`` directory
 (``--diffusers``) or a facebookresearch/DiT state dict (``--facebookresearch``), converted by
-:mod:`dit_mcore.interop` and sampled with the objective they were trained with, the original DiT's
+:mod:`dit_mcore.models.dit.interop` and sampled with the objective they were trained with, the original DiT's
 DDPM (DDIM, 50 steps, guidance 4: diffusers' ``DiTPipeline`` defaults).
 
 Interop builds whole models, so imported weights generate under the layouts that keep the model
@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.training.config import DiffusionConfig, ModelConfig, RunConfig
 
 KINDS = ("diffusers", "facebookresearch")
@@ -46,17 +46,17 @@ class Imported:
 
     @classmethod
     def describe(cls, kind: str, path: str, preset: Optional[str] = None) -> "Imported":
-        from dit_mcore.interop.mapping import InteropError
+        from dit_mcore.models.dit.interop.mapping import InteropError
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"--{kind} {path}: no such {'directory' if kind == 'diffusers' else 'file'}")
         state = None
         try:
             if kind == "diffusers":
-                from dit_mcore.interop.diffusers_dit import diffusers_config
+                from dit_mcore.models.dit.interop.diffusers_dit import diffusers_config
                 config = diffusers_config(str(path))
             elif kind == "facebookresearch":
-                from dit_mcore.interop.facebookresearch import facebookresearch_config
+                from dit_mcore.models.dit.interop.facebookresearch import facebookresearch_config
                 preset = preset or "DiT-XL/2"
                 state = _facebookresearch_state(path)
                 config = facebookresearch_config(state, preset)
@@ -85,7 +85,7 @@ class Imported:
 
     def load(self):
         """Our ``DiT`` with the converted weights (megatron's groups must be TP = PP = 1)."""
-        from dit_mcore.interop import load_diffusers, load_facebookresearch
+        from dit_mcore.models.dit.interop import load_diffusers, load_facebookresearch
         if self.kind == "diffusers":
             return load_diffusers(str(self.path))
         return load_facebookresearch(self.state, self.preset)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion import build_objective
 from dit_mcore.diffusion.samplers import SAMPLERS
 from dit_mcore.generate import checkpoint as source

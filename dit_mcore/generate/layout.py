@@ -19,7 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.layout import check_layout
 from energon_data.config import DataConfig

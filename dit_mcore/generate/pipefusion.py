@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.displaced_attention import DisplacedKV
-from dit_mcore.parallel.token_shard import TokenShard
+from dit_mcore.models.token_shard import TokenShard
 from energon_data.tokens import patchify, unpatchify
 
 _ACTIVATION, _PREDICTION = 11, 12  # p2p tags

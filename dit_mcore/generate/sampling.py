@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion import sample
 from dit_mcore.generate.items import Item, item_noise, item_seed
 from dit_mcore.generate.pipefusion import check_sampler

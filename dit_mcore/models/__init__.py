@@ -5,7 +5,8 @@ Shared pieces live beside the families: :mod:`.modulation` (per-sample adaLN), :
 through ``kernels``), :mod:`.specs` (linear/norm choice), :mod:`.adapter` (model <-> objective).
 """
 from dit_mcore.models.modulation import Conditioning
-from dit_mcore.models.registry import ModelFamily, families, get_family
+from dit_mcore.models.family import ModelFamily
+from dit_mcore.models.registry import families, get_family
 
 
 def __getattr__(name):

@@ -1,5 +1,5 @@
 """megatron's local linears with the matmul as one aten ``linear`` wherever no tensor-parallel
-communication runs inside it (``model.aten_linears``, on by default).
+communication runs inside it (``model.aten_linears``; experimental, off by default until a GPU measurement shows it pays).
 
 megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` multiply through their own autograd
 function (``LinearWithGradAccumulationAndAsyncCommunication``), which exists to overlap the
@@ -24,7 +24,7 @@ linears with TP communication (TP > 1, sequence parallel), megatron's gradient-a
 and deferred weight gradients keep megatron's function; parameters, their attributes and checkpoint
 keys are megatron's.
 
-Under megatron DDP (``model.fuse_wgrad_accumulation``, on by default) the aten path also accumulates
+Under megatron DDP (``model.fuse_wgrad_accumulation``; experimental, off by default) the aten path also accumulates
 the weight gradient into the parameter's fp32 ``main_grad`` inside its backward, the GEMM doing the
 add (:mod:`kernels.wgrad_accumulation`), instead of handing DDP's hook a bf16 gradient to add:
 megatron's gradient-accumulation fusion, without apex. :func:`fuse_wgrad_accumulation` switches it
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from kernels.wgrad_accumulation import accumulate_wgrad
+from dit_mcore.kernels.wgrad_accumulation import accumulate_wgrad
 
 
 def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
@@ -96,7 +96,7 @@ class AtenMatmul:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.aten_matmul = getattr(self.config, "aten_linears", True)
+        self.aten_matmul = getattr(self.config, "aten_linears", False)
         self.wgrad_into_main_grad = False  # set by fuse_wgrad_accumulation()
 
     def _communicates(self) -> bool:
@@ -151,11 +151,11 @@ def fuse_wgrad_accumulation(module: torch.nn.Module) -> list[torch.nn.Parameter]
     def buffered(weight) -> bool:
         return weight is not None and weight.requires_grad and getattr(weight, "main_grad", None) is not None
 
-    enabled = getattr(getattr(module, "config", None), "fuse_wgrad_accumulation", True)
+    enabled = getattr(getattr(module, "config", None), "fuse_wgrad_accumulation", False)
     fused = []
     for linear in module.modules():
         if (isinstance(linear, AtenMatmul) and linear.aten_matmul and not linear._communicates()
-                and getattr(linear.config, "fuse_wgrad_accumulation", True) and buffered(linear.weight)):
+                and getattr(linear.config, "fuse_wgrad_accumulation", False) and buffered(linear.weight)):
             linear.wgrad_into_main_grad = True
             fused.append(linear.weight)
         elif isinstance(linear, MainGradLinear) and enabled and buffered(linear.weight):

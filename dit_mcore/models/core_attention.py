@@ -3,7 +3,7 @@
 megatron's local ``DotProductAttention`` calls ``torch.cuda`` and needs a mask tensor; DiT attention
 is non-causal and block-diagonal over packed samples, which ``kernels.local_attention`` does from
 ``cu_seqlens``. Under context parallelism each rank holds a contiguous piece of the token stream
-(:mod:`dit_mcore.parallel.token_shard`) and attention runs through
+(:mod:`dit_mcore.models.token_shard`) and attention runs through
 ``kernels.context_parallel_attention`` with the config's ``cp_comm_type`` over megatron's CP groups.
 Cross-attention (``attention_type="cross"``) attends from this rank's queries to the whole text,
 which every rank holds, so it never communicates (``kernels.cross_attention``'s contract).
@@ -20,10 +20,10 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
-from kernels.context_parallel import context_parallel_attention, planned_context_parallel_attention
+from dit_mcore.kernels.context_parallel import context_parallel_attention, planned_context_parallel_attention
 from dit_mcore.models.st_attention import STPattern, STPlans, st_attention
-from kernels.local_attention import Segments, segment_attention
-from kernels.planned_attention import NO_SEGMENTS, group_key, plan, planned_attention
+from dit_mcore.kernels.local_attention import Segments, segment_attention
+from dit_mcore.kernels.planned_attention import NO_SEGMENTS, group_key, plan, planned_attention
 
 
 @dataclass

@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 
 def timestep_features(t: torch.Tensor, dim: int, freq_shift: float = 0.0,

@@ -15,7 +15,7 @@ for layers that take per-sample conditioning.
   free and recompute each sublayer's modulated norm with ``"layernorm"``).
 - Token sharding is not its concern: under sequence/context parallel the stack runs on this
   rank's piece of the token stream, which the model cuts before its patch embedding and
-  reassembles after its final layer (:mod:`dit_mcore.parallel.token_shard`), so the per-token
+  reassembles after its final layer (:mod:`dit_mcore.models.token_shard`), so the per-token
   inputs (positions, token -> sample map) are sliced once, not per layer.
 - Transformer Engine's FP8 (megatron's ``fp8`` / ``fp8_recipe``): its autocast around the stage or
   each layer, and TE's checkpoint for full recompute, as megatron's ``TransformerBlock`` does
@@ -40,7 +40,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 """torch.compile modes ``model.compile_mode`` offers (the CUDA-graph ones are not: untested with
-megatron's gradient hooks and the pipelined step)."""
+megatron's gradient hooks)."""
 
 
 def check_recompute_config(config) -> None:

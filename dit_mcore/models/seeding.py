@@ -83,14 +83,14 @@ def on_each_part(callback: PartCallback):
         _on_part = previous
 
 
-def materialize_parts(build: Callable[[], nn.Module], parts: list) -> None:
+def materialize_parts(build: Callable[[], nn.Module], parts: list,
+                      copy_into: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.copy_) -> None:
     """Fill a model built on the meta device (and allocated since, e.g. with ``to_empty``; FSDP2
     shards allowed) one part at a time: ``build()`` builds the same model again on the CPU, with
     the same init seed, and as each part is built its values are copied into the matching
-    parameters and buffers of ``parts`` (the ``on_each_part`` record of the meta build) and freed.
+    parameters and buffers of ``parts`` (the ``on_each_part`` record of the meta build) with
+    ``copy_into(target, whole)`` (for FSDP2 shards: ``dit_mcore.parallel.fsdp.copy_into``) and freed.
     The whole model never exists at once; the values are bit-identical to a direct build."""
-    from dit_mcore.parallel.fsdp import copy_into
-
     remaining = iter(parts)
 
     def fill(key: str, owned: list) -> None:

@@ -38,14 +38,14 @@ from typing import Any, Optional
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from kernels.all_gather import all_gather_attention
-from kernels.attention_kernels import softmax_scale_or_default
-from kernels.collectives import gather_along
-from kernels.host_copy import to_device
-from kernels.local_attention import Segments, segment_attention
-from kernels.planned_attention import group_key, plan, planned_attention
-from kernels.spatial_temporal import KINDS, STLayout, st_qkv_attention
-from kernels.spatial_temporal import st_attention as st_hidden_attention
+from dit_mcore.kernels.all_gather import all_gather_attention
+from dit_mcore.kernels.attention_kernels import softmax_scale_or_default
+from dit_mcore.kernels.collectives import gather_along
+from dit_mcore.kernels.host_copy import to_device
+from dit_mcore.kernels.local_attention import Segments, segment_attention
+from dit_mcore.kernels.planned_attention import group_key, plan, planned_attention
+from dit_mcore.kernels.spatial_temporal import KINDS, STLayout, st_qkv_attention
+from dit_mcore.kernels.spatial_temporal import st_attention as st_hidden_attention
 
 
 @dataclass(frozen=True)

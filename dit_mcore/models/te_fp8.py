@@ -30,7 +30,7 @@ import torch
 from packaging.version import Version
 from megatron.core import fp8_utils, parallel_state, tensor_parallel
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.models.float8 import ALIGNMENT, misaligned_dims
 
 RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")

@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from kernels.host_copy import to_device
-from kernels.segments import Segments
+from dit_mcore.kernels.host_copy import to_device
+from dit_mcore.kernels.segments import Segments
 
 
 @dataclass

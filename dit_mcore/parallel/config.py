@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 FSDP_KINDS = ("none", "torch", "megatron")

@@ -301,16 +301,17 @@ def _same_state_everywhere(opt) -> None:
         return
     if getattr(opt, "init_state_fn", None) is not None:
         opt.init_state_fn(inner, opt.config)
-    like = steps[0] if steps else torch.tensor(0.0)  # placed below where the group's Adam kernel wants it
     for group in inner.param_groups:
+        # where torch's Adam kernel reads ``step``: the fused (and capturable) one on the parameter's
+        # device, the others on the host (as ``training.torch_optimizer.place_steps`` keeps them)
+        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = inner.state[p]
             if isinstance(p, DTensor) and (p.to_local().numel() == 0 or "step" not in state):
-                state["step"] = torch.full_like(like, latest)
+                state["step"] = torch.tensor(latest, dtype=torch.float32,
+                                             device=p.to_local().device if on_device else "cpu")
             for key in ("exp_avg", "exp_avg_sq"):
                 state.setdefault(key, torch.zeros_like(p))
-    from dit_mcore.training.torch_optimizer import place_steps
-    place_steps(inner)
 
 
 class CheckpointView:

@@ -120,7 +120,7 @@ def release_model_parallel_groups() -> None:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         from dit_mcore.parallel.tp_comm_overlap import release_userbuffers
-        from kernels.planned_attention import release_groups
+        from dit_mcore.kernels.planned_attention import release_groups
         release_userbuffers()
         release_groups()
         for fn in _AT_RELEASE:

@@ -5,7 +5,7 @@ deep inside a collective, or worse, train a layout that silently differs from th
 """
 from __future__ import annotations
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import CP_COMM_TYPES, FSDP_KINDS, ParallelConfig
 
 

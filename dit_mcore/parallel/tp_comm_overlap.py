@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 
 _initialized: Optional[tuple] = None  # (shape, tp_size, dtype) of the userbuffers this process holds
 

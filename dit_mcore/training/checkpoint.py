@@ -26,7 +26,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
 from dit_mcore.training import torch_optimizer
 from dit_mcore.training.split_main import whole_main_weights

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from dit_mcore.config import DiTConfig
+from dit_mcore.models.dit.config import DiTConfig
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from energon_data.config import DataConfig  # noqa: F401  (the run's ``data`` section)
@@ -112,12 +112,13 @@ class ModelConfig:
     aten_linears: Optional[bool] = None
     """megatron's local linears multiply with one aten ``linear`` where no tensor-parallel
     communication runs inside the matmul, biases in the GEMM epilogue (less memory traffic under
-    ``compile``; ``dit_mcore.models.aten_linear``); None: on. False: megatron's autograd function."""
+    ``compile``; ``dit_mcore.models.aten_linear``). Experimental: None means off (megatron's autograd
+    function) until a GPU measurement shows it pays."""
     fuse_wgrad_accumulation: Optional[bool] = None
     """Under megatron DDP the aten-path linears accumulate their weight gradients into the
     ``main_grad`` buffers (fp32, or bf16: ``optim.main_grads_dtype``) inside the backward (the GEMM
-    adds, no extra pass per parameter; megatron's gradient-accumulation fusion without apex); None:
-    on. False: DDP's hook adds them."""
+    adds, no extra pass per parameter; megatron's gradient-accumulation fusion without apex).
+    Experimental: None means off (DDP's hook adds them) until a GPU measurement shows it pays."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first
@@ -127,7 +128,7 @@ class ModelConfig:
     (Inductor benchmarks Triton GEMM templates against cuBLAS, with the elementwise work around a
     GEMM fused into its epilogue where a template wins, and tunes every fused kernel's block sizes:
     minutes more compile). The CUDA-graph modes are not offered: untested with megatron's gradient
-    hooks and the pipelined step."""
+    hooks."""
     compile_options: Optional[dict] = None
     """With ``compile``: Inductor options for every layer's torch.compile, over ``compile_mode``'s
     (names as ``torch._inductor.list_options()`` gives them), e.g. ``{"triton.multi_kernel": 1}``

@@ -8,7 +8,7 @@ import torch
 from dit_mcore.parallel.fsdp import publish_weights, sharded_parameters, to_shards
 from dit_mcore.training import ema_shards
 from dit_mcore.training.host_fold import HostFold
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 
 def fold_tensor(shadow: torch.Tensor, param: torch.Tensor, weight: torch.Tensor) -> None:

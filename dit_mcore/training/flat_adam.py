@@ -63,9 +63,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.training import split_main
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 GiB = 2 ** 30

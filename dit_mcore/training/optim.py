@@ -14,8 +14,8 @@ from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_
 
 from dit_mcore.models.aten_linear import fuse_wgrad_accumulation
 from dit_mcore.training import flat_adam, torch_optimizer
-from kernels.host_copy import to_device
-from kernels.wgrad_accumulation import gemm_accumulates
+from dit_mcore.kernels.host_copy import to_device
+from dit_mcore.kernels.wgrad_accumulation import gemm_accumulates
 
 log = logging.getLogger(__name__)
 

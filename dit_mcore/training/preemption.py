@@ -5,9 +5,7 @@
 The signal only sets a flag. After each step's forward and backward an asynchronous all-reduce
 (max) of every rank's flag over the world starts, and its result is read with the step's other
 metrics (the logged loss), so the vote adds no synchronisation and every rank stops after the same
-step: where steps are read while the next one runs (``Trainer.fit`` with a device-decided step) the
-run saves and stops after the step during which the vote was read, one step after the voting one (a
-signal that arrives after the vote started waits for the next vote). No rank-dependent
+step (a signal that arrives after the vote started waits for the next vote). No rank-dependent
 world collective may run between :meth:`PreemptionSignals.start_vote` and
 :meth:`PreemptionSignals.ballot`. After SIGUSR1 under Slurm, rank 0 also
 requeues the job (``scontrol requeue``), as the time-limit warning means "continue later";

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.generate.items import make_items
 from dit_mcore.generate.media import log_once, save_gif, save_overview, slug, to_pixels
 from dit_mcore.generate.sampling import latent_shape, sample_items

@@ -76,10 +76,10 @@ def stand_in(main: torch.Tensor) -> torch.Tensor:
 
 
 def _split_ranges(optimizer) -> list:
-    from dit_mcore.training.flat_adam import FlatAdamW
+    """The split ranges of the flat AdamW parts (``training.flat_adam.FlatAdamW.ranges``: the parts
+    that hold remainders); the module imports nothing of the optimizer that imports it."""
     from dit_mcore.training.torch_optimizer import torch_adams
-    return [r for inner in torch_adams(optimizer) if isinstance(inner, FlatAdamW) for r in inner.ranges
-            if r.rem is not None]
+    return [r for inner in torch_adams(optimizer) for r in getattr(inner, "ranges", ()) if r.rem is not None]
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.generate.media import dataset_decoder
 from dit_mcore.generate.sampling import dataset_text_encoder
@@ -34,14 +34,14 @@ from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.models.text import TextContext
 from dit_mcore.parallel import tp_comm_overlap
-from dit_mcore.parallel.fsdp import forward_view, local, publish_weights
+from dit_mcore.parallel.fsdp import copy_into, forward_view, local, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training import checkpoint as ckpt, ema_shards, memory
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
-from dit_mcore.training.flops import peak_tflops
+from dit_mcore.models.flops import peak_tflops
 from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
@@ -52,8 +52,8 @@ from dit_mcore.training.preview import draw_preview, draw_text_preview, moving_d
 from dit_mcore.training.torch_optimizer import builds_torch_adam
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
-from kernels.host_copy import HostRead, to_device
-from kernels.planned_attention import forget_plans
+from dit_mcore.kernels.host_copy import HostRead, to_device
+from dit_mcore.kernels.planned_attention import forget_plans
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -173,7 +173,8 @@ class Trainer:
             for module in modules:
                 module.to_empty(device=self.device)
         with torch.random.fork_rng(devices=[]):
-            materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts)
+            materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts,
+                              copy_into=copy_into)
         publish_weights(modules)
         left = [name for module in modules for name, t in (*module.named_parameters(),
                                                                          *module.named_buffers()) if local(t).is_meta]
@@ -330,31 +331,22 @@ class Trainer:
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_full((), float(n))])}
 
     def train_step(self) -> dict:
-        """One optimizer step; returns its metrics, read at once (the host waits for the step).
-        :meth:`train_steps` and :meth:`fit` read each step's metrics while the next one runs."""
+        """One optimizer step; returns its metrics (the host reads them once the step is queued)."""
         return self._settle(self._run_step())
 
     def train_steps(self, n: int) -> list[dict]:
-        """``n`` steps, pipelined as :meth:`fit` runs them: where the optimizer steps on the device
-        (:func:`optim.steps_on_device`), step ``k``'s metrics are read while step ``k+1`` runs."""
-        out, pending = [], None
-        for _ in range(n):
-            current = self._run_step(pending)
-            if pending is not None:
-                out.append(pending.metrics)
-            pending = current
-        return out + [self._settle(pending)] if pending is not None else out
+        """``n`` steps, as :meth:`fit` runs them (without its saves, previews and logs)."""
+        return [self.train_step() for _ in range(n)]
 
-    def _run_step(self, previous: Optional["_Step"] = None) -> "_Step":
+    def _run_step(self) -> "_Step":
         """Queue one step: forward/backward, the reductions of its metrics, then the update.
 
-        Where the optimizer steps on the device, nothing waits for the device: the clip and the
-        skip of a non-finite step are decided there (:func:`optim.step_on_device`), the metrics
-        are copied back behind the step (:class:`kernels.host_copy.HostRead`), and ``previous``
-        (the step before, if still unread) is settled just before this step's update is queued, so
-        its outcome reaches the LR schedule, the EMA and the divergence guard in the same order as
-        when every step is read at once. Elsewhere (apex/TE or foreach Adam) the host reads the
-        gradient norm and decides, as megatron does."""
+        Where the optimizer steps on the device, the clip and the skip of a non-finite step are
+        decided there (:func:`optim.step_on_device`) and the metrics are copied back behind the
+        update (:class:`dit_mcore.kernels.host_copy.HostRead`): the host queues the whole step
+        before it first waits, in :meth:`_settle`. Elsewhere (apex/TE or foreach Adam) the host
+        reads the gradient norm and decides, as megatron does. (Reading step k while step k+1 ran
+        measured 1.01x, eager only, and was removed: issue 39.)"""
         forget_plans()  # the last step's packed-attention plans: its backward passes are done
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
@@ -381,9 +373,7 @@ class Trainer:
         totals = torch.cat([totals, counts, self.signals.ballot()])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         moe = list(step.moe.values())
-        if previous is not None:  # its updated parameters were gathered by this step's forward already
-            self._settle(previous, sync_params=False)
-        step.lr = self.optimizer.param_groups[0]["lr"]  # this update's, once the step before advanced it
+        step.lr = self.optimizer.param_groups[0]["lr"]
         self.ema.fence()  # an offloaded EMA's copies of the weights (a side stream) before the update writes them
         if self.steps_on_device:
             grad_norm = device_grad_norm(self.optimizer, self.device)
@@ -402,13 +392,11 @@ class Trainer:
         self.step += 1
         return step
 
-    def _settle(self, step: "_Step", sync_params: bool = True) -> dict:
+    def _settle(self, step: "_Step") -> dict:
         """Read ``step``'s metrics and do what its outcome decides on the host (once): the LR
         schedule and the EMA advance only after an update, the divergence guard counts a skip,
-        the preemption vote is tallied. ``sync_params=False`` when the next step's forward has
-        run already: it gathered the updated parameters (``overlap_param_gather``), and a forced
-        gather now would mark the next gather done before that step's update. Otherwise the
-        updated parameters are gathered only for a reader (a replicated EMA's fold here, a save)."""
+        the preemption vote is tallied. The updated parameters are gathered
+        (``overlap_param_gather``) only for a reader: a replicated EMA's fold here, a save."""
         if step.metrics is not None:
             return step.metrics
         values = step.values if step.values is not None else step.read.get()
@@ -416,12 +404,9 @@ class Trainer:
         loss = loss_sum / max(samples, 1.0)
         ok = step.updated if step.updated is not None else math.isfinite(loss) and math.isfinite(grad_norm)
         self.signals.settle(ballot, dist.get_world_size(parallel_state.get_data_parallel_group()))
-        if not sync_params:  # the next step's forward gathered every update up to this step's
-            self._params_gathered = True
         if ok:
             self.scheduler.step(increment=1)
-            if sync_params:  # no forward has gathered this update yet
-                self._params_gathered = False
+            self._params_gathered = False  # no forward has gathered this update yet
             self.ema.note(step.index - 1)
         if self._ema_folds_after(step.index):
             self._fold_ema()
@@ -435,7 +420,7 @@ class Trainer:
 
     @functools.cached_property
     def steps_on_device(self) -> bool:
-        """Whether steps are pipelined: the optimizer clips and skips on the device."""
+        """Whether the optimizer clips and skips on the device (no host read inside the step)."""
         return steps_on_device(self.optimizer)
 
     @staticmethod
@@ -549,20 +534,11 @@ class Trainer:
 
         try:
             with self.signals:
-                pending = None
                 while self.step < cfg.trainer.max_steps:
-                    current = self._run_step(pending)  # settles `pending` before its own update
-                    if pending is not None:
-                        record(pending)
-                        self.divergence.raise_if_diverged(pending.index, self.last_saved)
-                    pending = current
-                    if self._state_needed_after(current.index):
-                        self._settle(current)
-                        record(current)
-                        pending = None
-                        self._after_step()
-                    else:
-                        self._publish_saves()
+                    step = self._run_step()
+                    self._settle(step)
+                    record(step)
+                    self._after_step()
             if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
                 self.save()
             self.finish_saves()
@@ -592,23 +568,13 @@ class Trainer:
         a checkpoint in between (a preemption's) carries the steps not yet folded (``ema_unfolded_decay``)."""
         return step % self.cfg.trainer.ema_every == 0 or self._scheduled_read_after(step)
 
-    def _state_needed_after(self, step: int) -> bool:
-        """Whether :meth:`fit` reads ``step`` at once (else while the next step runs): when the step
-        is decided on the host anyway, or something needs the state right after it (a save, a
-        preview, the end of the run, an agreed preemption)."""
-        return (not self.steps_on_device or self._scheduled_read_after(step) or self.signals.agreed is not None)
-
-    def _publish_saves(self) -> None:
-        """Publish a finished asynchronous save (never waits)."""
-        if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
-            self.async_saves.maybe_finalize_async_calls(blocking=False)
-
     def _after_step(self) -> None:
-        """After a step read at once, in order: publish a finished asynchronous save; stop on
+        """After each step, in order: publish a finished asynchronous save (never waits); stop on
         divergence (no save) or on a preemption signal (save, requeue under Slurm, exit 75);
         previews; the periodic save, held back while the latest step was skipped as non-finite."""
         cfg = self.cfg
-        self._publish_saves()
+        if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
+            self.async_saves.maybe_finalize_async_calls(blocking=False)
         self.divergence.raise_if_diverged(self.step, self.last_saved)
         signum = self.signals.agreed
         if signum is not None:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from dit_mcore.config import ConfigError
+from dit_mcore.errors import ConfigError
 from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
@@ -30,7 +30,7 @@ from dit_mcore.parallel.config import ParallelConfig
 from energon_data.datasets import moving_digits_text_encoder
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
-from kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
+from dit_mcore.kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
 
 BACKENDS = ("auto", "local", "te")
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -100,7 +100,7 @@ def _finite(x) -> bool:
 def _compile_option_rules(r: _Rules, options: dict) -> None:
     """Inductor options must exist (``torch._inductor.list_options()``) and have the type torch.compile
     checks (it would refuse them only when the first layer compiles), and CUDA graphs are not offered
-    (as for the compile modes: untested with megatron's gradient hooks and the pipelined step)."""
+    (as for the compile modes: untested with megatron's gradient hooks)."""
     import torch._inductor
     import torch._inductor.config as inductor_config
 
@@ -114,8 +114,7 @@ def _compile_option_rules(r: _Rules, options: dict) -> None:
         r.need(typing.get_origin(kind) is not None or isinstance(value, kind), "model.compile_options", options,
                f"{name!r} must be of type {getattr(kind, '__name__', kind)}")
         r.need(not (name == "triton.cudagraphs" and value), "model.compile_options", options,
-               f"{name!r}: CUDA graphs are not offered (untested with megatron's gradient hooks and the "
-               "pipelined step)")
+               f"{name!r}: CUDA graphs are not offered (untested with megatron's gradient hooks)")
 
 
 def _model_rules(r: _Rules, m) -> None:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from benchmarks.attention_comm import CommBenchConfig, analytic, measure, rows
 from dist_utils import run_distributed
-from kernels.comm_counter import count_comm
+from dit_mcore.kernels.comm_counter import count_comm
 
 F32 = 4
 
@@ -146,7 +146,7 @@ def test_uneven_split_sizes_may_be_numpy_arrays():
     """megatron's MoE dispatcher passes all_to_all_single split sizes as numpy arrays."""
     import numpy as np
 
-    from kernels.comm_counter import _own_block_bytes
+    from dit_mcore.kernels.comm_counter import _own_block_bytes
     t = torch.zeros(5, 2)
     assert _own_block_bytes(t, np.array([3, 2]), 2, 1) == 2 * 2 * 4
     assert _own_block_bytes(t, [3, 2], 2, 0) == 3 * 2 * 4

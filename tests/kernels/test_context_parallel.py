@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from kernels import (build_hybrid_groups, context_parallel_attention, cross_attention, split_packed_for_cp)
-from kernels.all_gather import all_gather_attention
+from dit_mcore.kernels import (build_hybrid_groups, context_parallel_attention, cross_attention, split_packed_for_cp)
+from dit_mcore.kernels.all_gather import all_gather_attention
 
 TOL = dict(rtol=1e-5, atol=2e-6)
 B, S_LOCAL, H, HK, D = 2, 3, 4, 2, 8          # dense case (GQA 2:1)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import Segments, local_attention, split_packed_for_cp
-from kernels.local_attention import segment_attention
+from dit_mcore.kernels import Segments, split_packed_for_cp
+from dit_mcore.kernels.local_attention import local_attention
+from dit_mcore.kernels.local_attention import segment_attention
 
 
 def test_layout_pads_each_sample_then_the_tail():

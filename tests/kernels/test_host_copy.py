@@ -3,7 +3,7 @@ on a GPU), values and dtypes as ``torch.tensor(...).to(device)`` gives them."""
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.host_copy import to_device
+from dit_mcore.kernels.host_copy import to_device
 
 
 class _Copies(TorchDispatchMode):

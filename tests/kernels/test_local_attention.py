@@ -15,10 +15,11 @@ import torch
 
 from attention_reference import reference_attention
 
-import kernels.attention_kernels as ak
-from kernels import Segments, attention_backward, attention_forward, local_attention, segment_attention
-from kernels.attention_kernels import KERNELS, Kernel, resolve_backend
-from kernels.ring import merge_attention
+import dit_mcore.kernels.attention_kernels as ak
+from dit_mcore.kernels.local_attention import (Segments, attention_backward, attention_forward, local_attention,
+                                               segment_attention)
+from dit_mcore.kernels.attention_kernels import KERNELS, Kernel, resolve_backend
+from dit_mcore.kernels.ring import merge_attention
 
 CPU_BACKENDS = ["math64", "flash_cpu"]
 TOL = dict(rtol=1e-5, atol=2e-6)
@@ -331,7 +332,7 @@ def test_cuda_kernel_calls_match_the_aten_schemas(name, dtype):
 def test_auto_picks_cudnn_for_dense_half_attention_on_hopper_and_flash_for_packed():
     """The CUDA choice as a pure function (no GPU here): cuDNN where it is the fastest dense
     kernel (head dim <= 128), flash varlen for packed calls, flash-attn/torch flash elsewhere."""
-    from kernels.attention_kernels import choose
+    from dit_mcore.kernels.attention_kernels import choose
     hopper = dict(cuda=True, dtype=torch.bfloat16, cudnn_fastest=True)
     assert choose("auto", head_dim=72, dense=True, **hopper) == "sdpa_cudnn"
     assert choose("sdpa", head_dim=128, dense=True, **hopper) == "sdpa_cudnn"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import segment_attention
-from kernels import planned_attention as pa
+from dit_mcore.kernels import segment_attention
+from dit_mcore.kernels import planned_attention as pa
 from test_local_attention import CASES, _inputs
 
 PACKED = [name for name, case in CASES.items() if case[5] is not None]
@@ -47,7 +47,7 @@ def test_a_new_packing_reuses_the_compiled_graph():
     q, k, v, _ = _inputs(1, 20, 20, h, hk)
     compiled(q, k, v, pa.plan(first))
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    from kernels import Segments
+    from dit_mcore.kernels import Segments
     for cu in ([0, 10, 20], [0, 3, 6, 9, 12, 15, 18, 20], [0, 20]):
         segments = Segments.from_cu_seqlens(torch.tensor(cu), torch.tensor(cu))
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -113,8 +113,8 @@ def _cp_child(rank, world):
     import torch._dynamo
     import torch.distributed as dist
 
-    from kernels import build_hybrid_groups, context_parallel_attention
-    from kernels.context_parallel import planned_context_parallel_attention
+    from dit_mcore.kernels import build_hybrid_groups, context_parallel_attention
+    from dit_mcore.kernels.context_parallel import planned_context_parallel_attention
 
     wide, narrow = build_hybrid_groups(range(world), world), build_hybrid_groups(range(world), 1)
     methods = {"p2p": {}, "a2a": {}, "all_gather": {},

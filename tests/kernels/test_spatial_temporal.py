@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from kernels.comm_counter import count_comm
-from kernels.spatial_temporal import (STLayout, make_st_mesh, spatial_attention, st_attention,
+from dit_mcore.kernels.comm_counter import count_comm
+from dit_mcore.kernels.spatial_temporal import (STLayout, make_st_mesh, spatial_attention, st_attention,
                                       temporal_attention)
-from kernels.st_switch import block_size, switch_shard
+from dit_mcore.kernels.st_switch import block_size, switch_shard
 
 B, H, HK, D, C = 2, 4, 2, 8, 16
 F32 = 4

@@ -10,8 +10,8 @@ from dit_mcore.models.adapter import image_model_fn, token_model_fn
 from dit_mcore.models.dit.model import build_model
 from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.dit.xattn import T5_XXL, build_text_preset
-from dit_mcore.models.registry import ModelFamily, register
-from dit_mcore.training.flops import dit_flops
+from dit_mcore.models.family import ModelFamily
+from dit_mcore.models.flops import dit_flops
 
 _LLAMA = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
               add_qkv_bias=False, layernorm_epsilon=1e-5, position_embedding="rope3d", cross_attention_adaln=False,
@@ -51,6 +51,6 @@ def preset(name: str, **overrides):
     return build_text_preset(PRESETS, name, overrides, family="llama")
 
 
-FAMILY = register(ModelFamily(
+FAMILY = ModelFamily(
     name="llama", presets=lambda: PRESETS, make_config=preset, layer_spec=dit_layer_spec, build=build_model,
-    token_model_fn=token_model_fn, image_model_fn=image_model_fn, conditioning=("labels", "text"), flops=dit_flops))
+    token_model_fn=token_model_fn, image_model_fn=image_model_fn, conditioning=("labels", "text"), flops=dit_flops)

@@ -20,7 +20,7 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
-from dit_mcore.config import DiTConfig
+from dit_mcore.models.dit.config import DiTConfig
 from dit_mcore.models.core_attention import KernelsPackedSeqParams, packed_seq_params
 from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d_freqs, sincos_from_positions,
@@ -32,8 +32,8 @@ from dit_mcore.models import te_fp8
 from dit_mcore.models.st_attention import STPattern, mesh_order, st_plans
 from dit_mcore.models.text import TextContext, TextEmbedder, cross_segments
 from energon_data.tokens import grid_positions
-from dit_mcore.parallel.token_shard import TokenShard, mark_sequence_parallel_params
-from kernels.host_copy import to_device
+from dit_mcore.models.token_shard import TokenShard, mark_sequence_parallel_params
+from dit_mcore.kernels.host_copy import to_device
 
 
 def _xavier_linear(in_features: int, out_features: int) -> nn.Linear:

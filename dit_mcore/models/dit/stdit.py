@@ -7,13 +7,14 @@ Under context parallel every rank holds a block of whole frames (dense video bat
 divisible by the CP size): spatial attention is local and temporal attention switches the sharded
 dim with one all-to-all of q|k|v and one of the output (``kernels.spatial_temporal``, DSP's
 dynamic switch). Same model classes as the DiT; this module is its presets."""
-from dit_mcore.config import ConfigError, build_preset
+from dit_mcore.errors import ConfigError
+from dit_mcore.models.dit.config import build_preset
 from dit_mcore.models.adapter import image_model_fn, token_model_fn
 from dit_mcore.models.dit.model import build_model
 from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.dit.xattn import T5_XXL
-from dit_mcore.models.registry import ModelFamily, register
-from dit_mcore.training.flops import dit_flops
+from dit_mcore.models.family import ModelFamily
+from dit_mcore.models.flops import dit_flops
 
 _STDIT = dict(spatial_temporal=True, num_classes=0, class_dropout_prob=0.0, qk_layernorm=True, text_dim=T5_XXL,
               learn_sigma=False)
@@ -45,6 +46,6 @@ def preset(name: str, **overrides):
     return config
 
 
-FAMILY = register(ModelFamily(
+FAMILY = ModelFamily(
     name="stdit", presets=lambda: PRESETS, make_config=preset, layer_spec=dit_layer_spec, build=build_model,
-    token_model_fn=token_model_fn, image_model_fn=image_model_fn, conditioning=("labels", "text"), flops=dit_flops))
+    token_model_fn=token_model_fn, image_model_fn=image_model_fn, conditioning=("labels", "text"), flops=dit_flops)

@@ -2,12 +2,13 @@
 adaLN-Zero DiT whose layers also attend to their sample's text, with per-head QK RMSNorm, 3D
 sin-cos positions for video grids, and text classifier-free guidance through a learned null text.
 Labels still work alongside text when a preset sets ``num_classes``."""
-from dit_mcore.config import ConfigError, _SIZES, build_preset
+from dit_mcore.errors import ConfigError
+from dit_mcore.models.dit.config import _SIZES, build_preset
 from dit_mcore.models.adapter import image_model_fn, token_model_fn
 from dit_mcore.models.dit.model import build_model
 from dit_mcore.models.dit.spec import dit_layer_spec
-from dit_mcore.models.registry import ModelFamily, register
-from dit_mcore.training.flops import dit_flops
+from dit_mcore.models.family import ModelFamily
+from dit_mcore.models.flops import dit_flops
 
 T5_XXL = 4096  # width of T5-XXL (and T5-11B) encoder states, the usual video-DiT text encoder
 _TEXT = dict(num_classes=0, class_dropout_prob=0.0, qk_layernorm=True, text_dim=T5_XXL)
@@ -48,6 +49,6 @@ def preset(name: str, **overrides):
     return build_text_preset(PRESETS, name, overrides, family="dit_xattn")
 
 
-FAMILY = register(ModelFamily(
+FAMILY = ModelFamily(
     name="dit_xattn", presets=lambda: PRESETS, make_config=preset, layer_spec=dit_layer_spec, build=build_model,
-    token_model_fn=token_model_fn, image_model_fn=image_model_fn, conditioning=("labels", "text"), flops=dit_flops))
+    token_model_fn=token_model_fn, image_model_fn=image_model_fn, conditioning=("labels", "text"), flops=dit_flops)

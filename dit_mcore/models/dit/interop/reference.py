@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from dit_mcore.models.adapter import image_forward
-from dit_mcore.models.dit import DiT
+from dit_mcore.models.dit.model import DiT
 
 
 def reference_forward(model: DiT, x: torch.Tensor, t: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -14,10 +14,10 @@ from typing import Mapping
 
 import torch
 
-from dit_mcore.config import DiTConfig, preset as build_preset
-from dit_mcore.interop import layouts
-from dit_mcore.interop.mapping import InteropError, Rule, build_and_load, export_model
-from dit_mcore.models.dit import DiT
+from dit_mcore.models.dit.config import DiTConfig, preset as build_preset
+from dit_mcore.models.dit.interop import layouts
+from dit_mcore.models.dit.interop.mapping import InteropError, Rule, build_and_load, export_model
+from dit_mcore.models.dit.model import DiT
 from dit_mcore.models.embeddings import sincos_pos_embed
 
 _POS_EMBED = "pos_embed"

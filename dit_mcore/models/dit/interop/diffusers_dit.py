@@ -18,10 +18,10 @@ from typing import Mapping
 
 import torch
 
-from dit_mcore.config import DiTConfig, gelu_tanh, preset
-from dit_mcore.interop import layouts
-from dit_mcore.interop.mapping import InteropError, Rule, build_and_load, export_model
-from dit_mcore.models.dit import DiT
+from dit_mcore.models.dit.config import DiTConfig, gelu_tanh, preset
+from dit_mcore.models.dit.interop import layouts
+from dit_mcore.models.dit.interop.mapping import InteropError, Rule, build_and_load, export_model
+from dit_mcore.models.dit.model import DiT
 
 _CLASS_NAMES = ("DiTTransformer2DModel", "Transformer2DModel")
 _FIXED_EPS = 1e-6  # diffusers hard-codes this for the attention pre-norm and the final norm

@@ -4,10 +4,10 @@ Conversions work on whole models in a single-process megatron world (TP = PP = 1
 interpreter gets on first use (no setup needed); save a megatron checkpoint afterwards to train or
 sample with another parallel layout.
 """
-from dit_mcore.interop.diffusers_dit import export_diffusers, load_diffusers
-from dit_mcore.interop.facebookresearch import export_facebookresearch, load_facebookresearch
-from dit_mcore.interop.mapping import InteropError
-from dit_mcore.interop.reference import reference_forward
+from dit_mcore.models.dit.interop.diffusers_dit import export_diffusers, load_diffusers
+from dit_mcore.models.dit.interop.facebookresearch import export_facebookresearch, load_facebookresearch
+from dit_mcore.models.dit.interop.mapping import InteropError
+from dit_mcore.models.dit.interop.reference import reference_forward
 
 __all__ = ["InteropError", "export_diffusers", "export_facebookresearch", "load_diffusers",
            "load_facebookresearch", "reference_forward"]

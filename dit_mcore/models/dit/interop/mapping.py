@@ -13,8 +13,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dit_mcore.config import DiTConfig
-from dit_mcore.models.dit import DiT, build_model
+from dit_mcore.models.dit.config import DiTConfig
+from dit_mcore.models.dit.model import DiT, build_model
 
 log = logging.getLogger(__name__)
 

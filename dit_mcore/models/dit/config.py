@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from energon_data.config import ConfigError  # noqa: F401  (the project's one config error type)
+from dit_mcore.errors import ConfigError
 
 
 _TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
@@ -128,18 +128,19 @@ class DiTConfig(TransformerConfig):
     ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (see ``dit_mcore.models.float8``); None: off. (megatron's own ``fp8`` fields
     belong to Transformer Engine and stay unset.)"""
 
-    aten_linears: bool = True
-    """megatron's local linears multiply with one aten ``linear`` wherever no tensor-parallel
+    aten_linears: bool = False
+    """Experimental, off until a GPU measurement shows it pays (``docs/performance.md``). megatron's local linears multiply with one aten ``linear`` wherever no tensor-parallel
     communication runs inside the matmul (every linear at TP=1, every row-parallel one), the bias in
     the GEMM's epilogue, and the MLP's ``fc1`` returns its output with the bias folded in: less memory
     traffic around the GEMMs under ``torch.compile`` (see ``dit_mcore.models.aten_linear``). False:
-    megatron's autograd function everywhere. No effect on Transformer Engine or FP8 linears."""
+    megatron's autograd function everywhere (the default). No effect on Transformer Engine or FP8 linears."""
 
-    fuse_wgrad_accumulation: bool = True
-    """Under megatron DDP, the aten-path linears (see ``aten_linears``) add their weight gradients
+    fuse_wgrad_accumulation: bool = False
+    """Experimental, off until a GPU measurement shows it pays (``docs/performance.md``; the 3B's
+    MFU measured 29.2% with it against 30.1% before it). Under megatron DDP, the aten-path linears (see ``aten_linears``) add their weight gradients
     into the parameters' fp32 ``main_grad`` inside the backward, the GEMM doing the add
     (``kernels.wgrad_accumulation``), instead of DDP's hook adding a bf16 gradient after: megatron's
-    ``gradient_accumulation_fusion`` without apex. False: DDP's hook adds them."""
+    ``gradient_accumulation_fusion`` without apex. False (the default): DDP's hook adds them."""
 
     has_cond_embedder: bool = True
     """Every pipeline stage builds the conditioning embedders (timestep, label) and recomputes the
