@@ -11,8 +11,8 @@ import concurrent.futures
 
 import torch
 
-from energon_data.batch import MicroBatch, cumsum0
 from dit_mcore.errors import ConfigError
+from energon_data.batch import MicroBatch, cumsum0
 from energon_data.config import DataConfig
 from energon_data.packing import round_up
 from energon_data.tokens import patchify

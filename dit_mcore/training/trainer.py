@@ -28,7 +28,10 @@ from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.generate.media import dataset_decoder
 from dit_mcore.generate.sampling import dataset_text_encoder
+from dit_mcore.kernels.host_copy import HostRead, to_device
+from dit_mcore.kernels.planned_attention import forget_plans
 from dit_mcore.models.adapter import prediction, to_model_layout
+from dit_mcore.models.flops import peak_tflops
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models.seeding import materialize_parts, on_each_part
@@ -41,7 +44,6 @@ from dit_mcore.training import checkpoint as ckpt, ema_shards, memory
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.ema import EMA
-from dit_mcore.models.flops import peak_tflops
 from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
@@ -52,8 +54,6 @@ from dit_mcore.training.preview import draw_preview, draw_text_preview, moving_d
 from dit_mcore.training.torch_optimizer import builds_torch_adam
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
-from dit_mcore.kernels.host_copy import HostRead, to_device
-from dit_mcore.kernels.planned_attention import forget_plans
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -393,12 +393,10 @@ class Trainer:
         return step
 
     def _settle(self, step: "_Step") -> dict:
-        """Read ``step``'s metrics and do what its outcome decides on the host (once): the LR
+        """Read ``step``'s metrics and do what its outcome decides on the host (once per step): the LR
         schedule and the EMA advance only after an update, the divergence guard counts a skip,
         the preemption vote is tallied. The updated parameters are gathered
         (``overlap_param_gather``) only for a reader: a replicated EMA's fold here, a save."""
-        if step.metrics is not None:
-            return step.metrics
         values = step.values if step.values is not None else step.read.get()
         loss_sum, samples, skipped_samples, tokens, gflops, ballot, grad_norm = values[:7]
         loss = loss_sum / max(samples, 1.0)
