@@ -49,7 +49,7 @@ def profile_steps(run_steps, device, n_steps: int = 3, top: int = 15) -> dict:
     time; kernels of several streams overlapping, e.g. NCCL beside compute, can take it past 1),
     ``host_syncs_per_step`` (stream synchronisations: ``.item()``, ``tolist()`` …; after each
     the device idles until the host queues more), ``event_waits_per_step`` (waits for one event,
-    e.g. a step's metrics read through ``HostRead``), ``wall_ms_per_step``
+    e.g. an offloaded EMA's copies), ``wall_ms_per_step``
     and ``runtime``: the CUDA runtime calls the host spent most time in (ms and calls per step; a
     copy from pageable memory that waited for the stream shows as a long ``cudaMemcpyAsync``). On the CPU
     the same over CPU operators (``busy`` and the syncs are None)."""

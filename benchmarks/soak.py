@@ -216,12 +216,12 @@ def child(argv) -> int:
     sys.path.insert(0, str(REPO))
     from dit_mcore.training.trainer import Trainer
     if args.step_delay:
-        run_step = Trainer._run_step
+        train_step = Trainer.train_step
 
         def slowed(self, *a):
             time.sleep(args.step_delay)
-            return run_step(self, *a)
-        Trainer._run_step = slowed
+            return train_step(self, *a)
+        Trainer.train_step = slowed
     if args.nan_step:
         loss = Trainer._loss
 

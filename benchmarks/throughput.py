@@ -97,8 +97,6 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         torch.compiler.reset()  # otherwise get dynamo's dynamic-shape graphs (automatic_dynamic_shapes)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(run_config(point, run_dir))
-        if point.get("step") == "host":
-            trainer.steps_on_device = False
         cuda = trainer.device.type == "cuda"
         warmed = warm_up(trainer.train_step, warmup)
         if cuda:
@@ -108,7 +106,7 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
         start = time.perf_counter()
         with host_phases(trainer) as host:
             history = trainer.train_steps(steps)  # as fit runs them
-        if cuda:  # the last read is before the last update: count that update too
+        if cuda:  # the last host read is before the last update: count that update too
             torch.cuda.synchronize()
         trainer.ema.wait()  # and a host fold still running (trainer.ema_offload)
         elapsed = time.perf_counter() - start
@@ -121,10 +119,9 @@ def measure(point: dict, warmup: int, steps: int, peak_override: float | None = 
                   "images_per_s": samples / elapsed, "tokens_per_s_per_gpu": tokens / elapsed / world,
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-                  "state_gib": trainer.state_budget().total / 2 ** 30,  # weights, gradients, optimizer, EMA
+                  "state_gib": trainer.parallel_model.budget.total / 2 ** 30,  # weights, gradients, optimizer, EMA
                   "wgrad_in_gemm": getattr(trainer.ddp_chunks[0], "wgrad_accumulates_in_gemm", None),
                   "warmup_steps": warmed, "graphs_compiled_while_timed": graphs, "alloc_retries_while_timed": retries,
-                  "host_waited_ms_per_step": host["waits"] * 1e3 / steps if trainer.steps_on_device else None,
                   "host_ms_per_step": {k: v * 1e3 / steps for k, v in host.items()}}
         if profile:
             result["profile"] = profile_steps(trainer.train_steps, trainer.device)
@@ -159,23 +156,22 @@ def alloc_retries() -> int:
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
 
 
-HOST_PHASES = ("waits", "batch", "to_device", "forward_backward", "run_step", "settle")
+HOST_PHASES = ("waits", "batch", "to_device", "forward_backward", "grad_norm", "train_step")
 
 
 @contextlib.contextmanager
 def host_phases(trainer):
     """Seconds the host spends in each phase of the steps run inside the block (a dict, filled as they
-    run): ``waits`` for a step's metrics (``HostRead.get``: with steps decided on the device, the one
-    wait per step) and for an offloaded EMA's host fold (``HostFold.wait``); ``batch``: the loader's
+    run): ``waits`` for an offloaded EMA's host fold (``HostFold.wait``); ``batch``: the loader's
     global batch; ``to_device``: its micro-batches' copies (a pageable host-to-device copy can block
     the host until the stream reaches it); ``forward_backward``: queuing megatron's schedule;
-    ``run_step`` and ``settle``: the trainer's whole step and its read. Next to the profile's device
+    ``grad_norm``: the gradient norm's read (the step's one wait for the device: the backward);
+    ``train_step``: the trainer's whole step. Next to the profile's device
     busy share they tell who is behind: a device idle while the host hardly waited was waiting for the
     host to queue work (host-bound), and the phase that takes the step's time is where."""
     from energon_data.batch import MicroBatch
     from dit_mcore.training import trainer as trainer_module
     from dit_mcore.training.host_fold import HostFold
-    from dit_mcore.kernels.host_copy import HostRead
     total = dict.fromkeys(HOST_PHASES, 0.0)
 
     def timed(name, method):
@@ -187,9 +183,9 @@ def host_phases(trainer):
                 total[name] += time.perf_counter() - begin
         return call
     get_schedule = trainer_module.get_forward_backward_func
-    patches = [(HostRead, "get", "waits"), (HostFold, "wait", "waits"), (MicroBatch, "to", "to_device"),
-               (trainer.loader, "next_global_batch", "batch"), (trainer, "_run_step", "run_step"),
-               (trainer, "_settle", "settle")]
+    patches = [(HostFold, "wait", "waits"), (MicroBatch, "to", "to_device"),
+               (trainer.loader, "next_global_batch", "batch"), (trainer, "train_step", "train_step"),
+               (trainer_module, "grads_and_norm", "grad_norm")]
     originals = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in patches]
     for owner, attr, name in patches:
         setattr(owner, attr, timed(name, getattr(owner, attr)))
@@ -258,7 +254,6 @@ def variant(point: dict) -> str:
     recompute, compile, precision and FP8: one label for the printout and the plots."""
     parts = [f"adam={point['adam']}" if point.get("adam", "auto") != "auto" else "",
              f"attention={point['attention']}" if point.get("attention") else "",
-             f"step={point['step']}" if point.get("step", "auto") != "auto" else "",
              "aten linears" if point.get("aten_linears", False) else "",
              "wgrad in GEMM" if point.get("wgrad_fusion", False) else "",
              f"accumulation={point['accumulation']}" if point.get("accumulation", 1) != 1 else "",
@@ -343,9 +338,6 @@ def main(argv=None) -> list[dict]:
                    f"none,{','.join(FLOAT8_RECIPES)} (torchao), {','.join('te:' + r for r in TE_FP8_RECIPES)} "
                    "(Transformer Engine's, model.backend=te, with --compile 0) (MFU stays against the --dtype peak)")
     p.add_argument("--adam", default="auto", help="optim.adam_impl: any of auto,fused,flat,foreach,megatron")
-    p.add_argument("--step", default="auto",
-                   help="who decides the optimizer step: any of auto,host (host: read the grad norm every step, "
-                        "as with apex/TE Adam, to measure the device-decided step against)")
     p.add_argument("--accumulation", default="1", help="micro-batches per optimizer step (gradient accumulation: "
                    "the global batch is micro-batch x this): any of e.g. 1,4; the per-parameter work of a step "
                    "(gradient norm, AdamW, weight copies) is shared by that many micro-batches, as in real runs")
@@ -389,15 +381,15 @@ def main(argv=None) -> list[dict]:
              [{"image_size": 32, "packed_len": n} for n in _list(args.packed_lens, int)]
     points = [{"family": args.family, "preset": preset, **shape, "batch": batch, "recompute": rc, "compile": bool(int(c)), "dtype": args.dtype,
                "fp8": None if fp8 == "none" else fp8, "adam": adam, "attention": None if attn == "auto" else attn,
-               "step": step, "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
+               "aten_linears": bool(int(aten)), "wgrad_fusion": bool(int(fuse)), "accumulation": acc,
                "ema_every": ema, "ema_offload": bool(int(offload)), "moments": moments, "grads": grads,
                "split_mains": bool(int(split)), "compile_options": options,
                "compile_mode": None if mode == "default" else mode}
-              for preset, shape, batch, rc, c, fp8, adam, attn, step, aten, fuse, acc, ema, offload, moments, grads,
+              for preset, shape, batch, rc, c, fp8, adam, attn, aten, fuse, acc, ema, offload, moments, grads,
               split, options, mode
               in itertools.product(
                   _list(args.presets), shapes, _list(args.batches, int), _list(args.recompute), _list(args.compile),
-                  _list(args.fp8), _list(args.adam), _list(args.attention), _list(args.step),
+                  _list(args.fp8), _list(args.adam), _list(args.attention),
                   _list(args.aten_linears), _list(args.wgrad_fusion), _list(args.accumulation, int),
                   _list(args.ema_every, int), _list(args.ema_offload), _list(args.moments), _list(args.grads),
                   _list(args.split_mains), compile_option_sets(args.compile_options),
@@ -427,8 +419,7 @@ def main(argv=None) -> list[dict]:
             shape = f"packed {point['packed_len']}" if point["packed_len"] else f"{point['image_size']}x{point['image_size']}"
             memory = (f" | peak {row['peak_memory_gib']:.1f} GiB (state {row['state_gib']:.1f})"
                       if row["peak_memory_gib"] is not None else "")
-            if row["host_waited_ms_per_step"] is not None:
-                memory += f" | host waited {row['host_waited_ms_per_step']:.1f} ms/step"
+            memory += f" | host waited {row['host_ms_per_step']['grad_norm']:.1f} ms/step for the norm"
             print(f"{point['preset']} {shape} batch {point['batch']} recompute={point['recompute']} "
                   f"compile={int(point['compile'])} {point['dtype']}{' fp8=' + point['fp8'] if point['fp8'] else ''}: "
                   f"{row['images_per_s']:.1f} img/s | "

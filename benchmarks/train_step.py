@@ -35,7 +35,7 @@ def build_pair(preset_name: str, device, dtype):
     from diffusers import DiTTransformer2DModel
 
     from dit_mcore.models.dit.config import preset
-    from dit_mcore.models.dit.interop import export_diffusers, load_diffusers
+    from dit_mcore.convert import export_diffusers, load_diffusers
     from dit_mcore.models.dit import build_model
     from dit_mcore.parallel.config import ParallelConfig
     from dit_mcore.parallel.initialize import initialize_distributed

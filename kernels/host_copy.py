@@ -6,8 +6,7 @@ until the host has queued more. A step that builds index tables, positions or no
 host pays that drain each time. An asynchronous copy from pageable memory is staged by the driver
 before the call returns (the source may be freed at once) and ordered on the stream like a kernel,
 so it costs no wait. (A H200 profile of the trainer counted 6 such syncs per DiT-XL/2 step and 17
-per packed MovieGen-3B step.) The other way, :class:`HostRead` reads values one step late without
-draining the stream.
+per packed MovieGen-3B step.)
 """
 from __future__ import annotations
 
@@ -23,25 +22,3 @@ def to_device(data, device, dtype: Optional[torch.dtype] = None) -> torch.Tensor
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t.to(device, non_blocking=t.device.type == "cpu")
-
-
-class HostRead:
-    """A device tensor's values for the host, without waiting now: the copy into pinned memory is
-    queued behind the work that produces them, and :meth:`get` waits for that copy alone (a CUDA
-    event), not for work queued after it (``.item()``/``.tolist()`` wait for the whole stream).
-    A trainer reads step ``n``'s loss this way while step ``n+1`` runs."""
-
-    def __init__(self, t: torch.Tensor):
-        t = t.detach()
-        if t.device.type == "cuda":
-            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._host.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(t.device))
-        else:  # the CPU computed it already
-            self._host, self._event = t.clone(), None
-
-    def get(self) -> list:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()

@@ -36,6 +36,7 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
           parallel: Optional[ParallelConfig] = None) -> None:
     """Train the run described by the sections (see ``dit_mcore.training.config``). Raises on
     failure, so a direct or torchrun launch exits non-zero and a nemo-run job is marked FAILED."""
+    from dit_mcore.generate.preview import Previews
     from dit_mcore.parallel.initialize import destroy_distributed
     from dit_mcore.training.divergence import DivergenceError
     from dit_mcore.training.preemption import Preempted
@@ -45,7 +46,7 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every parameter
     try:
-        pretrain(cfg)
+        pretrain(cfg, hooks=[Previews(cfg.log.sample_interval)])  # (previews sample: the generation layer's)
     except (ConfigError, DivergenceError):
         raise  # the message names the field (or the steps) and the fix; a traceback adds nothing
     except Preempted as stop:

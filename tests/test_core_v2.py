@@ -9,7 +9,7 @@ from dit_mcore.models.dit.config import preset
 from dit_mcore.models import Conditioning, families, get_family
 from dit_mcore.training.config import ModelConfig
 from dit_mcore.generate.media import to_pixels
-from dit_mcore.training.preview import preview_classes
+from dit_mcore.generate.preview import Previews, preview_classes
 from dit_mcore.training.trainer import Trainer
 from energon_data.batch import MicroBatch
 from energon_data.config import DataConfig
@@ -163,7 +163,8 @@ def _mock_run(tmp_path, **data):
 
 
 def test_mock_source_dense_and_packed_train_and_4_channel_preview(tmp_path):
-    trainer = Trainer(_mock_run(tmp_path / "dense"))
+    cfg = _mock_run(tmp_path / "dense")
+    trainer = Trainer(cfg, hooks=[Previews(cfg.log.sample_interval)])
     batches = trainer.loader.next_global_batch()
     assert len(batches) == 2 and not batches[0].is_packed and batches[0].tokens.shape == (2, 16, 16)
     history = trainer.fit()

@@ -163,12 +163,11 @@ def test_flat_resume_is_bit_identical_and_reads_a_fused_checkpoint(tmp_path, dis
     assert len(rest) == 2 and all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(rest, full[2:]))
 
 
-def test_a_step_skipped_on_the_device_changes_and_counts_nothing(tmp_path):
-    """Clipped through the kernel's gradient scale, a non-finite step 2 skipped through its skip
-    flag: the same losses, weights and EMA as torch's fused AdamW decided on the host, and
-    every parameter's Adam step count says 4 updates, not 5."""
-    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False)
-    flat = _run_with_clipping_and_a_bad_step(tmp_path / "flat", on_device=True, adam_impl="flat")
+def test_a_skipped_step_changes_and_counts_nothing(tmp_path):
+    """Clipped every step, a non-finite step 2 skipped: the same losses, weights and EMA as torch's
+    fused AdamW, and every parameter's Adam step count says 4 updates, not 5."""
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host")
+    flat = _run_with_clipping_and_a_bad_step(tmp_path / "flat", adam_impl="flat")
     assert [h["skipped"] for h in flat[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and flat[3] == 4
     inner = _inners(flat[4])[0]
     assert isinstance(inner, FlatAdamW) and {float(s["step"]) for s in inner.state.values()} == {4.0}
@@ -248,11 +247,11 @@ def test_bf16_gradient_buffers_step_in_the_kernel_as_megatrons_fp32_copies_do(tm
     flat, history = run("flat", "bf16", "flat")
     buffers = [b for chunk in flat.ddp_chunks for b in chunk.buffers]
     assert {b.grad_data.dtype for b in buffers} == {torch.bfloat16}
-    assert flat.state_budget().gradients == pytest.approx(sum(b.grad_data.nbytes for b in buffers), rel=0.01)
+    assert flat.parallel_model.budget.gradients == pytest.approx(sum(b.grad_data.nbytes for b in buffers), rel=0.01)
     inner = _inners(flat)[0]
     assert isinstance(inner, FlatAdamW) and inner.reads_buffers() and inner.wrote_model_weights
     assert all(m.main.grad is None for r in inner.ranges for m in r.members)
-    with pytest.raises(RuntimeError, match="step_if_finite or step_on_device"):  # megatron's would clip nothing
+    with pytest.raises(RuntimeError, match="step_if_finite, which clips there"):  # megatron's would clip nothing
         flat.optimizer.step()
     fused, fused_history = run("fused", "bf16", "fused")
     assert type(_inners(fused)[0]) is torch.optim.AdamW
@@ -265,12 +264,12 @@ def test_bf16_gradient_buffers_step_in_the_kernel_as_megatrons_fp32_copies_do(tm
     assert any(a != b for a, b in norms) and all(abs(a - b) < 1e-2 * b for a, b in norms)
 
 
-def test_bf16_gradient_buffers_clip_alike_decided_on_the_host_or_the_device(tmp_path):
-    """No main weight holds a gradient to scale when the flat step reads bf16 buffers, so megatron's
-    host-decided clip goes through the kernel's gradient scale as the device-decided one does: every
-    step clipped (clip 1e-3), the non-finite step skipped by both, the same losses, norms and weights."""
-    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False, adam_impl="flat", grads="bf16")
-    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True, adam_impl="flat", grads="bf16")
+def test_bf16_gradient_buffers_clip_through_the_kernels_gradient_scale_as_megatron_clips(tmp_path):
+    """No main weight holds a gradient to scale when the flat step reads bf16 buffers, so the clip goes
+    through the kernel's gradient scale: every step clipped (clip 1e-3), the non-finite step skipped,
+    the same losses, norms and weights as megatron's clip of torch's fused AdamW on the same buffers."""
+    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", adam_impl="flat", grads="bf16")
+    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", adam_impl="fused", grads="bf16")
     assert isinstance(_inners(host[4])[0], FlatAdamW) and getattr(_inners(host[4])[0], "grad_scale", None) is None
     for run in (host, device):
         assert [h["skipped"] for h in run[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and run[3] == 4
@@ -452,7 +451,7 @@ def test_bf16_moments_train_resume_exactly_and_checkpoint_in_fp32(tmp_path, dist
         for slot in r.members:
             assert inner.state[slot.main]["exp_avg_sq"].data_ptr() == r.exp_avg_sq[slot.start:].data_ptr()
     held = sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes + r.group.nbytes for i in _inners(full) for r in i.ranges)
-    assert full.state_budget().adam == pytest.approx(held, rel=0.01)  # the distributed optimizer's padding
+    assert full.parallel_model.budget.adam == pytest.approx(held, rel=0.01)  # the distributed optimizer's padding
     full_losses = losses(full.fit())
     fp32 = losses(Trainer(run(tmp_path / "fp32", "fp32")).fit())
     assert full_losses != fp32 and all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(full_losses, fp32))

@@ -279,8 +279,8 @@ def test_diffusers_weights_generate_as_the_imported_model_samples_with_ddim(chec
     refused with the way round."""
     from dit_mcore.diffusion import build_objective
     from dit_mcore.diffusion.samplers import sample
+    from dit_mcore.convert import load_diffusers
     from dit_mcore.generate.items import item_noise, make_items
-    from dit_mcore.models.dit.interop import load_diffusers
     from dit_mcore.models.adapter import image_model_fn
     request = _request(checkpoints["diffusers"], tmp_path / "d", "diffusers", steps=None, cfg_scale=None)
     p = plan(request, world_size=1)
@@ -305,10 +305,11 @@ def test_facebookresearch_weights_generate_as_the_imported_model_samples(tmp_pat
     from dit_mcore.diffusion.samplers import sample
     from dit_mcore.generate.items import item_noise, make_items
     from dit_mcore.models.dit.interop import export_facebookresearch
-    from dit_mcore.models.dit.interop.mapping import build_model, require_whole_model_world
+    from dit_mcore.models.dit.interop.mapping import build_model
     from dit_mcore.models.adapter import image_model_fn
+    from dit_mcore.parallel.initialize import whole_model_world
     from test_interop import _fill_random
-    require_whole_model_world()
+    whole_model_world()
     model = build_model(preset("tiny", timestep_freq_shift=0.0)).eval()
     _fill_random(model.parameters(), seed=7)
     torch.save({"ema": export_facebookresearch(model), "args": None}, tmp_path / "dit.pt")

@@ -4,7 +4,7 @@ runs down the layer order of ``docs/README.md``, and no set of modules imports i
 The layers, bottom first (a module may import its own layer and the ones below):
 
     dit_mcore.errors -> kernels, energon_data -> dit_mcore.diffusion -> dit_mcore.models
-    -> dit_mcore.parallel -> dit_mcore.training -> dit_mcore.generate -> recipes
+    -> dit_mcore.parallel -> dit_mcore.training -> dit_mcore.generate, dit_mcore.convert -> recipes
 
 (``kernels/`` and ``recipes/`` install as ``dit_mcore.kernels`` and ``dit_mcore.recipes``.)
 
@@ -29,21 +29,13 @@ LAYERS = (
     ("dit_mcore.models",),
     ("dit_mcore.parallel",),
     ("dit_mcore.training",),
-    ("dit_mcore.generate",),
+    ("dit_mcore.generate", "dit_mcore.convert"),
     ("dit_mcore.recipes",),
 )
 
 # The upward imports still to be turned round (issue 39), each "importer -> imported". The test fails
 # on any other upward import and on an entry here that no longer exists, so this list only shrinks.
-KNOWN_UPWARD = {
-    "dit_mcore.models.dit.interop.mapping -> dit_mcore.parallel.config",
-    "dit_mcore.models.dit.interop.mapping -> dit_mcore.parallel.initialize",
-    "dit_mcore.training.preview -> dit_mcore.generate.items",
-    "dit_mcore.training.preview -> dit_mcore.generate.media",
-    "dit_mcore.training.preview -> dit_mcore.generate.sampling",
-    "dit_mcore.training.trainer -> dit_mcore.generate.media",
-    "dit_mcore.training.trainer -> dit_mcore.generate.sampling",
-}
+KNOWN_UPWARD: set[str] = set()
 
 
 def module_files() -> dict[str, Path]:

@@ -83,7 +83,7 @@ def test_the_count_is_what_the_trainer_allocates(tmp_path, bf16, impl):
                 + nbytes(p.grad for inner in adams for g in inner.param_groups for p in g["params"]  # fp32 copies
                          if p.grad is not None and p.grad.dtype != b_dtype(trainer)),
                 main_weights=main if bf16 else 0, adam=adam, ema=nbytes(trainer.ema.module.parameters()))
-    budget = trainer.state_budget()
+    budget = trainer.parallel_model.budget
     for kind, value in real.items():
         if kind == "gradients":  # megatron pads each bucket
             assert value >= budget.gradients and value == pytest.approx(budget.gradients, rel=0.05), kind
@@ -109,7 +109,7 @@ def test_the_sharded_ema_count_is_what_the_trainer_allocates(tmp_path, monkeypat
     assert built and all(built[0])  # (the shadow as built, before the first release)
     trainer.train_step()
     held = sum(s.numel() * s.element_size() for s in trainer.ema.shards.shards)
-    assert held >= trainer.state_budget().ema and held == pytest.approx(trainer.state_budget().ema, rel=0.05)
+    assert held >= trainer.parallel_model.budget.ema and held == pytest.approx(trainer.parallel_model.budget.ema, rel=0.05)
     assert all(p.is_meta for p in trainer.ema._module.parameters())
 
 
@@ -159,7 +159,7 @@ def test_the_count_under_fsdp2_is_what_the_trainer_allocates(tmp_path):
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     local = lambda ts: (t.to_local() if hasattr(t, "to_local") else t for t in ts)  # noqa: E731
     adams = torch_adams(trainer.optimizer)
-    budget = trainer.state_budget()
+    budget = trainer.parallel_model.budget
     assert nbytes(local(p for chunk in trainer.model for p in sharded_parameters(chunk))) == budget.weights
     assert nbytes(local(p for inner in adams for g in inner.param_groups for p in g["params"])) == budget.main_weights
     assert nbytes(local(s[k] for inner in adams for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq"))) \

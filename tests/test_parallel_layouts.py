@@ -166,7 +166,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
         trainer.save()
     # Every rank holds the conditioning embedders whole (every pipeline stage too): under SP and CP
     # they see only some tokens, under PP only some layers; they must stay identical everywhere.
-    trainer._sync_params()  # (overlap_param_gather: the last update is gathered by the next forward, or here)
+    trainer.parallel_model.gather_params()  # (overlap_param_gather: the last update is gathered by the next forward, or here)
     last = trainer.model[-1]
     replicated = torch.cat([_whole(next(m.parameters())).flatten()
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])

@@ -133,14 +133,14 @@ def test_rotation_keeps_the_checkpoint_taken_before_a_skipped_step(tmp_path):
 
 
 def _signal_after(trainer, step, signum):
-    run_step = trainer._run_step
+    train_step = trainer.train_step
 
     def stepped(*args):
-        out = run_step(*args)
+        out = train_step(*args)
         if trainer.step == step:
             os.kill(os.getpid(), signum)  # arrives mid-run, as Slurm's warning would
         return out
-    trainer._run_step = stepped
+    trainer.train_step = stepped
 
 
 def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_path, monkeypatch):

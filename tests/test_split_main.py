@@ -127,14 +127,14 @@ def test_split_main_weights_train_as_fp32_ones_in_half_the_memory(tmp_path, dist
     state count says); the model weights are the main weights' upper halves; and the run trains as
     the flat AdamW over fp32 main weights: the same losses, main weights within one rounding tie."""
     ref = Trainer(_cfg(tmp_path / "fp32", split_mains=False, distopt=distopt))  # (one trainer at a time)
-    ref_budget, want = ref.state_budget(), losses(ref.fit())
+    ref_budget, want = ref.parallel_model.budget, losses(ref.fit())
     ref_mains = _mains(ref)
     run = Trainer(_cfg(tmp_path / "split", distopt=distopt))
     assert all(isinstance(i, FlatAdamW) and i.splits for i in _inners(run)) and not _held(run)
     ranges = [r for inner in _inners(run) for r in inner.ranges]
     assert all(r.main is None and r.rem.dtype == torch.int16 for r in ranges)
-    assert run.state_budget().main_weights == pytest.approx(sum(r.rem.nbytes for r in ranges), rel=0.01)
-    assert run.state_budget().main_weights == pytest.approx(ref_budget.main_weights / 2)
+    assert run.parallel_model.budget.main_weights == pytest.approx(sum(r.rem.nbytes for r in ranges), rel=0.01)
+    assert run.parallel_model.budget.main_weights == pytest.approx(ref_budget.main_weights / 2)
     got = losses(run.fit())
     assert not _held(run)  # the final checkpoint joined them for its duration only
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

@@ -31,35 +31,29 @@ def test_grid_writes_one_consistent_line_per_point(tmp_path):
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5)
         assert r["command"].startswith("python benchmarks/throughput.py")
         assert r["warmup_steps"] == 1 and r["graphs_compiled_while_timed"] == 0 and r["alloc_retries_while_timed"] == 0
-        waited = r["host_waited_ms_per_step"]  # (None where the host decides each step: it reads every one)
-        assert waited is None or 0.0 <= waited <= r["step_s"] * 1e3
         host = r["host_ms_per_step"]  # the host's time per phase of a step: parts of the whole
-        assert set(host) == set(throughput.HOST_PHASES) and 0 < host["run_step"] <= r["step_s"] * 1e3
-        assert host["forward_backward"] + host["batch"] + host["to_device"] <= host["run_step"]
+        assert set(host) == set(throughput.HOST_PHASES) and 0 < host["train_step"] <= r["step_s"] * 1e3
+        assert host["forward_backward"] + host["batch"] + host["to_device"] + host["grad_norm"] <= host["train_step"]
         assert r["state_gib"] == pytest.approx(count_params(get_family("dit"), "tiny")[0] * 20 / 2 ** 30)  # fp32: 20 B/param
 
 
 def test_host_phases_count_the_host_time_of_each_part_of_a_step(monkeypatch):
-    """``host_waited_ms_per_step`` and ``host_ms_per_step``: the time inside ``HostRead.get`` (the host
-    waiting for a step on the device) and ``HostFold.wait`` (an offloaded EMA's fold) as ``waits``, the
-    loader's batch, the micro-batches' copies, megatron's schedule, the trainer's step and its read,
-    summed over the block; every method given back as it was (the instance's patches removed)."""
+    """``host_ms_per_step``: the time inside ``HostFold.wait`` (an offloaded EMA's fold) as ``waits``, the
+    loader's batch, the micro-batches' copies, megatron's schedule, the gradient norm's read (the step's
+    wait for the device) and the trainer's whole step, summed over the block; every function given back
+    as it was (the instance's patches removed)."""
     import time
-    from types import SimpleNamespace
 
     from dit_mcore.training import trainer as trainer_module
     from dit_mcore.training.host_fold import HostFold
     from energon_data.batch import MicroBatch
-    from dit_mcore.kernels.host_copy import HostRead
 
-    def slow(read):
-        time.sleep(0.05)
-        return [1.0]
-    monkeypatch.setattr(HostRead, "get", slow)
     monkeypatch.setattr(HostFold, "wait", lambda fold: time.sleep(0.05))
     monkeypatch.setattr(MicroBatch, "to", lambda batch, device: time.sleep(0.02) or batch)
     monkeypatch.setattr(trainer_module, "get_forward_backward_func", lambda: lambda **kw: time.sleep(0.07))
-    get, wait, to, schedule = HostRead.get, HostFold.wait, MicroBatch.to, trainer_module.get_forward_backward_func
+    monkeypatch.setattr(trainer_module, "grads_and_norm", lambda optimizer: time.sleep(0.05) or 1.0)
+    wait, to, schedule, norm = (HostFold.wait, MicroBatch.to, trainer_module.get_forward_backward_func,
+                                trainer_module.grads_and_norm)
 
     class Loader:
         def next_global_batch(self):
@@ -70,20 +64,19 @@ def test_host_phases_count_the_host_time_of_each_part_of_a_step(monkeypatch):
         def __init__(self):
             self.loader = Loader()
 
-        def _settle(self, step):
-            object.__new__(HostRead).get()
-
-        def _run_step(self):
+        def train_step(self):
             batch = [b.to("cpu") for b in self.loader.next_global_batch()]
             trainer_module.get_forward_backward_func()(data=batch)
+            trainer_module.grads_and_norm(None)
             object.__new__(HostFold).wait()
     trainer = Trainer()
     with throughput.host_phases(trainer) as host:
-        trainer._settle(trainer._run_step())
-    assert 0.1 <= host["waits"] < 0.3 and 0.03 <= host["batch"] < 0.1 and 0.02 <= host["to_device"] < 0.1
-    assert 0.07 <= host["forward_backward"] < 0.2 and 0.05 <= host["settle"] < 0.2
-    assert 0.17 <= host["run_step"] < 0.5  # batch + copies + schedule + the fold's wait
-    assert (HostRead.get, HostFold.wait, MicroBatch.to, trainer_module.get_forward_backward_func) == (get, wait, to, schedule)
+        trainer.train_step()
+    assert 0.05 <= host["waits"] < 0.15 and 0.03 <= host["batch"] < 0.1 and 0.02 <= host["to_device"] < 0.1
+    assert 0.07 <= host["forward_backward"] < 0.2 and 0.05 <= host["grad_norm"] < 0.15
+    assert 0.22 <= host["train_step"] < 0.6  # batch + copies + schedule + norm + the fold's wait
+    assert (HostFold.wait, MicroBatch.to, trainer_module.get_forward_backward_func, trainer_module.grads_and_norm) == (
+        wait, to, schedule, norm)
     assert vars(trainer) == {"loader": trainer.loader} and not vars(trainer.loader)
 
 

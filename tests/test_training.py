@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
 from dit_mcore.errors import ConfigError
+from dit_mcore.generate.preview import Previews, preview
 from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                        RunConfig, TrainerConfig)
 from dit_mcore.parallel.config import ParallelConfig
@@ -63,12 +64,12 @@ def test_an_offloaded_fold_uses_copies_queued_right_after_its_update_and_the_nex
     assert trainer.ema_sharded == sharded_overlap
     calls, ema, host_fold = [], trainer.ema, trainer.ema.host_fold
     stage, fold, fence = ema.stage, ema.fold, ema.fence
-    monkeypatch.setattr(ema, "stage", lambda model: (calls.append(("stage", trainer.step + 1)), stage(model)))
+    monkeypatch.setattr(ema, "stage", lambda model: (calls.append(("stage", trainer.step)), stage(model)))
     monkeypatch.setattr(ema, "fold", lambda model: (calls.append(("fold", host_fold._staged)), fold(model)))
     monkeypatch.setattr(ema, "fence", lambda: (calls.append(("fence",)), fence()))
-    update = trainer_module.step_on_device if trainer.steps_on_device else trainer_module.step_if_finite
-    monkeypatch.setattr(trainer_module, update.__name__,
-                        lambda *a, **k: (calls.append(("update", trainer.step + 1)), update(*a, **k))[1])
+    update = trainer_module.step_if_finite
+    monkeypatch.setattr(trainer_module, "step_if_finite",
+                        lambda *a, **k: (calls.append(("update", trainer.step)), update(*a, **k))[1])
     trainer.train_steps(6)
     assert [c[1] for c in calls if c[0] == "update"] == [1, 2, 3, 4, 5, 6]
     assert [c[1] for c in calls if c[0] == "stage"] == [2, 4, 6]  # only where a fold follows
@@ -132,7 +133,7 @@ def test_an_offloaded_ema_trains_checkpoints_and_previews_as_the_one_on_the_devi
     for (name, a), b in zip(plain.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
-    assert resumed.preview() is not None
+    assert preview(resumed) is not None
 
 
 def test_ema_every_k_steps_skips_a_non_finite_step_and_still_folds_on_schedule(tmp_path):
@@ -187,7 +188,7 @@ def test_half_written_checkpoint_never_replaces_a_good_one(tmp_path):
 
 
 def test_run_directory_outputs(tmp_path):
-    pretrain(tiny_run(tmp_path, max_steps=2, sample_interval=2))
+    pretrain(tiny_run(tmp_path, max_steps=2, sample_interval=2), hooks=[Previews(2)])
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"):
@@ -227,7 +228,7 @@ def _tp_worker(rank, world, run_dir):
     cfg.parallel.tensor_model_parallel_size = 2
     trainer = Trainer(cfg)
     history = [trainer.train_step()["loss"] for _ in range(3)]
-    trainer.preview()
+    preview(trainer)
     trainer.save()
     return history
 
@@ -280,46 +281,39 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("on_device", [True, False], ids=["fused_adam", "host_decided"])
+@pytest.mark.parametrize("adam", ["fused", "foreach"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_training_step_reads_nothing_to_the_host_while_it_is_queued(tmp_path, packed, on_device):
-    """Nothing in the model, the kernels or the trainer's step syncs the device with the host.
-    With torch's fused AdamW the step is decided on the device (clip and skip of a non-finite step:
-    ``optim.step_on_device``) and queued with no read at all; its metrics come back through
-    ``HostRead`` (an event wait, not counted here, taken when the step is settled). Decided on the
-    host (apex/TE or foreach Adam), the one read is megatron's grad norm ``.item()``. megatron's
-    token-count read in ``finalize_model_grads`` is replaced (``optim.finalize_grads``); the packed
-    sin-cos table's size comes from the batch's grids, which ``MicroBatch.to`` keeps on the host."""
+def test_a_training_step_reads_to_the_host_only_for_the_gradient_norm(tmp_path, packed, adam):
+    """Nothing in the model, the kernels or the trainer's step syncs the device with the host but the
+    one read megatron's clip needs, the gradient norm's ``.item()`` (after it the step's metrics are
+    read, computed by then); foreach Adam also reads its host-side ``step``. megatron's token-count
+    read in ``finalize_model_grads`` is replaced (``optim.finalize_grads``); the packed sin-cos
+    table's size comes from the batch's grids, which ``MicroBatch.to`` keeps on the host."""
     cfg = tiny_run(tmp_path)
     if packed:
         cfg.data = DataConfig(name="mock", mock_latent_shapes=[[1, 8, 8], [2, 4, 4]], max_seq_len=64,
                               global_batch_size=4, micro_batch_size=2)
         cfg.model.num_classes = 10
-    if not on_device:
-        cfg.optim.adam_impl = "foreach"
+    cfg.optim.adam_impl = adam
     trainer = Trainer(cfg)
-    assert trainer.steps_on_device == on_device
-    first = trainer._run_step()
+    trainer.train_step()
     batches = trainer.loader.next_global_batch()
     trainer.loader.next_global_batch = lambda: batches
-    trainer._settle(first)
     with _HostReads() as reads:
-        trainer._run_step()
-    allowed = (("dit/model.py:_embed",) if packed else ()) + (
-        () if on_device else ("clip_grads.py:get_grad_norm_fp32",
-                              "optimizer.py:step_with_ready_grads"))  # foreach Adam reads its host-side `step`
+        trainer.train_step()
+    allowed = (("dit/model.py:_embed",) if packed else ()) + ("clip_grads.py:get_grad_norm_fp32", "trainer.py:train_step") + (
+        ("optimizer.py:step_with_ready_grads",) if adam == "foreach" else ())
     assert all(c.endswith(allowed) for c in reads.callers), sorted(set(reads.callers))
-    assert bool(reads.callers) == (packed or not on_device)
+    assert sum(c.endswith("get_grad_norm_fp32") for c in reads.callers) == 1
     assert batches[0].to("meta").grids.device.type == "cpu"
 
 
-def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, adam_impl: str = "fused", grads: str = "fp32"):
+def _run_with_clipping_and_a_bad_step(run_dir, *, adam_impl: str = "fused", grads: str = "fp32"):
     cfg = tiny_run(run_dir, max_steps=5)
     cfg.optim.clip_grad, cfg.optim.warmup_steps = 1e-3, 3  # every step clipped; the LR moves each step
     cfg.optim.adam_impl, cfg.optim.main_grads_dtype = adam_impl, grads
     cfg.trainer.bf16 = grads == "bf16"  # (bf16 gradient buffers: a bf16 model)
     trainer = Trainer(cfg)
-    trainer.steps_on_device = on_device
     loss = trainer.objective.loss
     trainer.objective.loss = lambda pred, inputs: loss(pred, inputs) * (float("inf") if trainer.step == 1 else 1.0)
     history = trainer.train_steps(5)
@@ -328,18 +322,54 @@ def _run_with_clipping_and_a_bad_step(run_dir, *, on_device: bool, adam_impl: st
     return history, weights, ema, trainer.scheduler.num_steps, trainer
 
 
-def test_a_step_decided_on_the_device_equals_one_decided_on_the_host(tmp_path):
-    """``optim.step_on_device`` (clip through fused AdamW's gradient scale, skip through its
-    ``found_inf``, no host read) against megatron's host-decided clip and skip on the same fused
-    AdamW: same losses, norms, weights and EMA to rounding, the non-finite step 2 skipped by both
-    (weights, LR schedule and EMA untouched)."""
-    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", on_device=False)
-    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", on_device=True)
-    for run in (host, device):
-        assert [h["skipped"] for h in run[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and run[3] == 4
-        assert all(h["grad_norm"] > 1e-2 for h in run[0] if not h["skipped"])  # clipping was active
-    for key in ("loss", "grad_norm", "lr"):
-        torch.testing.assert_close(torch.tensor([h[key] for h in device[0] if not h["skipped"]]),
-                                   torch.tensor([h[key] for h in host[0] if not h["skipped"]]), rtol=1e-5, atol=1e-7)
-    for got, ref in zip(device[1] + device[2], host[1] + host[2]):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+def test_a_clipped_run_skips_a_non_finite_step_without_touching_anything(tmp_path):
+    """Every step clipped (clip 1e-3), the loss of step 2 infinite: step 2 is skipped (no update, no
+    LR step: the scheduler counts 4) and every other step is clipped and finite."""
+    history, weights, ema, lr_steps, _ = _run_with_clipping_and_a_bad_step(tmp_path)
+    assert [h["skipped"] for h in history] == [0.0, 1.0, 0.0, 0.0, 0.0] and lr_steps == 4
+    assert all(h["grad_norm"] > 1e-2 for h in history if not h["skipped"])  # clipping was active
+    assert all(torch.isfinite(t).all() for t in weights + ema)
+
+
+def test_a_post_step_hook_runs_after_every_step_and_at_the_end_and_the_ema_folds_where_it_reads(tmp_path):
+    """``Trainer(cfg, hooks=[...])``: a hook is called after each step (the trainer's ``step`` is the step
+    just completed), after the built-in stops and before the checkpoints, then once at the end; with
+    ``trainer.ema_every`` far away, the EMA is averaged in exactly after the steps the hook says it reads."""
+    from dit_mcore.training.hooks import Checkpoints, StepHook
+
+    class Reader(StepHook):
+        def __init__(self):
+            self.calls = []
+
+        def reads_after(self, step):
+            return step == 2
+
+        def after_step(self, trainer):
+            self.calls.append((trainer.step, trainer.ema.unfolded_decay == 1.0))
+
+        def at_end(self, trainer):
+            self.calls.append(("end", trainer.step))
+
+    cfg = tiny_run(tmp_path, max_steps=4)
+    cfg.trainer.ema_every = 100
+    reader = Reader()
+    trainer = Trainer(cfg, hooks=[reader])
+    assert trainer.hooks.index(reader) == len(trainer.hooks) - 2 and isinstance(trainer.hooks[-1], Checkpoints)
+    trainer.fit()
+    assert reader.calls == [(1, False), (2, True), (3, False), (4, True), ("end", 4)]  # step 4: the run's end
+
+
+def test_a_finished_trainer_is_freed_without_the_cycle_collector(tmp_path):
+    """No reference cycle holds a trainer: dropped, it is freed at once with its loader's threads and its
+    process groups' users (the layout suites count threads right after each case)."""
+    import gc
+    import weakref
+    trainer = Trainer(tiny_run(tmp_path, max_steps=2))
+    trainer.train_step()
+    gone = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -181,7 +181,7 @@ def test_text_previews_of_a_model_with_labels_and_text(world, tmp_path):
 
     from dit_mcore.diffusion import build_objective
     from dit_mcore.training.config import DiffusionConfig
-    from dit_mcore.training.preview import draw_text_preview
+    from dit_mcore.generate.preview import draw_text_preview
     cfg, model = _model(num_classes=10, class_dropout_prob=0.1)
     run = SimpleNamespace(data=SimpleNamespace(video_frames=2), diffusion=DiffusionConfig(sample_steps=2, cfg_scale=3.0))
     g = torch.Generator().manual_seed(0)

@@ -87,7 +87,7 @@ def _shim_rng() -> None:
         self._is_initialized = True
         self.seeds_.add(seed)
         saved = torch.get_rng_state()
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # (torch.manual_seed also queues a CUDA seed with its traceback)
         self.states_[name] = torch.get_rng_state()
         torch.set_rng_state(saved)
 

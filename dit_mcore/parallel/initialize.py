@@ -86,6 +86,26 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
              parallel_state.get_data_parallel_world_size())
 
 
+def whole_model_world() -> None:
+    """Megatron's parallel state for whole models (TP=PP=1), set up in a plain interpreter with as few
+    side effects as possible: an in-memory store (no environment variables, no port) and the caller's
+    RNG state left as it was; nothing to do where it is set up already. For converting weights
+    (:mod:`dit_mcore.convert`): megatron's layers need its parallel state even at TP=PP=1, and on CPU
+    the shims :func:`initialize_distributed` applies."""
+    if parallel_state.model_parallel_is_initialized():
+        return
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(f"torch.distributed has {dist.get_world_size()} ranks but megatron's parallel state is "
+                           "not initialised; call dit_mcore.parallel.initialize.initialize_distributed("
+                           "ParallelConfig(), seed) on every rank first, or convert in a single process")
+    on_gpu = torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else []):
+        initialize_distributed(ParallelConfig(), seed=0)
+    log.info("set up a single-process megatron world (TP=PP=1) for whole models")
+
+
 _AT_RELEASE: list = []
 
 

@@ -2,7 +2,7 @@
 generated digit image show the requested class?
 
 Reads a text-preview folder (``samples/step_XXXXXX/index.json`` and its GIFs, see
-:mod:`dit_mcore.training.preview`) whose prompts are ``moving_digits`` captions ("a 3 moving
+:mod:`dit_mcore.generate.preview`) whose prompts are ``moving_digits`` captions ("a 3 moving
 left") and checks each clip:
 
 - **direction**: the centroid of the ink (pixels brighter than mid-grey, so faint noise does not pull

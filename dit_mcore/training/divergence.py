@@ -1,6 +1,6 @@
 """Divergence guard: a step whose loss or gradient norm is not finite is skipped (the optimizer
-never applies it: ``optim.step_on_device`` / ``optim.step_if_finite``) and counted; after ``max_consecutive`` skips in a
-row the run stops (a non-finite step decided on the device is skipped there too), without writing a checkpoint of the diverged state, and the last checkpoint
+never applies it: ``optim.step_if_finite``) and counted; after ``max_consecutive`` skips in a
+row the run stops, without writing a checkpoint of the diverged state, and the last checkpoint
 taken before the first skip is protected from rotation."""
 from __future__ import annotations
 

@@ -237,3 +237,49 @@ def _lerp(shadow: list[torch.Tensor], params: list[torch.Tensor], weight: float)
             step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)  # which dynamo would guard on)
     else:
         torch._foreach_lerp_(shadow, [p.float() for p in params], weight)
+
+
+class EMASchedule:
+    """The EMA as the training step drives it, behind one call (:meth:`around_update`): the weights are
+    averaged in after every ``every``-th step and after each step whose state is read (``read_after``: a
+    save, a preview, the end of the run), at fixed step numbers, so a resumed run folds where an
+    uninterrupted one does (a checkpoint in between, a preemption's, carries the steps not yet folded:
+    :attr:`EMA.unfolded_decay`).
+
+    ``gather`` gathers the updated weights for a reader outside the forward (``overlap_param_gather``);
+    a sharded EMA reads this rank's own slices, which its optimizer wrote, and needs no gather."""
+
+    def __init__(self, ema: EMA, model: torch.nn.Module, *, every: int, read_after, gather,
+                 overlap_param_gather: bool = False):
+        self.ema, self.model, self.every = ema, model, every
+        self.read_after, self.gather, self.overlap_param_gather = read_after, gather, overlap_param_gather
+
+    def folds_after(self, step: int) -> bool:
+        """Whether the weights are averaged in after ``step`` (1-based)."""
+        return step % self.every == 0 or self.read_after(step)
+
+    def around_update(self, step: int, update) -> bool:
+        """Run optimizer step ``step`` (1-based; ``update()`` returns whether it applied) with the EMA around
+        it: an offloaded fold's copies of the weights (a side stream) are waited for before the update
+        writes them; where a fold follows, the copies of the new weights are queued right after it
+        (:meth:`EMA.stage`: they run beside the work queued next; a replicated EMA under
+        ``overlap_param_gather`` needs the gather first, and the fold copies them itself); an applied
+        update is noted; the fold, where scheduled. Returns what ``update`` returned."""
+        self.ema.fence()
+        updated = update()
+        folds = self.folds_after(step)
+        if folds and (self.ema.shards is not None or not self.overlap_param_gather):
+            self.ema.stage(self.model)
+        if updated:
+            self.ema.note(step - 1)
+        if folds:
+            self.fold()
+        return updated
+
+    def fold(self) -> None:
+        """Average the weights in now (a no-op with no step noted since the last fold), gathered first
+        unless sharded."""
+        if self.ema.unfolded_decay != 1.0:
+            if self.ema.shards is None:
+                self.gather()
+            self.ema.fold(self.model)

@@ -44,7 +44,7 @@ off). megatron would then copy every gradient into a new fp32 tensor each step (
 reads it too (:meth:`FlatAdamW.attach_main_grads`, :meth:`FlatAdamW.grads_for_norm`), so no main
 weight holds a gradient. megatron's own ``step``, ``clip_grad_norm`` and ``count_zeros`` would then
 find no gradients to clip or count: they are refused (the trainer steps through
-:func:`dit_mcore.training.optim.step_if_finite` and ``step_on_device``, which clip in the kernel).
+:func:`dit_mcore.training.optim.step_if_finite`, which clips in the kernel).
 
 The main weights of bf16 model weights may be split (``optim.split_main_params``): no fp32 tensor holds
 them; the kernel joins each from its model weight and an int16 remainder and writes both halves back
@@ -418,7 +418,7 @@ def _clips_nothing(name: str):
     def refused(*args, **kwargs):
         raise RuntimeError(f"megatron's optimizer.{name}() would find no gradient on the main weights: the flat AdamW "
                            f"reads bf16 gradient buffers (optim.main_grads_dtype=bf16) in its kernel; step with "
-                           f"dit_mcore.training.optim.step_if_finite or step_on_device, which clip there")
+                           f"dit_mcore.training.optim.step_if_finite, which clips there")
     return refused
 
 

@@ -35,8 +35,8 @@ of those break or slow a run, on a GPU as much as on the CPU:
 leaves apex's and TE's kernels alone.
 
 **Which Adam.** megatron picks its Adam when it is imported: Transformer Engine's or apex's FusedAdam
-where installed (the NGC image), else torch's AdamW. This project's steps (the flat AdamW, the step
-decided on the device, bf16 moments, split main weights) are torch's AdamW, so :func:`choose_adam`
+where installed (the NGC image), else torch's AdamW. This project's steps (the flat AdamW, bf16 moments,
+split main weights) are torch's AdamW, so :func:`choose_adam`
 makes megatron build torch's AdamW for every ``optim.adam_impl`` but ``"megatron"`` (its own pick),
 setting megatron's module flags as its import sets them without TE and apex (TE's and apex's
 multi-tensor kernels stay in use for clipping, norms and copies).

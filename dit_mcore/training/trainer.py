@@ -1,5 +1,6 @@
-"""The training loop: megatron-core forward/backward schedule, DDP, optimizer, EMA, checkpoints,
-metrics and preview grids.
+"""The training loop: :meth:`Trainer.train_step` (one optimizer step, top to bottom) and
+:meth:`Trainer.fit` (steps, their metrics and the post-step hooks: :mod:`dit_mcore.training.hooks`).
+The model is built and put in its parallel layout by :func:`dit_mcore.training.parallelize.parallelize`.
 
 Randomness that shapes a step (noise levels, noise, label dropout) is drawn from generators seeded
 by ``(seed, step, micro-batch within the global batch)``, and the data order by ``(seed, epoch)``; so a
@@ -7,51 +8,39 @@ resumed run replays exactly the steps an uninterrupted run would have taken.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import logging
 import math
 import os
-import signal
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion import build_objective, drop_labels
-from dit_mcore.generate.media import dataset_decoder
-from dit_mcore.generate.sampling import dataset_text_encoder
-from dit_mcore.kernels.host_copy import HostRead, to_device
+from dit_mcore.errors import ConfigError
+from dit_mcore.kernels.host_copy import to_device
 from dit_mcore.kernels.planned_attention import forget_plans
 from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.flops import peak_tflops
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
-from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.models.text import TextContext
 from dit_mcore.parallel import tp_comm_overlap
-from dit_mcore.parallel.fsdp import copy_into, forward_view, local, publish_weights
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
-from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
-from dit_mcore.training import checkpoint as ckpt, ema_shards, memory
+from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
-from dit_mcore.training.ema import EMA
-from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
-from dit_mcore.training.preemption import Preempted, PreemptionSignals, requeue_if_slurm
-from dit_mcore.training.optim import (build_optimizer, device_grad_norm, grads_and_norm, moment_dtypes,
-                                     per_sample_loss_scale, prefers_flat, resolve_adam_impl, shard_fully,
-                                     step_if_finite, step_on_device, steps_on_device, wrap_data_parallel)
-from dit_mcore.training.preview import draw_preview, draw_text_preview, moving_digits_prompts
-from dit_mcore.training.torch_optimizer import builds_torch_adam
+from dit_mcore.training.ema import EMASchedule
+from dit_mcore.training.hooks import Checkpoints, StepHook, StopOnDivergence, StopOnPreemption
+from dit_mcore.training.metrics import MetricsLogger, StepRate
+from dit_mcore.training.optim import build_optimizer, grads_and_norm, per_sample_loss_scale, step_if_finite
+from dit_mcore.training.parallelize import parallelize
+from dit_mcore.training.preemption import PreemptionSignals
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 
@@ -72,9 +61,10 @@ def step_generator(seed: int, step: int, global_micro: int, device="cpu") -> tor
 
 
 class Trainer:
-    """Owns the model, optimizer, data and run directory of one training run."""
+    """Owns the model, optimizer, data and run directory of one training run; ``hooks`` run after
+    each step, between the built-in stops and the checkpoints (:mod:`dit_mcore.training.hooks`)."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, hooks: Sequence[StepHook] = ()):
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
@@ -96,44 +86,24 @@ class Trainer:
                 tp_comm_overlap.userbuffer_shape(cfg.data, self.model_config, self.dp_size),
                 cfg.parallel.tensor_model_parallel_size, self.compute_dtype)
 
-        # This rank's pipeline chunks (one without VPP) and the EMA shadow; with
-        # model.init_model_with_meta_device both start on the meta device and are filled part by
-        # part after FSDP has sharded them (each rank allocates only its shards).
-        parts = []
-        with on_each_part(lambda key, owned: parts.append((key, owned))) if self.meta_init else contextlib.nullcontext():
-            self.model = self._build_model()
-        self.ema_sharded = self._ema_sharded()
-        self._check_state_fits()  # before the EMA, the optimizer and any compile allocate or take time
-        if cfg.model.compile:
-            for chunk in self.model:
-                chunk.compile_layers(cfg.model.compile_mode, cfg.model.compile_options)
-        rng = torch.get_rng_state()  # the shadow's random init is overwritten; keep the stream
-        # The EMA shadow (fp32, previews) multiplies in full precision: float8 is a training speed-up,
-        # and fp32-output float8 GEMMs are not supported on every GPU. Same parameters and keys.
-        # Sharded (trainer.ema_shard), it is only ever allocated whole for a preview or a checkpoint.
-        shadow = self._build_model(device="meta" if self.ema_sharded else None,
-                                   config=_shadow_config(self.model_config, unallocated=self.ema_sharded,
-                                                         te=_holds_te(self.model))).float()
-        torch.set_rng_state(rng)
-        fsdp = cfg.parallel.fsdp != "none"
-        if not fsdp:
-            self._materialize(parts, None if self.ema_sharded else shadow)
-        self.ddp_chunks = wrap_data_parallel(self.model, self.model_config, cfg.parallel,
-                                             use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
-                                             grad_reduce_in_fp32=cfg.optim.main_grads_dtype == "fp32")
-        if fsdp:  # the EMA shadow is sharded like the model
-            self.shadow_chunks = shard_fully(shadow, self.model_config, self.ddp_chunks[0].ddp_config,
-                                             cfg.parallel.fsdp)
-            self._materialize(parts, shadow)
-        self.ema = EMA(self.model, shadow, cfg.trainer.ema_decay, offload=cfg.trainer.ema_offload,
-                       shard_over=self.ddp_chunks if self.ema_sharded else None)
+        self.parallel_model = parallelize(cfg, self.model_config, self.family, self.device)
+        self.model, self.ddp_chunks = self.parallel_model.model, self.parallel_model.ddp_chunks
+        self.ema, self.ema_sharded = self.parallel_model.ema, self.parallel_model.ema_sharded
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
                                                          max_steps=cfg.trainer.max_steps)
         self.sample_weight = torch.ones((), device=self.device)  # 1 / the global batch's samples, per step
         per_sample_loss_scale(self.ddp_chunks[0].config, self.optimizer, self.sample_weight)
         self.loader = self._build_data()
+
+        self.hooks = all_hooks = [StopOnDivergence(), StopOnPreemption(), *hooks,
+                                  Checkpoints(cfg.trainer.save_interval, cfg.trainer.max_steps)]
+        # (the schedule reads the hooks' list, not the trainer: a finished trainer is freed at once, with its
+        # loader's threads and its process groups, without waiting for the cycle collector)
+        self.ema_schedule = EMASchedule(self.ema, self.model, every=cfg.trainer.ema_every,
+                                        read_after=lambda step: any(h.reads_after(step) for h in all_hooks),
+                                        gather=self.parallel_model.gather_params,
+                                        overlap_param_gather=cfg.parallel.overlap_param_gather)
         self.skipped_samples = 0
-        self._params_gathered = True  # every rank's model weights are whole (overlap_param_gather)
         self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
         self.signals = PreemptionSignals()
         self.last_saved: Optional[str] = None  # the newest checkpoint's name (kept if training diverges)
@@ -147,41 +117,6 @@ class Trainer:
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup helpers
-    @property
-    def meta_init(self) -> bool:
-        return bool(self.cfg.model.init_model_with_meta_device)
-
-    def _build_model(self, device=None, seed: Optional[int] = None, config=None) -> ModelChunks:
-        config = config or self.model_config
-
-        def chunk(**stage):
-            return self.family.build(config, backend=self.cfg.model.backend, **stage)
-        device = device or ("meta" if self.meta_init else self.device)
-        with torch.device(device):
-            model = ModelChunks.build(chunk, self.model_config.virtual_pipeline_model_parallel_size, seed=seed)
-        # bf16 parameters and compute; the optimizer keeps fp32 main weights (megatron mixed precision).
-        return model.to(self.compute_dtype)
-
-    def _materialize(self, parts: list, shadow: Optional[ModelChunks]) -> None:
-        """Allocate a meta-built model (its shards only, under FSDP) and fill it part by part with
-        the values a direct build gives; the shadow (None: a sharded EMA's, left on the meta device)
-        is only allocated (the EMA copies the model)."""
-        if not self.meta_init:
-            return
-        modules = (self.model,) if shadow is None else (self.model, shadow)
-        if self.cfg.parallel.fsdp != "megatron":  # (Megatron-FSDP allocated its shards when it wrapped)
-            for module in modules:
-                module.to_empty(device=self.device)
-        with torch.random.fork_rng(devices=[]):
-            materialize_parts(lambda: self._build_model(device="cpu", seed=self.model.init_seed), parts,
-                              copy_into=copy_into)
-        publish_weights(modules)
-        left = [name for module in modules for name, t in (*module.named_parameters(),
-                                                                         *module.named_buffers()) if local(t).is_meta]
-        if left:
-            raise RuntimeError(f"the meta-device build left {len(left)} tensors unallocated (first: {left[0]}); "
-                               "a module the sharding wrapper does not allocate needs a reset_parameters method")
-
     def _build_data(self):
         cfg = self.cfg
         common = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, seed=cfg.trainer.seed,
@@ -265,7 +200,7 @@ class Trainer:
 
     def save(self) -> Path:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
-        self._sync_params()  # the model weights of the last update (overlap_param_gather)
+        self.parallel_model.gather_params()  # the model weights of the last update (overlap_param_gather)
         self.finish_saves()  # one save in flight at a time
         with self.ema.saving() as shadow:  # (sharded: what this rank writes, gathered into host memory)
             path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, shadow, self.optimizer,
@@ -331,95 +266,66 @@ class Trainer:
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_full((), float(n))])}
 
     def train_step(self) -> dict:
-        """One optimizer step; returns its metrics (the host reads them once the step is queued)."""
-        return self._settle(self._run_step())
-
-    def train_steps(self, n: int) -> list[dict]:
-        """``n`` steps, as :meth:`fit` runs them (without its saves, previews and logs)."""
-        return [self.train_step() for _ in range(n)]
-
-    def _run_step(self) -> "_Step":
-        """Queue one step: forward/backward, the reductions of its metrics, then the update.
-
-        Where the optimizer steps on the device, the clip and the skip of a non-finite step are
-        decided there (:func:`optim.step_on_device`) and the metrics are copied back behind the
-        update (:class:`dit_mcore.kernels.host_copy.HostRead`): the host queues the whole step
-        before it first waits, in :meth:`_settle`. Elsewhere (apex/TE or foreach Adam) the host
-        reads the gradient norm and decides, as megatron does. (Reading step k while step k+1 ran
-        measured 1.01x, eager only, and was removed: issue 39.)"""
+        """One optimizer step, top to bottom: zero the gradients; the global batch's micro-batches forward
+        and backward (megatron's schedule, each sample weighing 1 / the batch's samples); the step's
+        metrics and the preemption vote reduced; the gradient norm (the step's one host wait); clip and
+        update, skipped if the loss or the norm is not finite, with the EMA's schedule around it; the
+        LR schedule. Returns the step's metrics."""
         forget_plans()  # the last step's packed-attention plans: its backward passes are done
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
+        self._weigh_samples(microbatches)
+        rows, seq = microbatches[0].tokens.shape[:2]
+        reduced = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=[iter(enumerate(microbatches)) for _ in self.ddp_chunks],
+            model=self.ddp_chunks, num_microbatches=len(microbatches), seq_length=self.model.token_shard.padded(seq),
+            micro_batch_size=rows, forward_only=False)
+        self.signals.start_vote(self.device)
+        totals = self._reduce_metrics(reduced, microbatches)  # queued: read below, after the wait
+        moe = self._moe_metrics(len(microbatches))
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = grads_and_norm(self.optimizer)  # the host waits for the backward here
+        loss_sum, samples, skipped_samples, tokens, gflops, ballot = totals.tolist()  # done by now
+        loss = loss_sum / max(samples, 1.0)
+        self.step += 1  # the update, the EMA's schedule and the hooks see the number of the step it completes
+        updated = self.ema_schedule.around_update(self.step, lambda: self._update(math.isfinite(loss), grad_norm))
+        self.signals.settle(ballot, dist.get_world_size(parallel_state.get_data_parallel_group()))
+        self.divergence.record(updated, self.step, self.last_saved)
+        self.skipped_samples += int(skipped_samples)
+        return {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
+                "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
+                "skipped": 0.0 if updated else 1.0, "skipped_steps": float(self.divergence.skipped_steps),
+                **{name: float(value) for name, value in moe.items()}}
+
+    def train_steps(self, n: int) -> list[dict]:
+        """``n`` steps, as :meth:`fit` runs them (without its hooks and logs)."""
+        return [self.train_step() for _ in range(n)]
+
+    def _update(self, loss_is_finite: bool, grad_norm: float) -> bool:
+        """Clip and update (skipped if the loss or the norm is not finite); the LR schedule and the
+        parameter gather (``overlap_param_gather``) follow an applied update. True if applied."""
+        if not step_if_finite(self.optimizer, loss_is_finite, grad_norm):
+            return False
+        self.scheduler.step(increment=1)
+        self.parallel_model.updated()
+        return True
+
+    def _reduce_metrics(self, reduced: list, microbatches) -> torch.Tensor:
+        """``[loss sum, samples, skipped samples, real tokens, GFLOPs, preemption ballot]`` summed over the
+        data-parallel ranks, queued on the device (the losses live on the last pipeline stage)."""
         flops = sum(self.family.flops(self.model_config, b.seqlens, b.text_seqlens, b.grids[:, 0].tolist()).model
                     for b in microbatches)  # host ints (grids stay on the host)
         counts = to_device([float(sum(b.num_skipped for b in microbatches)),
                             float(sum(b.num_real_tokens for b in microbatches)), flops / 1e9], self.device)
-        self._weigh_samples(microbatches)
-        fwd_bwd = get_forward_backward_func()
-        rows, seq = microbatches[0].tokens.shape[:2]
-        reduced = fwd_bwd(forward_step_func=self._forward_step,
-                          data_iterator=[iter(enumerate(microbatches)) for _ in self.ddp_chunks],
-                          model=self.ddp_chunks, num_microbatches=len(microbatches),
-                          seq_length=self.model.token_shard.padded(seq), micro_batch_size=rows,
-                          forward_only=False)
-        self.signals.start_vote(self.device)  # overlaps the metrics below; read with the loss
-        step = _Step(self.step + 1, moe=self._moe_metrics(len(microbatches)))
         totals = torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=self.device)
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # losses live on the last stage
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
         totals = torch.cat([totals, counts, self.signals.ballot()])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-        moe = list(step.moe.values())
-        step.lr = self.optimizer.param_groups[0]["lr"]
-        self.ema.fence()  # an offloaded EMA's copies of the weights (a side stream) before the update writes them
-        if self.steps_on_device:
-            grad_norm = device_grad_norm(self.optimizer, self.device)
-            step.read = HostRead(torch.cat([totals, grad_norm.reshape(1), *(v.float().reshape(1) for v in moe)]))
-            step_on_device(self.optimizer, totals[0] / totals[1].clamp(min=1.0), grad_norm)
-        else:
-            grad_norm = grads_and_norm(self.optimizer)  # the host waits for the backward here
-            step.values = totals.tolist() + [grad_norm] + [float(v) for v in moe]  # done by now
-            step.updated = step_if_finite(self.optimizer, math.isfinite(step.values[0] / max(step.values[1], 1.0)),
-                                          grad_norm)
-        if self._ema_folds_after(step.index) and (self.ema_sharded or not self.cfg.parallel.overlap_param_gather):
-            self.ema.stage(self.model)  # offloaded: its copies queued now run beside the next forward
-            # (a sharded EMA reads this rank's own slices, written by this update, which the next forward's
-            # gather leaves as they are; a replicated one under overlap_param_gather needs that gather: the
-            # fold copies the weights itself)
-        self.step += 1
-        return step
-
-    def _settle(self, step: "_Step") -> dict:
-        """Read ``step``'s metrics and do what its outcome decides on the host (once per step): the LR
-        schedule and the EMA advance only after an update, the divergence guard counts a skip,
-        the preemption vote is tallied. The updated parameters are gathered
-        (``overlap_param_gather``) only for a reader: a replicated EMA's fold here, a save."""
-        values = step.values if step.values is not None else step.read.get()
-        loss_sum, samples, skipped_samples, tokens, gflops, ballot, grad_norm = values[:7]
-        loss = loss_sum / max(samples, 1.0)
-        ok = step.updated if step.updated is not None else math.isfinite(loss) and math.isfinite(grad_norm)
-        self.signals.settle(ballot, dist.get_world_size(parallel_state.get_data_parallel_group()))
-        if ok:
-            self.scheduler.step(increment=1)
-            self._params_gathered = False  # no forward has gathered this update yet
-            self.ema.note(step.index - 1)
-        if self._ema_folds_after(step.index):
-            self._fold_ema()
-        self.divergence.record(ok, step.index, self.last_saved)
-        self.skipped_samples += int(skipped_samples)
-        step.metrics = {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
-                        "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": step.lr,
-                        "skipped": 0.0 if ok else 1.0, "skipped_steps": float(self.divergence.skipped_steps),
-                        **dict(zip(step.moe, values[7:]))}
-        return step.metrics
-
-    @functools.cached_property
-    def steps_on_device(self) -> bool:
-        """Whether the optimizer clips and skips on the device (no host read inside the step)."""
-        return steps_on_device(self.optimizer)
+        return totals
 
     @staticmethod
     def _counted(samples: int) -> int:
@@ -435,70 +341,6 @@ class Trainer:
         dist.all_reduce(samples, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.sample_weight.copy_(1.0 / samples.clamp(min=1.0)[0])
 
-    def _check_state_fits(self) -> None:
-        """Count this rank's per-parameter state for the run (:mod:`dit_mcore.training.memory`): fail
-        now, naming the fixes, if it alone exceeds the device; log the room left for activations."""
-        try:
-            memory.check_state_fits(self.state_budget(), memory.device_memory(self.device),
-                                    fsdp=self.cfg.parallel.fsdp != "none")
-            problem = None
-        except ConfigError as e:
-            problem = e
-        # ranks hold different parameters (pipeline stages, experts): all of them stop if one must
-        failed = to_device([float(problem is not None)], self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if problem is not None:
-            raise problem
-        if failed.item():
-            raise ConfigError("another rank's per-parameter state does not fit its device (its error names the fix)")
-
-    def state_budget(self) -> memory.StateBudget:
-        """This rank's per-parameter state for the run, counted from its parameters."""
-        cfg = self.cfg
-        dense = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        if cfg.parallel.fsdp != "none" and cfg.parallel.fsdp_shard_size:
-            dense = min(dense, cfg.parallel.fsdp_shard_size)
-        expert = parallel_state.get_expert_data_parallel_world_size() if self.model_config.num_moe_experts else dense
-        adam = resolve_adam_impl(cfg.optim.adam_impl, self.model, prefers_flat(cfg.optim))
-        return memory.state_budget(
-            ((p.numel(), dense if getattr(p, "allreduce", True) else expert)
-             for chunk in self.model for p in chunk.parameters()),
-            bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
-            fsdp=cfg.parallel.fsdp != "none", ema_offload=cfg.trainer.ema_offload, ema_sharded=self.ema_sharded,
-            flat_adam=cfg.parallel.fsdp == "none" and adam == "flat",
-            moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
-            lowerable_moments=builds_torch_adam(cfg.optim.adam_impl), grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4,
-            main_bytes=2 if cfg.optim.split_main_params else 4)
-
-    def _fold_ema(self) -> None:
-        """Average the weights into the EMA (a no-op with no step noted), gathered first (a sharded
-        EMA reads only this rank's shard, which its optimizer wrote); an offloaded EMA from the copies
-        :meth:`_run_step` queued right after the update, where it did."""
-        if self.ema.unfolded_decay != 1.0:
-            if not self.ema_sharded:
-                self._sync_params()
-            self.ema.fold(self.model)
-
-    def _ema_sharded(self) -> bool:
-        """``trainer.ema_shard`` resolved: automatically, sharded wherever the distributed optimizer
-        shards the main weights over more than one rank (megatron DDP, a model it fits; offloaded too)."""
-        t = self.cfg.trainer
-        if t.ema_shard is not None:
-            return t.ema_shard
-        return (self.cfg.optim.use_distributed_optimizer and self.cfg.parallel.fsdp == "none"
-                and parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1
-                and ema_shards.unshardable(self.model) is None)
-
-    def _sync_params(self) -> None:
-        """With ``overlap_param_gather`` the updated parameter shards are gathered during the next
-        forward; gather them now for a reader outside the forward (an EMA fold, a checkpoint), once
-        per update: with ``trainer.ema_every`` k the steps between folds leave the gather to the
-        next forward, overlapped."""
-        if self.cfg.parallel.overlap_param_gather and not self._params_gathered:
-            for chunk in self.ddp_chunks:
-                chunk.start_param_sync(force_sync=True)
-            self._params_gathered = True
-
     def _moe_metrics(self, num_microbatches: int) -> dict:
         """The MoE router losses of this step (mean over layers and micro-batches, all ranks, device
         tensors read with the step's other metrics), as megatron's tracker collected them; empty
@@ -513,35 +355,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:
+        """Train to ``trainer.max_steps``: a step, its metrics logged, the post-step hooks; at the end the
+        hooks' last work (the final checkpoint, a preview). Returns the steps' metrics."""
         cfg, rank0 = self.cfg, dist.get_rank() == 0
         logger = MetricsLogger(self.run_dir, enabled=rank0, max_steps=cfg.trainer.max_steps, start_step=self.step,
                                tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar)
         rate = StepRate(dist.get_world_size(), peak_tflops(self.device, "bf16" if cfg.trainer.bf16 else "fp32",
                                                            cfg.trainer.peak_tflops))
         history = []
-
-        def record(step: _Step) -> None:
-            metrics = dict(step.metrics)
-            history.append({"step": step.index, **metrics})
-            rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
-            log_now = (step.index % cfg.log.log_interval == 0 or step.index == cfg.trainer.max_steps
-                       or metrics["skipped"])  # a skipped step is always shown
-            if log_now:
-                metrics.update(rate.flush())
-            logger.step(step.index, metrics if log_now else None)
-
         try:
             with self.signals:
                 while self.step < cfg.trainer.max_steps:
-                    step = self._run_step()
-                    self._settle(step)
-                    record(step)
-                    self._after_step()
-            if not (self.ckpt_dir / f"step_{self.step:08d}").exists():
-                self.save()
-            self.finish_saves()
-            if not self._previews_after(self.step):
-                self.preview()
+                    metrics = self.train_step()
+                    history.append({"step": self.step, **metrics})
+                    metrics = dict(metrics)
+                    rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
+                    log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
+                               or metrics["skipped"])  # a skipped step is always shown
+                    logger.step(self.step, {**metrics, **rate.flush()} if log_now else None)
+                    for hook in self.hooks:
+                        hook.after_step(self)
+            for hook in self.hooks:
+                hook.at_end(self)
         except DivergenceError:
             self.finish_saves()  # a save in flight holds weights from before the divergence
             raise
@@ -549,123 +384,8 @@ class Trainer:
             logger.close()
         return history
 
-    def _previews_after(self, step: int) -> bool:
-        """Whether ``log.sample_interval`` draws a preview after ``step``."""
-        return bool(self.cfg.log.sample_interval and step % self.cfg.log.sample_interval == 0)
 
-    def _scheduled_read_after(self, step: int) -> bool:
-        """Whether the state after ``step`` is read at a step number fixed by the config: a periodic
-        save, a preview, the end of the run."""
-        cfg = self.cfg
-        return step == cfg.trainer.max_steps or step % cfg.trainer.save_interval == 0 or self._previews_after(step)
-
-    def _ema_folds_after(self, step: int) -> bool:
-        """Whether the EMA averages the weights in after ``step`` (1-based): every
-        ``trainer.ema_every`` steps and where the state is read (:meth:`_scheduled_read_after`).
-        Fixed step numbers, so a resumed run folds where an uninterrupted one does;
-        a checkpoint in between (a preemption's) carries the steps not yet folded (``ema_unfolded_decay``)."""
-        return step % self.cfg.trainer.ema_every == 0 or self._scheduled_read_after(step)
-
-    def _after_step(self) -> None:
-        """After each step, in order: publish a finished asynchronous save (never waits); stop on
-        divergence (no save) or on a preemption signal (save, requeue under Slurm, exit 75);
-        previews; the periodic save, held back while the latest step was skipped as non-finite."""
-        cfg = self.cfg
-        if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
-            self.async_saves.maybe_finalize_async_calls(blocking=False)
-        self.divergence.raise_if_diverged(self.step, self.last_saved)
-        signum = self.signals.agreed
-        if signum is not None:
-            path = self.save()
-            self.finish_saves()
-            requeue_if_slurm(signum)
-            raise Preempted(self.step, signal.Signals(signum).name, path)
-        if self._previews_after(self.step):
-            self.preview()
-        if (self.step % cfg.trainer.save_interval == 0 and self.step < cfg.trainer.max_steps
-                and not self.divergence.consecutive):
-            self.save()
-
-    @functools.cached_property
-    def preview_decoder(self):
-        """The dataset's latent decoder for previews, built on first use (rank 0 only draws)."""
-        return dataset_decoder(self.cfg.data.path) if dist.get_rank() == 0 else None
-
-    @functools.cached_property
-    def preview_text(self):
-        """``(encode, prompts)`` for text-model previews: the dataset's text encoder and the run's
-        prompts (``log.preview_prompts``, or prompts covering the ``moving_digits`` captions)."""
-        encode = dataset_text_encoder(self.cfg.data)
-        prompts = self.cfg.log.preview_prompts or (moving_digits_prompts() if self.cfg.data.name == "moving_digits"
-                                                   and not self.cfg.data.path else None)
-        return encode, prompts
-
-    def preview(self) -> Optional[Path]:
-        # (fit folds at its preview steps already; this covers other callers -- none noted: a no-op)
-        self._fold_ema()
-        # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
-        with self.ema.placed(self.device) as shadow, forward_view(shadow):
-            return self._draw_preview(shadow)
-
-    def _draw_preview(self, shadow: ModelChunks) -> Optional[Path]:
-        if self.model_config.text_dim:
-            encode, prompts = self.preview_text
-            if encode is None or not prompts:
-                log.warning("text previews need the dataset's text encoder and log.preview_prompts; skipped")
-                return None
-            return draw_text_preview(PipelinedForward(shadow), self.model_config, self.family, self.objective,
-                                     self.cfg, self.step, self.run_dir / "samples", write=dist.get_rank() == 0,
-                                     encode=encode, prompts=prompts, device=self.device, decoder=self.preview_decoder)
-        if self.model_config.num_classes == 0:
-            log.warning("preview grids need a class-conditional model; skipped")
-            return None
-        return draw_preview(PipelinedForward(shadow), self.model_config, self.family, self.objective, self.cfg, self.step,
-                            self.run_dir / "samples", write=dist.get_rank() == 0, device=self.device,
-                            decoder=self.preview_decoder)
-
-
-@dataclass(eq=False)
-class _Step:
-    """One queued optimizer step (1-based ``index``) until the host has read it (:meth:`Trainer._settle`)."""
-
-    index: int
-    moe: dict
-    """MoE router losses by name, device tensors until read."""
-    lr: float = math.nan
-    read: Optional[HostRead] = None
-    """The step's metrics on their way to the host (steps decided on the device)."""
-    values: Optional[list] = None
-    """The same, already on the host (steps decided on the host)."""
-    updated: Optional[bool] = None
-    """Whether the host applied the update (steps decided on the host; else read from the values)."""
-    metrics: Optional[dict] = None
-
-
-def _shadow_config(config, *, unallocated: bool = False, te: bool = False):
-    """``config`` for the EMA shadow: full-precision linears (neither torchao's nor TE's FP8) and no
-    TP userbuffers (previews run other batch shapes than the buffers were sized for); ``unallocated`` (a sharded EMA's shadow,
-    built under the meta device): not initialised, and every layer on the meta device -- megatron's
-    local layers follow the device context only with ``use_cpu_initialization`` (else they allocate
-    on the GPU), Transformer Engine's (``te``) take the meta device only without it. A copy, since
-    re-running megatron's ``__post_init__`` (``dataclasses.replace``) is not idempotent."""
-    if config.float8_recipe is None and not config.fp8 and not config.tp_comm_overlap and not unallocated:
-        return config
-    config = copy.copy(config)
-    config.float8_recipe = None
-    config.fp8 = None  # (Transformer Engine's FP8)
-    config.tp_comm_overlap = False
-    if unallocated:
-        config.perform_initialization = False
-        config.init_model_with_meta_device = True
-        config.use_cpu_initialization = not te
-    return config
-
-
-def _holds_te(model: torch.nn.Module) -> bool:
-    """Whether ``model`` has Transformer Engine layers."""
-    return any(c.__module__.startswith("transformer_engine") for m in model.modules() for c in type(m).__mro__)
-
-
-def pretrain(cfg: RunConfig) -> list[dict]:
-    """Train (or resume) the run described by ``cfg``; returns the per-step metrics of this call."""
-    return Trainer(cfg).fit()
+def pretrain(cfg: RunConfig, hooks: Sequence[StepHook] = ()) -> list[dict]:
+    """Train (or resume) the run described by ``cfg`` (``hooks``: e.g. previews,
+    :class:`dit_mcore.generate.preview.Previews`); returns the per-step metrics of this call."""
+    return Trainer(cfg, hooks).fit()

@@ -7,7 +7,6 @@ that an incoming checkpoint is checked against before any tensor is converted.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -16,7 +15,6 @@ import torch
 from dit_mcore.models.dit.config import DiTConfig
 from dit_mcore.models.dit.model import DiT, build_model
 
-log = logging.getLogger(__name__)
 
 
 class InteropError(ValueError):
@@ -79,38 +77,19 @@ def import_tensors(rules: Sequence[Rule], theirs: Mapping[str, torch.Tensor]) ->
 
 
 def require_whole_model_world() -> None:
-    """Interop converts whole models, so megatron must be a TP=PP=1 world. A plain interpreter (no
-    megatron parallel state) becomes a single-process world on first use, so that converting weights
-    needs no setup."""
+    """Interop converts whole models, so megatron must be a TP=PP=1 world (its layers need its parallel
+    state even then). :mod:`dit_mcore.convert` sets up a world of one for a plain interpreter."""
     from megatron.core import parallel_state
     if not parallel_state.model_parallel_is_initialized():
-        _init_single_process_world()
+        raise InteropError("interop builds megatron layers, which need megatron's parallel state: use the same "
+                           "functions from dit_mcore.convert (they set up a world of one), or call "
+                           "dit_mcore.parallel.initialize.whole_model_world() first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if tp != 1 or pp != 1:
         raise InteropError(f"interop needs whole (unsharded) models but tensor/pipeline parallel sizes are "
                            f"{tp}/{pp}; convert in a single-process world, save a megatron checkpoint and "
                            "load that with the parallel layout you want")
-
-
-def _init_single_process_world() -> None:
-    """A world of one with as few side effects as possible: an in-memory store (no environment
-    variables, no port) and the caller's RNG state left as it was. Megatron's layers need its
-    parallel state even at TP=PP=1, and on CPU the shims that ``initialize_distributed`` applies."""
-    import torch.distributed as dist
-
-    from dit_mcore.parallel.config import ParallelConfig
-    from dit_mcore.parallel.initialize import initialize_distributed
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        raise InteropError(f"torch.distributed has {dist.get_world_size()} ranks but megatron's parallel state is "
-                           "not initialised; call dit_mcore.parallel.initialize.initialize_distributed("
-                           "ParallelConfig(), seed) on every rank first, or convert in a single process")
-    on_gpu = torch.cuda.is_available()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else []):
-        initialize_distributed(ParallelConfig(), seed=0)
-    log.info("interop: set up a single-process megatron world (TP=PP=1)")
 
 
 def build_and_load(config: DiTConfig, rules: Sequence[Rule], theirs: Mapping[str, torch.Tensor],

@@ -1,5 +1,6 @@
 """Training previews, drawn from the EMA weights with fixed seeds through the generation code
-(:mod:`dit_mcore.generate.sampling`: one sampling home).
+(:mod:`dit_mcore.generate.sampling`: one sampling home), as a post-step hook of the trainer
+(:class:`Previews`: every ``log.sample_interval`` steps and at the end of the run).
 
 - Class-conditional models: ``samples/step_XXXXXX.png``, one row per previewed class (every class up
   to :data:`MAX_ROWS`, else that many spread evenly over the label range, named in the log).
@@ -12,17 +13,22 @@ otherwise as their first latent channel in grey (:func:`dit_mcore.generate.media
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.generate.items import make_items
-from dit_mcore.generate.media import log_once, save_gif, save_overview, slug, to_pixels
-from dit_mcore.generate.sampling import latent_shape, sample_items
+from dit_mcore.generate.media import dataset_decoder, log_once, save_gif, save_overview, slug, to_pixels
+from dit_mcore.generate.sampling import dataset_text_encoder, latent_shape, sample_items
+from dit_mcore.parallel.fsdp import forward_view
+from dit_mcore.parallel.pipeline import PipelinedForward
+from dit_mcore.training.hooks import StepHook
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +106,66 @@ def draw_text_preview(ema_model, model_config, family, objective, cfg, step: int
     save_overview(pixels, folder / "strip.png", per_row=len(items), upscale=4)
     (folder / "index.json").write_text(json.dumps(index, indent=1))
     return folder
+
+
+class Previews(StepHook):
+    """Draws a preview from the EMA weights every ``log.sample_interval`` steps (0: only at the end) and
+    at the end of the run, into ``<log.dir>/samples``; every rank computes, rank 0 writes."""
+
+    def __init__(self, sample_interval: int):
+        self.sample_interval = sample_interval
+
+    def reads_after(self, step):
+        return bool(self.sample_interval and step % self.sample_interval == 0)
+
+    def after_step(self, trainer):
+        if self.reads_after(trainer.step):
+            preview(trainer)
+
+    def at_end(self, trainer):
+        if not self.reads_after(trainer.step):
+            preview(trainer)
+
+
+def preview(trainer) -> Optional[Path]:
+    """Draw ``trainer``'s preview for its current step from its EMA weights (every rank calls it)."""
+    trainer.ema_schedule.fold()  # (the hook's steps are folded already; other callers' may not be)
+    # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
+    with trainer.ema.placed(trainer.device) as shadow, forward_view(shadow):
+        return _draw(trainer, PipelinedForward(shadow))
+
+
+def _draw(trainer, ema_model) -> Optional[Path]:
+    cfg, config, write = trainer.cfg, trainer.model_config, dist.get_rank() == 0
+    common = dict(write=write, device=trainer.device, decoder=_decoder(cfg.data.path) if write else None)
+    out_dir = trainer.run_dir / "samples"
+    if config.text_dim:
+        encode = _text_encoder(cfg.data)
+        prompts = cfg.log.preview_prompts or (moving_digits_prompts() if cfg.data.name == "moving_digits"
+                                              and not cfg.data.path else None)
+        if encode is None or not prompts:
+            log.warning("text previews need the dataset's text encoder and log.preview_prompts; skipped")
+            return None
+        return draw_text_preview(ema_model, config, trainer.family, trainer.objective, cfg, trainer.step, out_dir,
+                                 encode=encode, prompts=prompts, **common)
+    if config.num_classes == 0:
+        log.warning("preview grids need a class-conditional model; skipped")
+        return None
+    return draw_preview(ema_model, config, trainer.family, trainer.objective, cfg, trainer.step, out_dir, **common)
+
+
+@functools.lru_cache(maxsize=4)
+def _decoder(path: Optional[str]):
+    """The dataset's latent decoder, built once per dataset (rank 0 only draws)."""
+    return dataset_decoder(path)
+
+
+_TEXT_ENCODERS: dict = {}
+
+
+def _text_encoder(data):
+    """The dataset's text encoder (:func:`dataset_text_encoder`), built once per dataset."""
+    key = (data.path, data.name)
+    if key not in _TEXT_ENCODERS:
+        _TEXT_ENCODERS[key] = dataset_text_encoder(data)
+    return _TEXT_ENCODERS[key]

@@ -1,0 +1,90 @@
+"""Weights in and out in the formats others use, in a plain interpreter.
+
+- The interop functions of :mod:`dit_mcore.models.dit.interop` (``load_diffusers``, ``export_diffusers``,
+  ``load_facebookresearch``, ``export_facebookresearch``), each first setting up the single-process
+  megatron world they need (TP = PP = 1: :func:`dit_mcore.parallel.initialize.whole_model_world`).
+- :func:`export_checkpoint`: a trained run's checkpoint (any training layout) as a diffusers
+  ``DiTTransformer2DModel`` folder or a facebookresearch/DiT state dict; from the command line,
+  ``python -m dit_mcore.convert --checkpoint runs/digits --to diffusers --out exported/``.
+
+    from dit_mcore.convert import export_diffusers, load_diffusers
+    model = load_diffusers("DiT-XL-2-256/transformer")   # a diffusers DiTTransformer2DModel folder
+    export_diffusers(model, "out/transformer")
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dit_mcore.errors import ConfigError
+from dit_mcore.models.dit import interop
+from dit_mcore.parallel.initialize import whole_model_world
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("diffusers", "facebookresearch")
+
+
+def _in_whole_model_world(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        whole_model_world()
+        return fn(*args, **kwargs)
+    return call
+
+
+load_diffusers = _in_whole_model_world(interop.load_diffusers)
+export_diffusers = _in_whole_model_world(interop.export_diffusers)
+load_facebookresearch = _in_whole_model_world(interop.load_facebookresearch)
+export_facebookresearch = _in_whole_model_world(interop.export_facebookresearch)
+
+
+def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step: Optional[int] = None,
+                      weights: str = "ema") -> Path:
+    """Write a trained run's checkpoint (a run directory, its ``checkpoints/`` or one ``step_*`` folder;
+    ``step``: that step, default the newest intact one) as ``to``: a diffusers ``DiTTransformer2DModel``
+    folder at ``out``, or ``out/dit.pt`` holding a facebookresearch/DiT state dict. ``weights``: "ema"
+    (the average the previews draw from) or "model" (the trained weights). The checkpoint is resharded
+    into one whole model whatever layout wrote it. Returns what was written."""
+    from dit_mcore.generate.checkpoint import (build_model, find_checkpoint, generation_model_config, load_weights,
+                                               read_run)
+    from dit_mcore.parallel.config import ParallelConfig
+    if to not in FORMATS:
+        raise ConfigError(f"--to {to!r}: use one of {', '.join(FORMATS)}")
+    path = find_checkpoint(checkpoint, step)
+    run = read_run(path)
+    if run.model.family != "dit":
+        raise ConfigError(f"--checkpoint {path}: model.family={run.model.family} has no {to} format (only the "
+                          "adaLN-Zero DiT, model.family=dit, has one); sample it with python -m dit_mcore.generate")
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"--out {out_dir}: not empty; give a new folder (nothing is overwritten)")
+    whole_model_world()
+    chunks, config = build_model(generation_model_config(run), ParallelConfig(), dtype=torch.float32, device="cpu")
+    load_weights(chunks, path, weights=weights, run=run, model_config=config)
+    model = chunks[0]
+    if to == "diffusers":
+        interop.export_diffusers(model, str(out_dir))
+        written = out_dir
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = out_dir / "dit.pt"
+        torch.save(interop.export_facebookresearch(model), written)
+    (out_dir / "dit_mcore_source.json").write_text(json.dumps(
+        {"checkpoint": str(path), "weights": weights, "family": run.model.family, "preset": run.model.preset,
+         "objective": run.diffusion.objective}, indent=1))
+    log.info("wrote %s (%s weights of %s) as %s", written, weights, path, to)
+    if run.diffusion.objective != "ddpm":
+        log.warning("the run trained with diffusion.objective=%s: the exported network computes what ours does, but "
+                    "samplers built for DDPM noise prediction (diffusers' DiTPipeline) will not sample it as "
+                    "trained; sample it with python -m dit_mcore.generate", run.diffusion.objective)
+    return written
+
+
+__all__ = ["FORMATS", "export_checkpoint", "export_diffusers", "export_facebookresearch", "load_diffusers",
+           "load_facebookresearch"]

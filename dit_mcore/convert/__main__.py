@@ -1,0 +1,39 @@
+"""``python -m dit_mcore.convert``: a trained checkpoint out as a diffusers or facebookresearch/DiT model.
+
+    python -m dit_mcore.convert --checkpoint runs/digits --to diffusers --out exported/digits
+"""
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from dit_mcore.convert import FORMATS, export_checkpoint
+from dit_mcore.errors import ConfigError
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dit_mcore.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a run directory (log.dir), its checkpoints/ or one step_* folder")
+    p.add_argument("--step", type=int, default=None, help="that step's checkpoint (default: the newest intact one)")
+    p.add_argument("--weights", default="ema", choices=("ema", "model"),
+                   help="the EMA average (as the previews) or the trained weights")
+    p.add_argument("--to", default="diffusers", choices=FORMATS,
+                   help="diffusers: a DiTTransformer2DModel folder; facebookresearch: OUT/dit.pt")
+    p.add_argument("--out", required=True, help="a new folder")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    from dit_mcore.parallel.initialize import destroy_distributed
+    try:
+        written = export_checkpoint(args.checkpoint, args.out, to=args.to, step=args.step, weights=args.weights)
+    except ConfigError as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""What the training loop does between steps, as post-step hooks run in order after every step and
+once at the end of the run: stop on divergence, stop on a preemption signal, save checkpoints; the
+generation layer adds previews (:class:`dit_mcore.generate.preview.Previews`).
+
+A hook that reads the weights after a step says so (:meth:`StepHook.reads_after`), so the EMA is
+averaged in there (:class:`dit_mcore.training.ema.EMASchedule`)."""
+from __future__ import annotations
+
+import signal
+
+from dit_mcore.training.preemption import Preempted, requeue_if_slurm
+
+
+class StepHook:
+    """Runs after each training step (:meth:`after_step`) and at the end of the run (:meth:`at_end`), given
+    the :class:`~dit_mcore.training.trainer.Trainer` (its ``step`` is the step just completed)."""
+
+    def reads_after(self, step: int) -> bool:
+        """Whether this hook reads the model or its EMA after ``step`` (1-based), at a step number
+        fixed by the config."""
+        return False
+
+    def after_step(self, trainer) -> None:
+        pass
+
+    def at_end(self, trainer) -> None:
+        pass
+
+
+class StopOnDivergence(StepHook):
+    """``trainer.max_skipped_steps`` non-finite steps in a row: stop, without a save (the newest
+    checkpoint from before them is kept)."""
+
+    def after_step(self, trainer):
+        trainer.divergence.raise_if_diverged(trainer.step, trainer.last_saved)
+
+
+class StopOnPreemption(StepHook):
+    """A signal every rank has agreed on (SIGTERM, Slurm's SIGUSR1): save, requeue under Slurm and stop
+    (exit code 75 from the command line)."""
+
+    def after_step(self, trainer):
+        signum = trainer.signals.agreed
+        if signum is not None:
+            path = trainer.save()
+            trainer.finish_saves()
+            requeue_if_slurm(signum)
+            raise Preempted(trainer.step, signal.Signals(signum).name, path)
+
+
+class Checkpoints(StepHook):
+    """Every ``trainer.save_interval`` steps and at the end: a checkpoint (publishing a finished
+    asynchronous save first, never waiting for it), held back while the latest step was skipped as
+    non-finite."""
+
+    def __init__(self, save_interval: int, max_steps: int):
+        self.save_interval, self.max_steps = save_interval, max_steps
+
+    def reads_after(self, step):
+        return step == self.max_steps or step % self.save_interval == 0
+
+    def after_step(self, trainer):
+        if trainer.async_saves is not None and trainer.async_saves.get_num_unfinalized_calls():
+            trainer.async_saves.maybe_finalize_async_calls(blocking=False)
+        if (trainer.step % self.save_interval == 0 and trainer.step < self.max_steps
+                and not trainer.divergence.consecutive):
+            trainer.save()
+
+    def at_end(self, trainer):
+        if not (trainer.ckpt_dir / f"step_{trainer.step:08d}").exists():
+            trainer.save()
+        trainer.finish_saves()
