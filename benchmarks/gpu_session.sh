@@ -51,8 +51,8 @@
 #           (padding between segments included); the 3B packed point at batch 2 and DiT-XL/2 at batch 256,
 #           compiled, profiled
 #   linears the aten linears (~8 min): compile tests; DiT-XL/2 b128 compiled with aten vs megatron's
-#           linears (`--aten-linears 1,0 --wgrad-fusion 0`, same process: the matmuls alone), then the
-#           host-decided step (the device-decided one's baseline), each profiled; the model against diffusers at batch 128, compiled, profiled
+#           linears (`--aten-linears 1,0 --wgrad-fusion 0`, same process: the matmuls alone), profiled; the
+#           model against diffusers at batch 128, compiled, profiled
 #           (Triton time side by side; benchmarks/fusion_traffic.py predicts 0.87x the bytes)
 #   accumulate  per-parameter work shared by micro-batches (~7 min): the 3B packed point at batch 2 with 1
 #           and 4 micro-batches per optimizer step (`--accumulation 1,4`), DiT-XL/2 b128 with 4, compiled

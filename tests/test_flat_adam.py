@@ -268,16 +268,16 @@ def test_bf16_gradient_buffers_clip_through_the_kernels_gradient_scale_as_megatr
     """No main weight holds a gradient to scale when the flat step reads bf16 buffers, so the clip goes
     through the kernel's gradient scale: every step clipped (clip 1e-3), the non-finite step skipped,
     the same losses, norms and weights as megatron's clip of torch's fused AdamW on the same buffers."""
-    host = _run_with_clipping_and_a_bad_step(tmp_path / "host", adam_impl="flat", grads="bf16")
-    device = _run_with_clipping_and_a_bad_step(tmp_path / "device", adam_impl="fused", grads="bf16")
-    assert isinstance(_inners(host[4])[0], FlatAdamW) and getattr(_inners(host[4])[0], "grad_scale", None) is None
-    for run in (host, device):
+    flat = _run_with_clipping_and_a_bad_step(tmp_path / "flat", adam_impl="flat", grads="bf16")
+    fused = _run_with_clipping_and_a_bad_step(tmp_path / "fused", adam_impl="fused", grads="bf16")
+    assert isinstance(_inners(flat[4])[0], FlatAdamW) and getattr(_inners(flat[4])[0], "grad_scale", None) is None
+    for run in (flat, fused):
         assert [h["skipped"] for h in run[0]] == [0.0, 1.0, 0.0, 0.0, 0.0] and run[3] == 4
         assert all(h["grad_norm"] > 1e-2 for h in run[0] if not h["skipped"])  # clipping was active
     for key in ("loss", "grad_norm"):
-        _close(torch.tensor([h[key] for h in host[0] if not h["skipped"]]),
-               torch.tensor([h[key] for h in device[0] if not h["skipped"]]), 1e-5, 1e-7)
-    for got, ref in zip(host[1] + host[2], device[1] + device[2]):
+        _close(torch.tensor([h[key] for h in flat[0] if not h["skipped"]]),
+               torch.tensor([h[key] for h in fused[0] if not h["skipped"]]), 1e-5, 1e-7)
+    for got, ref in zip(flat[1] + flat[2], fused[1] + fused[2]):
         _close(got, ref, 1e-5, 8e-3)
 
 

@@ -143,6 +143,7 @@ def test_a_sharded_ema_folds_checkpoints_resumes_and_previews_on_the_gpu(tmp_pat
     assert all(p.is_meta for p in resumed.ema._module.parameters())
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 def test_wgrad_accumulates_in_fp32_inside_the_gemm(compiled):
     """On the GPU, bf16 weight gradients accumulate into the fp32 ``main_grad`` inside cuBLAS
     (``addmm`` with ``out_dtype``, in place: the buffer is the GEMM's C and D): nearer the float64

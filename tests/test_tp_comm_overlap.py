@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 
 from dit_mcore.models import specs
 from dit_mcore.parallel import tp_comm_overlap
-from dit_mcore.training.trainer import _shadow_config
+from dit_mcore.training.parallelize import _shadow_config
 from dit_mcore.training.validate import run_problems
 from test_parallel_layouts import STEPS, layout_run
 from dit_mcore.training.trainer import Trainer

@@ -333,7 +333,7 @@ def test_a_clipped_run_skips_a_non_finite_step_without_touching_anything(tmp_pat
 
 def test_a_post_step_hook_runs_after_every_step_and_at_the_end_and_the_ema_folds_where_it_reads(tmp_path):
     """``Trainer(cfg, hooks=[...])``: a hook is called after each step (the trainer's ``step`` is the step
-    just completed), after the built-in stops and before the checkpoints, then once at the end; with
+    just completed), after the built-in stops and the checkpoints, then once at the end; with
     ``trainer.ema_every`` far away, the EMA is averaged in exactly after the steps the hook says it reads."""
     from dit_mcore.training.hooks import Checkpoints, StepHook
 
@@ -354,7 +354,7 @@ def test_a_post_step_hook_runs_after_every_step_and_at_the_end_and_the_ema_folds
     cfg.trainer.ema_every = 100
     reader = Reader()
     trainer = Trainer(cfg, hooks=[reader])
-    assert trainer.hooks.index(reader) == len(trainer.hooks) - 2 and isinstance(trainer.hooks[-1], Checkpoints)
+    assert trainer.hooks[-1] is reader and isinstance(trainer.hooks[-2], Checkpoints)
     trainer.fit()
     assert reader.calls == [(1, False), (2, True), (3, False), (4, True), ("end", 4)]  # step 4: the run's end
 

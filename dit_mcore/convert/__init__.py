@@ -72,9 +72,10 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
         interop.export_diffusers(model, str(out_dir))
         written = out_dir
     else:
+        state = interop.export_facebookresearch(model)  # (refuses before anything is written)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = out_dir / "dit.pt"
-        torch.save(interop.export_facebookresearch(model), written)
+        torch.save(state, written)
     (out_dir / "dit_mcore_source.json").write_text(json.dumps(
         {"checkpoint": str(path), "weights": weights, "family": run.model.family, "preset": run.model.preset,
          "objective": run.diffusion.objective}, indent=1))

@@ -23,14 +23,19 @@ def main(argv: Optional[list] = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    from megatron.core import parallel_state
+
+    from dit_mcore.models.dit.interop import InteropError
     from dit_mcore.parallel.initialize import destroy_distributed
+    ours = not parallel_state.model_parallel_is_initialized()  # (a caller's world is left as it was)
     try:
         written = export_checkpoint(args.checkpoint, args.out, to=args.to, step=args.step, weights=args.weights)
-    except ConfigError as e:
+    except (ConfigError, InteropError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 2
     finally:
-        destroy_distributed()
+        if ours:
+            destroy_distributed()
     print(f"wrote {written}")
     return 0
 

@@ -13,7 +13,6 @@ otherwise as their first latent channel in grey (:func:`dit_mcore.generate.media
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
@@ -110,37 +109,48 @@ def draw_text_preview(ema_model, model_config, family, objective, cfg, step: int
 
 class Previews(StepHook):
     """Draws a preview from the EMA weights every ``log.sample_interval`` steps (0: only at the end) and
-    at the end of the run, into ``<log.dir>/samples``; every rank computes, rank 0 writes."""
+    at the end of the run, into ``<log.dir>/samples``; every rank computes, rank 0 writes. The dataset's
+    decoder and text encoder are built on first use and kept while the hook is."""
 
     def __init__(self, sample_interval: int):
         self.sample_interval = sample_interval
+        self.assets: dict = {}
 
     def reads_after(self, step):
         return bool(self.sample_interval and step % self.sample_interval == 0)
 
     def after_step(self, trainer):
         if self.reads_after(trainer.step):
-            preview(trainer)
+            preview(trainer, self.assets)
 
     def at_end(self, trainer):
         if not self.reads_after(trainer.step):
-            preview(trainer)
+            preview(trainer, self.assets)
 
 
-def preview(trainer) -> Optional[Path]:
-    """Draw ``trainer``'s preview for its current step from its EMA weights (every rank calls it)."""
+def preview(trainer, assets: Optional[dict] = None) -> Optional[Path]:
+    """Draw ``trainer``'s preview for its current step from its EMA weights (every rank calls it);
+    ``assets``: where the dataset's decoder and text encoder are kept between calls."""
     trainer.ema_schedule.fold()  # (the hook's steps are folded already; other callers' may not be)
+    assets = {} if assets is None else assets
     # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
     with trainer.ema.placed(trainer.device) as shadow, forward_view(shadow):
-        return _draw(trainer, PipelinedForward(shadow))
+        return _draw(trainer, PipelinedForward(shadow), assets)
 
 
-def _draw(trainer, ema_model) -> Optional[Path]:
+def _asset(assets: dict, name: str, build: Callable):
+    if name not in assets:
+        assets[name] = build()
+    return assets[name]
+
+
+def _draw(trainer, ema_model, assets: dict) -> Optional[Path]:
     cfg, config, write = trainer.cfg, trainer.model_config, dist.get_rank() == 0
-    common = dict(write=write, device=trainer.device, decoder=_decoder(cfg.data.path) if write else None)
+    decoder = _asset(assets, "decoder", lambda: dataset_decoder(cfg.data.path)) if write else None
+    common = dict(write=write, device=trainer.device, decoder=decoder)
     out_dir = trainer.run_dir / "samples"
     if config.text_dim:
-        encode = _text_encoder(cfg.data)
+        encode = _asset(assets, "encode", lambda: dataset_text_encoder(cfg.data))
         prompts = cfg.log.preview_prompts or (moving_digits_prompts() if cfg.data.name == "moving_digits"
                                               and not cfg.data.path else None)
         if encode is None or not prompts:
@@ -152,20 +162,3 @@ def _draw(trainer, ema_model) -> Optional[Path]:
         log.warning("preview grids need a class-conditional model; skipped")
         return None
     return draw_preview(ema_model, config, trainer.family, trainer.objective, cfg, trainer.step, out_dir, **common)
-
-
-@functools.lru_cache(maxsize=4)
-def _decoder(path: Optional[str]):
-    """The dataset's latent decoder, built once per dataset (rank 0 only draws)."""
-    return dataset_decoder(path)
-
-
-_TEXT_ENCODERS: dict = {}
-
-
-def _text_encoder(data):
-    """The dataset's text encoder (:func:`dataset_text_encoder`), built once per dataset."""
-    key = (data.path, data.name)
-    if key not in _TEXT_ENCODERS:
-        _TEXT_ENCODERS[key] = dataset_text_encoder(data)
-    return _TEXT_ENCODERS[key]

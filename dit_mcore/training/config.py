@@ -215,7 +215,7 @@ class OptimConfig:
     kernel, then megatron's main-to-model weight copy; torchtitan's default), "foreach" (torch's
     multi-tensor default, a dozen passes over the state), "auto" (the default: "flat" on a GPU,
     "fused" elsewhere) or "megatron" (megatron's own pick: TE's or apex's FusedAdam where installed,
-    with one host read per step and fp32 moments; else torch's foreach AdamW)."""
+    with fp32 moments; else torch's foreach AdamW)."""
     exp_avg_dtype: str = "fp32"
     """Adam's first moment: "fp32", or "bf16" (2 bytes per parameter less on the rank holding it:
     6.2 GiB of a 3.3B model without the distributed optimizer). Kept below fp32 only by the flat step
@@ -326,7 +326,10 @@ class LogConfig:
     log_interval: int = 10
     """Steps between console/metrics lines."""
     sample_interval: int = 1000
-    """Steps between preview grids (0 disables; a final grid is always drawn)."""
+    """Steps between preview grids (0: only a final grid). Previews are drawn by the generation layer's
+    hook, which the command line attaches (``dit_mcore.generate.preview.Previews``; from Python:
+    ``pretrain(cfg, hooks=[Previews(cfg.log.sample_interval)])``); the EMA is averaged in at these steps
+    either way, so a run's EMA does not depend on how it was launched."""
     samples_per_class: int = 8
     """Grid columns: one row per class (row 0 = class 0)."""
     preview_prompts: Optional[list[str]] = None

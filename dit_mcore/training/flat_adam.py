@@ -197,7 +197,8 @@ class FlatRange:
 
 class FlatAdamW(torch.optim.AdamW):
     """torch's fused AdamW whose step runs :func:`adamw_flat` once per :class:`FlatRange`. Built by
-    :func:`install`; reads ``grad_scale`` / ``found_inf`` as torch's fused kernel does."""
+    :func:`install`; reads ``grad_scale`` / ``found_inf`` as torch's fused kernel does (the contract torch's
+    ``GradScaler`` uses; the trainer sets ``grad_scale`` to clip bf16 gradient buffers in the kernel)."""
 
     def __init__(self, inner: torch.optim.AdamW, ranges: list):
         params = [m.main for r in ranges for m in r.members]

@@ -1,14 +1,25 @@
 """What the training loop does between steps, as post-step hooks run in order after every step and
-once at the end of the run: stop on divergence, stop on a preemption signal, save checkpoints; the
-generation layer adds previews (:class:`dit_mcore.generate.preview.Previews`).
+once at the end of the run: stop on divergence, stop on a preemption signal, save checkpoints, then
+the hooks a caller attaches (the generation layer's previews:
+:class:`dit_mcore.generate.preview.Previews`, attached by the command line).
 
-A hook that reads the weights after a step says so (:meth:`StepHook.reads_after`), so the EMA is
-averaged in there (:class:`dit_mcore.training.ema.EMASchedule`)."""
+The EMA is averaged in after the steps whose state the run's config reads (:func:`config_reads_after`:
+the saves, the previews, the end), attached hooks or not, so a run's EMA does not depend on how it was
+launched; a hook that reads the weights after other steps says so (:meth:`StepHook.reads_after`)
+(:class:`dit_mcore.training.ema.EMASchedule`)."""
 from __future__ import annotations
 
 import signal
 
 from dit_mcore.training.preemption import Preempted, requeue_if_slurm
+
+
+def config_reads_after(cfg, step: int) -> bool:
+    """Whether the run's config reads the state after ``step`` (1-based): a periodic save
+    (``trainer.save_interval``), a preview (``log.sample_interval``), the end of the run."""
+    t = cfg.trainer
+    return (step == t.max_steps or step % t.save_interval == 0
+            or bool(cfg.log.sample_interval and step % cfg.log.sample_interval == 0))
 
 
 class StepHook:
@@ -51,13 +62,10 @@ class StopOnPreemption(StepHook):
 class Checkpoints(StepHook):
     """Every ``trainer.save_interval`` steps and at the end: a checkpoint (publishing a finished
     asynchronous save first, never waiting for it), held back while the latest step was skipped as
-    non-finite."""
+    non-finite. It runs before the attached hooks, so a failing preview never costs a checkpoint."""
 
     def __init__(self, save_interval: int, max_steps: int):
         self.save_interval, self.max_steps = save_interval, max_steps
-
-    def reads_after(self, step):
-        return step == self.max_steps or step % self.save_interval == 0
 
     def after_step(self, trainer):
         if trainer.async_saves is not None and trainer.async_saves.get_num_unfinalized_calls():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,9 +44,9 @@ class ParallelModel:
     overlap_param_gather: bool
     shadow_wrappers: list
     """FSDP's wrappers of the EMA shadow (kept alive with it); empty otherwise."""
-    _gathered: bool = True
+    _gathered: bool = field(default=True, init=False)
 
-    def updated(self) -> None:
+    def mark_updated(self) -> None:
         """The optimizer wrote new weight shards; under ``overlap_param_gather`` the next forward gathers them."""
         self._gathered = False
 

@@ -36,7 +36,8 @@ from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.ema import EMASchedule
-from dit_mcore.training.hooks import Checkpoints, StepHook, StopOnDivergence, StopOnPreemption
+from dit_mcore.training.hooks import (Checkpoints, StepHook, StopOnDivergence, StopOnPreemption,
+                                      config_reads_after)
 from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.optim import build_optimizer, grads_and_norm, per_sample_loss_scale, step_if_finite
 from dit_mcore.training.parallelize import parallelize
@@ -62,7 +63,7 @@ def step_generator(seed: int, step: int, global_micro: int, device="cpu") -> tor
 
 class Trainer:
     """Owns the model, optimizer, data and run directory of one training run; ``hooks`` run after
-    each step, between the built-in stops and the checkpoints (:mod:`dit_mcore.training.hooks`)."""
+    each step, after the built-in stops and checkpoints (:mod:`dit_mcore.training.hooks`)."""
 
     def __init__(self, cfg: RunConfig, hooks: Sequence[StepHook] = ()):
         self.cfg = cfg
@@ -95,14 +96,15 @@ class Trainer:
         per_sample_loss_scale(self.ddp_chunks[0].config, self.optimizer, self.sample_weight)
         self.loader = self._build_data()
 
-        self.hooks = all_hooks = [StopOnDivergence(), StopOnPreemption(), *hooks,
-                                  Checkpoints(cfg.trainer.save_interval, cfg.trainer.max_steps)]
+        self.hooks = all_hooks = [StopOnDivergence(), StopOnPreemption(),
+                                  Checkpoints(cfg.trainer.save_interval, cfg.trainer.max_steps), *hooks]
         # (the schedule reads the hooks' list, not the trainer: a finished trainer is freed at once, with its
         # loader's threads and its process groups, without waiting for the cycle collector)
         self.ema_schedule = EMASchedule(self.ema, self.model, every=cfg.trainer.ema_every,
-                                        read_after=lambda step: any(h.reads_after(step) for h in all_hooks),
+                                        read_after=lambda step: config_reads_after(cfg, step)
+                                        or any(h.reads_after(step) for h in all_hooks),
                                         gather=self.parallel_model.gather_params,
-                                        overlap_param_gather=cfg.parallel.overlap_param_gather)
+                                        overlap_param_gather=self.parallel_model.overlap_param_gather)
         self.skipped_samples = 0
         self.divergence = DivergenceGuard(cfg.trainer.max_skipped_steps)
         self.signals = PreemptionSignals()
@@ -287,7 +289,8 @@ class Trainer:
         moe = self._moe_metrics(len(microbatches))
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = grads_and_norm(self.optimizer)  # the host waits for the backward here
-        loss_sum, samples, skipped_samples, tokens, gflops, ballot = totals.tolist()  # done by now
+        values = torch.cat([totals, *(v.float().reshape(1) for v in moe.values())]).tolist()  # done by now
+        loss_sum, samples, skipped_samples, tokens, gflops, ballot = values[:6]
         loss = loss_sum / max(samples, 1.0)
         self.step += 1  # the update, the EMA's schedule and the hooks see the number of the step it completes
         updated = self.ema_schedule.around_update(self.step, lambda: self._update(math.isfinite(loss), grad_norm))
@@ -297,7 +300,7 @@ class Trainer:
         return {"loss": loss, "samples": samples, "tokens": tokens, "model_flops": gflops * 1e9,
                 "skipped_samples": float(self.skipped_samples), "grad_norm": grad_norm, "lr": lr,
                 "skipped": 0.0 if updated else 1.0, "skipped_steps": float(self.divergence.skipped_steps),
-                **{name: float(value) for name, value in moe.items()}}
+                **dict(zip(moe, values[6:]))}
 
     def train_steps(self, n: int) -> list[dict]:
         """``n`` steps, as :meth:`fit` runs them (without its hooks and logs)."""
@@ -309,7 +312,7 @@ class Trainer:
         if not step_if_finite(self.optimizer, loss_is_finite, grad_norm):
             return False
         self.scheduler.step(increment=1)
-        self.parallel_model.updated()
+        self.parallel_model.mark_updated()
         return True
 
     def _reduce_metrics(self, reduced: list, microbatches) -> torch.Tensor:
@@ -356,7 +359,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict]:
         """Train to ``trainer.max_steps``: a step, its metrics logged, the post-step hooks; at the end the
-        hooks' last work (the final checkpoint, a preview). Returns the steps' metrics."""
+        hooks' last work (the final checkpoint, then an attached preview). Returns the steps' metrics."""
         cfg, rank0 = self.cfg, dist.get_rank() == 0
         logger = MetricsLogger(self.run_dir, enabled=rank0, max_steps=cfg.trainer.max_steps, start_step=self.step,
                                tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar)
