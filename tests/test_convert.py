@@ -1,6 +1,7 @@
 """``python -m dit_mcore.convert``: a trained run's checkpoint out as a diffusers ``DiTTransformer2DModel``
-folder (or a facebookresearch/DiT state dict) that diffusers loads and runs as our model does, with the
-EMA or the trained weights; bad input gets one line naming the flag and the fix."""
+folder that diffusers loads and runs as our model does, a facebookresearch/DiT state dict or a safetensors
+file of our own tensors, with the EMA or the trained weights; bad input gets one line naming the
+argument and the fix."""
 import json
 
 import pytest
@@ -32,7 +33,7 @@ def test_a_checkpoint_exports_to_diffusers_which_runs_it_as_we_do(trained, tmp_p
     from dit_mcore.models.dit.interop import reference_forward
     run_dir, ema, model = trained
     out = tmp_path / "exported"
-    assert main(["--checkpoint", str(run_dir), "--to", "diffusers", "--weights", weights, "--out", str(out)]) == 0
+    assert main([str(run_dir), str(out), "--to", "diffusers", "--weights", weights]) == 0
     source = json.loads((out / "dit_mcore_source.json").read_text())
     assert source["weights"] == weights and source["checkpoint"].endswith("step_00000003")
     back = load_diffusers(str(out))  # our model from the exported folder: exactly the checkpoint's weights
@@ -68,12 +69,25 @@ def test_facebookresearch_export_writes_a_state_dict_that_loads_back(trained, tm
 def test_bad_input_names_the_flag_and_the_fix(trained, tmp_path, capsys):
     from dit_mcore.convert.__main__ import main
     run_dir, _, _ = trained
-    assert main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert main([str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
     assert "--checkpoint" in capsys.readouterr().err
-    assert main(["--checkpoint", str(run_dir), "--step", "2", "--out", str(tmp_path / "o")]) == 2
+    assert main([str(run_dir), str(tmp_path / "o"), "--step", "2"]) == 2
     assert "--step 2: no such checkpoint" in capsys.readouterr().err
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("keep me")
-    assert main(["--checkpoint", str(run_dir), "--out", str(full)]) == 2
+    assert main([str(run_dir), str(full)]) == 2
     assert "--out" in capsys.readouterr().err and (full / "x").read_text() == "keep me"
+
+
+def test_safetensors_export_holds_the_whole_model_under_our_names(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    from dit_mcore.convert.__main__ import main
+    run_dir, _, model = trained
+    assert main([str(run_dir), str(tmp_path / "st"), "--to", "safetensors", "--weights", "model"]) == 0
+    tensors = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert set(tensors) == set(model)
+    assert all(torch.equal(tensors[k], model[k]) for k in model)
+    source = json.loads((tmp_path / "st" / "dit_mcore_source.json").read_text())
+    assert source["model"]["family"] == "dit" and source["model"]["num_layers"] == 2

@@ -4,8 +4,9 @@
   ``load_facebookresearch``, ``export_facebookresearch``), each first setting up the single-process
   megatron world they need (TP = PP = 1: :func:`dit_mcore.parallel.initialize.whole_model_world`).
 - :func:`export_checkpoint`: a trained run's checkpoint (any training layout) as a diffusers
-  ``DiTTransformer2DModel`` folder or a facebookresearch/DiT state dict; from the command line,
-  ``python -m dit_mcore.convert --checkpoint runs/digits --to diffusers --out exported/``.
+  ``DiTTransformer2DModel`` folder, a facebookresearch/DiT state dict, or one safetensors file of our
+  own tensors (any family); from the command line,
+  ``python -m dit_mcore.convert runs/digits exported/digits --to diffusers``.
 
     from dit_mcore.convert import export_diffusers, load_diffusers
     model = load_diffusers("DiT-XL-2-256/transformer")   # a diffusers DiTTransformer2DModel folder
@@ -27,7 +28,7 @@ from dit_mcore.parallel.initialize import whole_model_world
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("diffusers", "facebookresearch")
+FORMATS = ("diffusers", "facebookresearch", "safetensors")
 
 
 def _in_whole_model_world(fn):
@@ -48,7 +49,9 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
                       weights: str = "ema") -> Path:
     """Write a trained run's checkpoint (a run directory, its ``checkpoints/`` or one ``step_*`` folder;
     ``step``: that step, default the newest intact one) as ``to``: a diffusers ``DiTTransformer2DModel``
-    folder at ``out``, or ``out/dit.pt`` holding a facebookresearch/DiT state dict. ``weights``: "ema"
+    folder at ``out``, ``out/dit.pt`` holding a facebookresearch/DiT state dict (both: the adaLN-Zero DiT),
+    or ``out/model.safetensors`` holding the whole model under our own names (any family; the run's
+    model section beside it, in ``dit_mcore_source.json``). ``weights``: "ema"
     (the average the previews draw from) or "model" (the trained weights). The checkpoint is resharded
     into one whole model whatever layout wrote it. Returns what was written."""
     from dit_mcore.generate.checkpoint import (build_model, find_checkpoint, generation_model_config, load_weights,
@@ -58,9 +61,9 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
         raise ConfigError(f"--to {to!r}: use one of {', '.join(FORMATS)}")
     path = find_checkpoint(checkpoint, step)
     run = read_run(path)
-    if run.model.family != "dit":
+    if run.model.family != "dit" and to != "safetensors":
         raise ConfigError(f"--checkpoint {path}: model.family={run.model.family} has no {to} format (only the "
-                          "adaLN-Zero DiT, model.family=dit, has one); sample it with python -m dit_mcore.generate")
+                          "adaLN-Zero DiT, model.family=dit, has one); sample it with python -m dit_mcore.generate, or export --to safetensors")
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out_dir}: not empty; give a new folder (nothing is overwritten)")
@@ -71,6 +74,13 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
     if to == "diffusers":
         interop.export_diffusers(model, str(out_dir))
         written = out_dir
+    elif to == "safetensors":
+        from safetensors.torch import save_file
+        tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()
+                   if torch.is_tensor(t) and not name.endswith("._extra_state")}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = out_dir / "model.safetensors"
+        save_file(tensors, str(written), metadata={"format": "pt", "family": run.model.family})
     else:
         state = interop.export_facebookresearch(model)  # (refuses before anything is written)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -78,9 +88,9 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
         torch.save(state, written)
     (out_dir / "dit_mcore_source.json").write_text(json.dumps(
         {"checkpoint": str(path), "weights": weights, "family": run.model.family, "preset": run.model.preset,
-         "objective": run.diffusion.objective}, indent=1))
+         "objective": run.diffusion.objective, "model": run.to_dict()["model"]}, indent=1, default=str))
     log.info("wrote %s (%s weights of %s) as %s", written, weights, path, to)
-    if run.diffusion.objective != "ddpm":
+    if run.diffusion.objective != "ddpm" and to != "safetensors":
         log.warning("the run trained with diffusion.objective=%s: the exported network computes what ours does, but "
                     "samplers built for DDPM noise prediction (diffusers' DiTPipeline) will not sample it as "
                     "trained; sample it with python -m dit_mcore.generate", run.diffusion.objective)

@@ -1,6 +1,7 @@
-"""``python -m dit_mcore.convert``: a trained checkpoint out as a diffusers or facebookresearch/DiT model.
+"""``python -m dit_mcore.convert``: a trained checkpoint out as a diffusers, facebookresearch/DiT or
+safetensors model.
 
-    python -m dit_mcore.convert --checkpoint runs/digits --to diffusers --out exported/digits
+    python -m dit_mcore.convert runs/digits exported/digits --to diffusers
 """
 import argparse
 import logging
@@ -13,13 +14,14 @@ from dit_mcore.errors import ConfigError
 
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dit_mcore.convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a run directory (log.dir), its checkpoints/ or one step_* folder")
+    p.add_argument("checkpoint", help="a run directory (log.dir), its checkpoints/ or one step_* folder")
+    p.add_argument("out", help="a new folder")
     p.add_argument("--step", type=int, default=None, help="that step's checkpoint (default: the newest intact one)")
     p.add_argument("--weights", default="ema", choices=("ema", "model"),
                    help="the EMA average (as the previews) or the trained weights")
     p.add_argument("--to", default="diffusers", choices=FORMATS,
-                   help="diffusers: a DiTTransformer2DModel folder; facebookresearch: OUT/dit.pt")
-    p.add_argument("--out", required=True, help="a new folder")
+                   help="diffusers: a DiTTransformer2DModel folder; facebookresearch: OUT/dit.pt; safetensors: "
+                        "OUT/model.safetensors, our own tensor names, any family")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
