@@ -373,3 +373,25 @@ def test_a_finished_trainer_is_freed_without_the_cycle_collector(tmp_path):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_every_logged_step_reports_its_own_throughput_the_last_included(tmp_path, monkeypatch):
+    """Each logged window's samples/s is its samples over its own steps' time, the last step's too (it
+    once came out thousands of times too high, timed over nothing). A fake clock advances 2 s per step
+    and not at all in the hooks (the final save) or the logging."""
+    from types import SimpleNamespace
+
+    from dit_mcore.training import metrics
+    clock = [100.0]
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    trainer = Trainer(tiny_run(tmp_path, max_steps=3))
+    step = trainer.train_step
+
+    def timed():
+        clock[0] += 2.0
+        return step()
+    trainer.train_step = timed
+    trainer.fit()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert [x["samples_per_s"] for x in lines] == [8.0, 8.0, 8.0]  # 16 samples per step, 2 s each
