@@ -91,3 +91,13 @@ def test_safetensors_export_holds_the_whole_model_under_our_names(trained, tmp_p
     assert all(torch.equal(tensors[k], model[k]) for k in model)
     source = json.loads((tmp_path / "st" / "dit_mcore_source.json").read_text())
     assert source["model"]["family"] == "dit" and source["model"]["num_layers"] == 2
+
+
+def test_a_missing_optional_package_is_one_line_with_the_install_command(monkeypatch, tmp_path, capsys):
+    import dit_mcore.convert.__main__ as cli
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'diffusers'", name="diffusers")
+    monkeypatch.setattr(cli, "export_checkpoint", missing)
+    assert cli.main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "needs the diffusers package: pip install 'dit-mcore[encoders]'" in capsys.readouterr().err

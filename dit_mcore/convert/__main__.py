@@ -35,6 +35,10 @@ def main(argv: Optional[list] = None) -> int:
     except (ConfigError, InteropError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # diffusers / safetensors are optional extras
+        print(f"convert: error: --to {args.to} needs the {e.name} package: pip install 'dit-mcore[encoders]'",
+              file=sys.stderr)
+        return 2
     finally:
         if ours:
             destroy_distributed()
