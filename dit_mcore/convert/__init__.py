@@ -91,7 +91,7 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
          "objective": run.diffusion.objective, "model": run.to_dict()["model"]}, indent=1, default=str))
     log.info("wrote %s (%s weights of %s) as %s", written, weights, path, to)
     if run.diffusion.objective != "ddpm" and to != "safetensors":
-        log.warning("the run trained with diffusion.objective=%s: the exported network computes what ours does, but "
+        log.warning("the run trained with diffusion.objective=%s: the exported weights are ours, but "
                     "samplers built for DDPM noise prediction (diffusers' DiTPipeline) will not sample it as "
                     "trained; sample it with python -m dit_mcore.generate", run.diffusion.objective)
     return written

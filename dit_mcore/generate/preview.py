@@ -27,7 +27,7 @@ from dit_mcore.generate.media import dataset_decoder, log_once, save_gif, save_o
 from dit_mcore.generate.sampling import dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.parallel.fsdp import forward_view
 from dit_mcore.parallel.pipeline import PipelinedForward
-from dit_mcore.training.hooks import StepHook
+from dit_mcore.training.hooks import StepHook, previews_after
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Previews(StepHook):
         self.assets: dict = {}
 
     def reads_after(self, step):
-        return bool(self.sample_interval and step % self.sample_interval == 0)
+        return previews_after(self.sample_interval, step)
 
     def after_step(self, trainer):
         if self.reads_after(trainer.step):

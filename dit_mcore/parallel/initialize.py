@@ -87,14 +87,14 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
              parallel_state.get_data_parallel_world_size())
 
 
-def whole_model_world() -> bool:
+def whole_model_world() -> None:
     """Megatron's parallel state for whole models (TP=PP=1), set up in a plain interpreter with as few
     side effects as possible: an in-memory store (no environment variables, no port) and the caller's
     RNG state left as it was; nothing to do where it is set up already. For converting weights
     (:mod:`dit_mcore.convert`): megatron's layers need its parallel state even at TP=PP=1, and on CPU
-    the shims :func:`initialize_distributed` applies. True if this call set it up."""
+    the shims :func:`initialize_distributed` applies."""
     if parallel_state.model_parallel_is_initialized():
-        return False
+        return
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError(f"torch.distributed has {dist.get_world_size()} ranks but megatron's parallel state is "
                            "not initialised; call dit_mcore.parallel.initialize.initialize_distributed("
@@ -105,7 +105,6 @@ def whole_model_world() -> bool:
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else []):
         initialize_distributed(ParallelConfig(), seed=0)
     log.info("set up a single-process megatron world (TP=PP=1) for whole models")
-    return True
 
 
 _AT_RELEASE: list = []

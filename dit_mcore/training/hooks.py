@@ -14,12 +14,16 @@ import signal
 from dit_mcore.training.preemption import Preempted, requeue_if_slurm
 
 
+def previews_after(sample_interval: int, step: int) -> bool:
+    """Whether a preview is drawn after ``step`` (``log.sample_interval``; 0: only at the end)."""
+    return bool(sample_interval and step % sample_interval == 0)
+
+
 def config_reads_after(cfg, step: int) -> bool:
     """Whether the run's config reads the state after ``step`` (1-based): a periodic save
     (``trainer.save_interval``), a preview (``log.sample_interval``), the end of the run."""
     t = cfg.trainer
-    return (step == t.max_steps or step % t.save_interval == 0
-            or bool(cfg.log.sample_interval and step % cfg.log.sample_interval == 0))
+    return step == t.max_steps or step % t.save_interval == 0 or previews_after(cfg.log.sample_interval, step)
 
 
 class StepHook:
