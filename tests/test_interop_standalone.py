@@ -1,6 +1,6 @@
 """Conversion needs no setup: a fresh interpreter converts diffusers weights in and out through
-``dit_mcore.convert`` without first initialising megatron's parallel state, and model-parallel worlds
-are refused."""
+``dit_mcore.convert`` without first initialising megatron's parallel state; the models layer's interop
+names the way when that state is missing, and model-parallel worlds are refused."""
 import os
 import subprocess
 import sys
@@ -54,4 +54,14 @@ def test_model_parallel_worlds_are_refused(monkeypatch):
     single_process_world()
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     with pytest.raises(InteropError, match="tensor/pipeline parallel sizes are 2/1; convert in a single-process"):
+        require_whole_model_world()
+
+
+def test_the_models_layer_names_the_way_when_megatron_has_no_parallel_state(monkeypatch):
+    from megatron.core import parallel_state
+
+    from dit_mcore.models.dit.interop import InteropError
+    from dit_mcore.models.dit.interop.mapping import require_whole_model_world
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    with pytest.raises(InteropError, match="use the same functions from dit_mcore.convert"):
         require_whole_model_world()

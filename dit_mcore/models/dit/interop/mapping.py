@@ -78,12 +78,12 @@ def import_tensors(rules: Sequence[Rule], theirs: Mapping[str, torch.Tensor]) ->
 
 def require_whole_model_world() -> None:
     """Interop converts whole models, so megatron must be a TP=PP=1 world (its layers need its parallel
-    state even then). :mod:`dit_mcore.convert` sets up a world of one for a plain interpreter; where
-    megatron's state is missing anyway (released by an earlier world), it is set up here too."""
+    state even then). :mod:`dit_mcore.convert` sets up a world of one for a plain interpreter."""
     from megatron.core import parallel_state
     if not parallel_state.model_parallel_is_initialized():
-        from dit_mcore.parallel.initialize import whole_model_world  # (upward: issue 39 names it)
-        whole_model_world()
+        raise InteropError("interop builds megatron layers, which need megatron's parallel state: use the same "
+                           "functions from dit_mcore.convert (they set up a world of one), or call "
+                           "dit_mcore.parallel.initialize.whole_model_world() first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if tp != 1 or pp != 1:
