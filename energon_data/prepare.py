@@ -4,15 +4,19 @@
 
 INPUT is a folder of images/videos (searched recursively; captions from a sidecar
 ``<name>.txt`` or a ``captions.jsonl`` of ``{"file": relative/path, "caption": ...}``, the
-sidecar winning) or a built-in dataset name (``digits``, ``moving_digits``). OUT receives
+sidecar winning; class sub-folders become labels, torchvision's ``ImageFolder`` convention, see
+``--labels``) or a built-in dataset name (``digits``, ``moving_digits``). OUT receives
 ``shard-000000.tar`` ... with ``latent.pth`` (bf16 ``[C, T, H, W]``), ``text.pth`` (bf16
 ``[L, D]``) and ``json`` per sample, plus ``.nv-meta/`` so that
 ``megatron.energon.get_train_dataset(OUT, ...)`` loads it as ``energon_data.samples.LatentSample``.
 
 Re-runs are idempotent: progress is recorded in ``OUT/prepare_state.json`` after every
-shard, a complete output with the same options is left untouched, an interrupted one
-continues after its last finished shard, and ``--overwrite`` redoes everything. A file that
-cannot be read or encoded is skipped and listed with its reason; it never stops the run.
+shard, a complete output with the same options and sources is left untouched, an interrupted
+one continues after its last finished shard, and ``--overwrite`` redoes everything. Sources are
+known by content (file bytes, caption, label), not by name: when some changed, were added or were
+removed, a re-run encodes just those and takes every other sample from the previous shards. A
+file that cannot be read or encoded is skipped and listed with its reason; it never stops the
+run. A run that fails before writing a shard leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,9 +42,11 @@ from energon_data import shards as shard_lib
 from energon_data.encoders import EncodeError
 
 STATE_FILE = "prepare_state.json"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: sources known by content, the label map (a version-1 output is prepared again)
 BUILTIN_DATASETS = ("digits", "moving_digits")
 CAPTIONS_JSONL = "captions.jsonl"
+LABEL_MODES = ("auto", "folders", "none")
+PREVIOUS = ".previous-"  # prefix of the previous shards while an update reuses their samples
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -80,6 +88,12 @@ class PrepareConfig:
     """moving_digits: how many videos to generate."""
     seed: int = 0
     """moving_digits: generator seed."""
+    labels: str = "auto"
+    """Class labels from INPUT's sub-folders (torchvision's ``ImageFolder`` convention: the sorted
+    names of the folders directly under INPUT are the classes 0, 1, ...; each sample's json gets
+    ``label``, the dataset's record the names): "auto" when every media file lies in one of at least
+    two such folders, "folders" always (a file directly under INPUT is then skipped), "none" never.
+    Built-in datasets carry their own labels."""
     fps: float = 8.0
     """moving_digits: frame rate written to the metadata."""
     text_batch_size: int = 32
@@ -92,10 +106,10 @@ class PrepareConfig:
     # Knobs that do not change the written samples; excluded from the fingerprint.
     _RUNTIME = ("split_ratio", "text_batch_size", "workers", "progress")
 
-    def fingerprint(self, source: str, items: list[str]) -> str:
+    def fingerprint(self, source: str) -> str:
+        """What decides how each source is encoded (the sources themselves are fingerprinted one by one)."""
         content = {k: v for k, v in asdict(self).items() if k not in self._RUNTIME}
         content["source"] = source
-        content["items"] = hashlib.sha256("\n".join(items).encode()).hexdigest()
         return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -111,9 +125,15 @@ class PrepareSummary:
     splits: dict[str, int] = field(default_factory=dict)
     """Samples per split (train/val/test)."""
     status: str = "prepared"
-    """"prepared", "resumed" (continued an interrupted run), "resplit" (only the split changed) or "up-to-date"."""
+    """"prepared", "resumed" (continued an interrupted run), "updated" (some sources changed), "resplit"
+    (only the split changed) or "up-to-date"."""
     resumed_shards: int = 0
     """Shards kept from an earlier interrupted run."""
+    changes: dict[str, int] = field(default_factory=dict)
+    """With "updated": how many sources were ``changed``, ``added`` and ``removed``, and how many samples
+    were ``reused`` from the previous shards without encoding."""
+    labels: list[str] | None = None
+    """The class names, label 0 first (None: the samples carry no labels, or a built-in's own)."""
     latent_shape_example: tuple[int, ...] | None = None
     text_dim: int | None = None
     seconds: float = 0.0
@@ -126,7 +146,16 @@ class PrepareSummary:
             f"  latent e.g. {self.latent_shape_example}, text dim {self.text_dim}, {self.seconds:.1f}s",
         ]
         if self.status == "up-to-date":
-            lines.append("  nothing to do: the output is complete for these options (pass --overwrite to redo)")
+            lines.append("  nothing to do: the output is complete for these options and sources "
+                         "(pass --overwrite to redo)")
+        if self.status == "updated":
+            c = self.changes
+            lines.append(f"  sources changed {c['changed']}, added {c['added']}, removed {c['removed']}; "
+                         f"{c['reused']} samples reused without encoding")
+        if self.labels:
+            shown = ", ".join(f"{i}={name}" for i, name in enumerate(self.labels[:12]))
+            lines.append(f"  labels from class sub-folders ({len(self.labels)}): {shown}"
+                         + (", ..." if len(self.labels) > 12 else ""))
         if self.resumed_shards:
             lines.append(f"  continued after {self.resumed_shards} shards from an interrupted run")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -148,6 +177,8 @@ class Item:
     caption: str = ""
     extra: dict = field(default_factory=dict)
     """Extra json fields (e.g. ``label``)."""
+    path: Path | None = None
+    """The file a folder item reads (its bytes are part of the item's content key)."""
 
 
 def _read_captions_jsonl(root: Path, warnings: list[str]) -> dict[str, str]:
@@ -167,12 +198,30 @@ def _read_captions_jsonl(root: Path, warnings: list[str]) -> dict[str, str]:
     return captions
 
 
+def class_folders(media: list[Path], mode: str) -> list[str] | None:
+    """The class names (sorted first-level folder names of the media's relative paths) ``mode`` asks
+    for, or None for no labels."""
+    if mode not in LABEL_MODES:
+        raise ValueError(f"--labels must be one of {LABEL_MODES}, got {mode!r}")
+    classes = sorted({rel.parts[0] for rel in media if len(rel.parts) > 1})
+    if mode == "none" or not classes:
+        return None
+    if mode == "auto" and (len(classes) < 2 or any(len(rel.parts) == 1 for rel in media)):
+        return None
+    return classes
+
+
 def folder_items(root: Path, cfg: PrepareConfig, warnings: list[str],
-                 skipped: list[tuple[str, str]]) -> list[Item]:
-    """Media files under ``root`` in sorted order; unknown file types go to ``skipped``."""
+                 skipped: list[tuple[str, str]]) -> tuple[list[Item], list[str] | None]:
+    """Media files under ``root`` in sorted order, and the class names when they are labelled (see
+    ``PrepareConfig.labels``); unknown file types go to ``skipped``."""
     jsonl = _read_captions_jsonl(root, warnings)
     items, seen = [], set()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(root).parts))
+    media_suffixes = media_lib.IMAGE_EXTENSIONS | media_lib.VIDEO_EXTENSIONS
+    classes = class_folders([p.relative_to(root) for p in files if p.suffix.lower() in media_suffixes], cfg.labels)
+    for path in files:
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue
@@ -185,18 +234,23 @@ def folder_items(root: Path, cfg: PrepareConfig, warnings: list[str],
         sidecar = path.with_suffix(".txt")
         caption = sidecar.read_text().strip() if sidecar.is_file() else jsonl.get(rel.as_posix(), "")
         seen.add(rel.as_posix())
+        if classes and len(rel.parts) == 1:
+            skipped.append((rel.as_posix(), "not in a class sub-folder (--labels folders)"))
+            continue
 
         def load(path=path):
             return media_lib.read_media(path, cfg.frames, cfg.frame_stride, cfg.channels)
 
-        items.append(Item(rel.as_posix(), load, caption))
+        extra = {"label": classes.index(rel.parts[0])} if classes else {}
+        items.append(Item(rel.as_posix(), load, caption, extra, path))
     missing = sorted(set(jsonl) - seen)
     if missing:
         warnings.append(f"{CAPTIONS_JSONL} names {len(missing)} files that are not media here, e.g. {missing[:3]}")
-    return items
+    return items, classes
 
 
 def builtin_items(name: str, cfg: PrepareConfig) -> list[Item]:
+    """The built-in dataset's samples (labelled by the generator)."""
     from energon_data import datasets
 
     if name == "digits":
@@ -216,6 +270,52 @@ def builtin_items(name: str, cfg: PrepareConfig) -> list[Item]:
              data.captions[i], {"label": int(data.labels[i]), "direction": data.directions[i]})
         for i in range(cfg.num_videos)
     ]
+
+
+# --------------------------------------------------------------------------- content keys
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def content_keys(items: list[Item], known: dict) -> tuple[dict[str, str], dict]:
+    """Each item's content key (its file's bytes, caption and json fields) by source, and the stat
+    record to keep for the next run: a file whose size and modification time are those ``known``
+    records is not read again (as git's index does)."""
+    keys, stats = {}, {}
+    for item in items:
+        key = hashlib.sha256(json.dumps([item.source, item.caption, item.extra], sort_keys=True).encode())
+        if item.path is not None:
+            st = item.path.stat()
+            stamp = [st.st_size, st.st_mtime_ns]
+            cached = known.get(item.source)
+            digest = cached[2] if cached and cached[:2] == stamp else _file_digest(item.path)
+            stats[item.source] = stamp + [digest]
+            key.update(digest.encode())
+        keys[item.source] = key.hexdigest()[:24]
+    return keys, stats
+
+
+class _PreviousShards:
+    """Samples of the shards an update set aside (``.previous-shard-*.tar``), read by shard and key."""
+
+    def __init__(self, out: Path):
+        self.out, self.tars = out, {}
+
+    def read(self, shard: str, key: str) -> dict[str, Any]:
+        if shard not in self.tars:
+            tar = tarfile.open(self.out / shard)
+            self.tars[shard] = (tar, {m.name: m for m in tar.getmembers()})
+        return shard_lib.read_sample(*self.tars[shard], key)
+
+    def close(self) -> None:
+        for tar, _ in self.tars.values():
+            tar.close()
 
 
 # --------------------------------------------------------------------------- state
@@ -289,31 +389,47 @@ def _progress(iterable, total: int, enabled: bool, desc: str):
 
 
 def _encode_items(
-    items: list[Item], start: int, cfg: PrepareConfig, encoder, text_encoder, state: dict
+    items: list[Item], start: int, cfg: PrepareConfig, encoders: Callable[[], tuple], state: dict,
+    previous: _PreviousShards,
 ) -> Iterator[tuple[list[dict], int]]:
-    """Yield (samples of one shard, index of the next unread item), encoding latents and captions."""
+    """Yield (samples of one shard, index of the next unread item), encoding latents and captions
+    (``encoders()`` builds the two, first needed) or taking them from the previous shards
+    (``state["reuse"]``: source -> [shard, key])."""
     dtype = _DTYPES[cfg.latent_dtype]
-    multiple = cfg.size_multiple or encoder.spatial_factor * 2
-    pending: list[tuple[int, Item, torch.Tensor, dict]] = []
+    pending: list[tuple[int, Item, torch.Tensor, dict, torch.Tensor | None]] = []
+    built: list = []
+
+    def encoder_pair():
+        if not built:
+            built.extend(encoders())
+        return built
 
     # Built-in datasets repeat a handful of captions; encode each distinct caption once.
     text_cache: dict[str, torch.Tensor] = {}
 
     def flush(next_item: int):
-        new = sorted({p[1].caption for p in pending} - text_cache.keys())
+        new = sorted({p[1].caption for p in pending if p[4] is None} - text_cache.keys())
         for b in range(0, len(new), cfg.text_batch_size):
             batch = new[b : b + cfg.text_batch_size]
-            text_cache.update(zip(batch, text_encoder.encode(batch)))
-        embeddings = [text_cache[p[1].caption] for p in pending]
+            text_cache.update(zip(batch, encoder_pair()[1].encode(batch)))
+        embeddings = [text_cache[p[1].caption] if p[4] is None else p[4] for p in pending]
         samples = [
             {"__key__": f"{idx:08d}", "latent.pth": latent.to(dtype), "text.pth": emb.to(dtype), "json": meta}
-            for (idx, _, latent, meta), emb in zip(pending, embeddings)
+            for (idx, _, latent, meta, _), emb in zip(pending, embeddings)
         ]
         pending.clear()
         return samples, next_item
 
     for idx in _progress(range(start, len(items)), len(items) - start, cfg.progress, "encoding"):
         item = items[idx]
+        if item.source in state["reuse"]:
+            sample = previous.read(*state["reuse"][item.source])
+            pending.append((idx, item, sample["latent.pth"], sample["json"], sample["text.pth"]))
+            if len(pending) == cfg.samples_per_shard:
+                yield flush(idx + 1)
+            continue
+        encoder = encoder_pair()[0]
+        multiple = cfg.size_multiple or encoder.spatial_factor * 2
         try:
             m = item.load()
             frames = encoder.valid_frames(m.pixels.shape[1])
@@ -332,7 +448,7 @@ def _encode_items(
         _, t, h, w = pixels.shape
         meta = {"kind": m.kind, "height": h, "width": w, "frames": t, "fps": m.fps, "caption": item.caption,
                 "source": item.source, **item.extra}
-        pending.append((idx, item, latent, meta))
+        pending.append((idx, item, latent, meta, None))
         if len(pending) == cfg.samples_per_shard:
             yield flush(idx + 1)
     if pending:
@@ -374,30 +490,68 @@ def prepare_dataset(
     summary = PrepareSummary(out=str(out))
     warnings, skipped = summary.warnings, []
     name = str(input)
+    classes = None
     if name in BUILTIN_DATASETS:
         items, source = builtin_items(name, cfg), name
     elif Path(name).is_dir():
-        items, source = folder_items(Path(name), cfg, warnings, skipped), str(Path(name).resolve())
+        items, classes = folder_items(Path(name), cfg, warnings, skipped)
+        source = str(Path(name).resolve())
     else:
         raise FileNotFoundError(f"INPUT {name!r} is neither a folder nor a built-in dataset {BUILTIN_DATASETS}")
-    fingerprint = cfg.fingerprint(source, [i.source for i in items])
+    options = cfg.fingerprint(source)
 
     _check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    existed = out.exists()
     state = None if overwrite else _load_state(out)
-    if state is not None and state["fingerprint"] != fingerprint:
+    keys, stats = content_keys(items, (state or {}).get("stats", {}))
+    out.mkdir(parents=True, exist_ok=True)
+    if state is not None and state["options"] != options:
         if state["complete"]:
-            raise FileExistsError(
-                f"OUT {out} holds a dataset prepared with other options or inputs; pass --overwrite to redo it"
-            )
-        warnings.append("an interrupted run with other options or inputs was found; starting over")
+            raise FileExistsError(f"OUT {out} holds a dataset prepared with other options or from another INPUT; "
+                                  "pass --overwrite to redo it")
+        warnings.append("an interrupted run with other options was found; starting over")
         state = None
+    if state is not None and state["items"] != keys:  # sources changed, were added or were removed
+        before, where = state["items"], state["where"]
+        if state["complete"]:  # the unchanged sources' samples come from the previous shards
+            shard_lib.set_aside(out, [s["name"] for s in state["shards"]])
+            reuse = {src: [shard_lib.PREVIOUS_PREFIX + where[src][0], where[src][1]]
+                     for src, key in keys.items() if before.get(src) == key and src in where}
+        else:  # an interrupted run or update: what an update set aside stays usable where still the same
+            shard_lib.remove_outputs(out, keep_previous=True)
+            reuse = {src: at for src, at in state["reuse"].items() if before.get(src) == keys.get(src)}
+        summary.changes = {"changed": sum(src in before and before[src] != key for src, key in keys.items()),
+                           "added": sum(src not in before for src in keys),
+                           "removed": sum(src not in keys for src in before), "reused": len(reuse)}
+        state = _new_state(out, options, keys, stats, cfg, classes, reuse)
     if state is None:
         shard_lib.remove_outputs(out)
-        state = {"version": STATE_VERSION, "fingerprint": fingerprint, "config": asdict(cfg), "shards": [],
-                 "skipped": [], "complete": False, "split_ratio": None}
+        state = _new_state(out, options, keys, stats, cfg, classes, {})
+    if state["stats"] != stats:  # files touched but not changed: not read again next time
+        state["stats"] = stats
         _save_state(out, state)
+    try:
+        return _write(out, items, cfg, state, summary, skipped, name, t0)
+    except BaseException:
+        if not state["shards"] and not state["reuse"] and not state["complete"]:  # nothing worth keeping
+            shard_lib.remove_outputs(out)
+            (out / STATE_FILE).unlink(missing_ok=True)
+            if not existed:
+                shutil.rmtree(out, ignore_errors=True)
+        raise
 
+
+def _new_state(out: Path, options: str, keys: dict, stats: dict, cfg: PrepareConfig, classes, reuse: dict) -> dict:
+    state = {"version": STATE_VERSION, "options": options, "items": keys, "stats": stats, "config": asdict(cfg),
+             "labels": classes, "shards": [], "where": {}, "reuse": reuse, "skipped": [], "complete": False,
+             "split_ratio": None}
+    _save_state(out, state)
+    return state
+
+
+def _write(out: Path, items: list[Item], cfg: PrepareConfig, state: dict, summary: PrepareSummary,
+           skipped: list, name: str, t0: float) -> PrepareSummary:
+    """Encode what is left to encode, then split and index the shards (see :func:`prepare_dataset`)."""
     shards = state["shards"]
     if state["complete"] and tuple(state["split_ratio"]) == cfg.split_ratio:
         summary.status = "up-to-date"
@@ -405,18 +559,22 @@ def prepare_dataset(
     if state["complete"]:
         summary.status = "resplit"
     else:
-        summary.status = "resumed" if shards else "prepared"
+        summary.status = "updated" if summary.changes else "resumed" if shards else "prepared"
         summary.resumed_shards = len(shards)
         start = shards[-1]["next_item"] if shards else 0
         # Skips past the last finished shard are redone with the items they belong to.
         state["skipped"] = [s for s in state["skipped"] if s[2] < start]
-        lat_enc, txt_enc = _build_encoders(cfg)
-        for samples, next_item in _encode_items(items, start, cfg, lat_enc, txt_enc, state):
-            shard = shard_lib.write_shard(out, len(shards), samples)
-            shards.append({"name": shard, "samples": len(samples), "next_item": next_item,
-                           "latent_shape": list(samples[0]["latent.pth"].shape),
-                           "text_dim": samples[0]["text.pth"].shape[-1]})
-            _save_state(out, state)
+        previous = _PreviousShards(out)
+        try:
+            for samples, next_item in _encode_items(items, start, cfg, lambda: _build_encoders(cfg), state, previous):
+                shard = shard_lib.write_shard(out, len(shards), samples)
+                shards.append({"name": shard, "samples": len(samples), "next_item": next_item,
+                               "latent_shape": list(samples[0]["latent.pth"].shape),
+                               "text_dim": samples[0]["text.pth"].shape[-1]})
+                state["where"].update({s["json"]["source"]: [shard, s["__key__"]] for s in samples})
+                _save_state(out, state)
+        finally:
+            previous.close()
         _save_state(out, state)
         if not shards:
             reasons = [f"{src}: {why}" for src, why, _ in state["skipped"][:5]] + [f"{a}: {b}" for a, b in skipped[:5]]
@@ -425,14 +583,16 @@ def prepare_dataset(
     splits = shard_lib.assign_splits(len(shards), cfg.split_ratio)
     for split, idx in splits.items():
         if cfg.split_ratio[shard_lib.SPLIT_NAMES.index(split)] > 0 and not idx:
-            warnings.append(f"split {split!r} has a positive ratio but 0 of {len(shards)} shards; "
-                            "use a smaller --samples-per-shard")
+            summary.warnings.append(f"split {split!r} has a positive ratio but 0 of {len(shards)} shards; "
+                                    "use a smaller --samples-per-shard")
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # energon prints progress lines we summarise ourselves
         shard_lib.prepare_energon(out, [s["name"] for s in shards], splits, cfg.workers)
-    state.update(complete=True, split_ratio=list(cfg.split_ratio),
+    state.update(complete=True, split_ratio=list(cfg.split_ratio), reuse={},
                  splits={k: sum(shards[i]["samples"] for i in v) for k, v in splits.items()})
     _save_state(out, state)
+    for previous_shard in out.glob(shard_lib.PREVIOUS_PREFIX + "*"):  # what the update took is in the new shards
+        previous_shard.unlink()
     return _finish(summary, state, skipped, t0)
 
 
@@ -450,6 +610,7 @@ def _finish(summary: PrepareSummary, state: dict, folder_skips: list, t0: float)
     summary.shards = len(shards)
     summary.skipped = sorted(folder_skips + [(src, why) for src, why, _ in state["skipped"]])
     summary.splits = dict(state.get("splits") or {})
+    summary.labels = state.get("labels")
     if shards:
         summary.latent_shape_example = tuple(shards[0]["latent_shape"])
         summary.text_dim = shards[0]["text_dim"]
@@ -477,8 +638,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("input", help=f"folder of images/videos, or a built-in dataset: {', '.join(BUILTIN_DATASETS)}")
     p.add_argument("out", help="output folder (created; must be empty or a previous output of this tool)")
-    p.add_argument("--encoder", default="identity", choices=sorted(LATENT_ENCODERS))
-    p.add_argument("--text-encoder", default="tiny", choices=sorted(TEXT_ENCODERS))
+    p.add_argument("--encoder", default="identity", choices=sorted(LATENT_ENCODERS),
+                   help="latent encoder: identity (the pixels themselves, in [-1, 1]), tiny_vae (a small "
+                        "random-init VAE for tests), diffusers_vae / diffusers_video_vae (a diffusers "
+                        "AutoencoderKL or video VAE from --encoder-path); writes latent.pth, [C, T, H, W]")
+    p.add_argument("--text-encoder", default="tiny", choices=sorted(TEXT_ENCODERS),
+                   help="caption encoder: tiny / tiny_text (a small random-init transformer, 32 wide), t5 (a "
+                        "T5 encoder from --text-encoder-path); writes text.pth, [tokens, width]")
     p.add_argument("--encoder-path", help="local folder of the latent encoder's weights (never downloaded)")
     p.add_argument("--text-encoder-path", help="local folder of the text encoder's weights (never downloaded)")
     p.add_argument("--encoder-opts", type=_opts_json, default={}, help="JSON options for the latent encoder")
@@ -488,6 +654,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, help="max frames per video (moving_digits: frames per video)")
     p.add_argument("--frame-stride", type=int, default=1, help="keep every n-th video frame")
     p.add_argument("--channels", type=int, choices=(1, 3), help="force gray (1) or RGB (3)")
+    p.add_argument("--labels", default="auto", choices=LABEL_MODES,
+                   help="class labels from INPUT's sub-folders (sorted names -> 0, 1, ...; ImageFolder's "
+                        "convention): auto = when every file is in one of >= 2 sub-folders, folders = always, "
+                        "none = never")
     p.add_argument("--split-ratio", default="1,0,0", help="train,val,test ratios over whole shards")
     p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--latent-dtype", default="bfloat16", choices=sorted(_DTYPES))
@@ -510,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
             encoder_opts=args.encoder_opts, text_encoder_opts=args.text_encoder_opts,
             image_size=args.image_size, size_multiple=args.size_multiple, frames=args.frames,
             frame_stride=args.frame_stride, channels=args.channels, latent_dtype=args.latent_dtype,
-            num_videos=args.num_videos, seed=args.seed, fps=args.fps, workers=args.workers, progress=not args.no_progress,
+            num_videos=args.num_videos, seed=args.seed, fps=args.fps, workers=args.workers, labels=args.labels,
+            progress=not args.no_progress and sys.stderr.isatty(),
         )
     except (ValueError, FileNotFoundError, FileExistsError, ImportError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,9 @@ from typing import Any, Iterable
 import yaml
 
 SHARD_PATTERN = "shard-{:06d}.tar"
-OUTPUT_RE = re.compile(r"^(shard-\d{6}\.tar(\.idx)?|\.shard-\d{6}\.tar\.partial)$")  # .idx: energon's tar index
+PREVIOUS_PREFIX = ".previous-"  # the previous output's shards, while an update takes samples from them
+OUTPUT_RE = re.compile(r"^(\.previous-shard-\d{6}\.tar|shard-\d{6}\.tar(\.idx)?|\.shard-\d{6}\.tar\.partial)$")
+# (.idx: energon's tar index)
 META_DIR = ".nv-meta"
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -44,12 +46,33 @@ def write_shard(out: Path, index: int, samples: Iterable[dict[str, Any]]) -> str
     return name
 
 
-def remove_outputs(out: Path) -> None:
-    """Delete everything this tool writes (shards, partial shards, energon metadata), nothing else."""
+def remove_outputs(out: Path, keep_previous: bool = False) -> None:
+    """Delete everything this tool writes (shards, partial shards, energon metadata), nothing else;
+    with ``keep_previous``, not the previous shards an update set aside (:func:`set_aside`)."""
     for p in out.iterdir():
-        if OUTPUT_RE.match(p.name):
+        if OUTPUT_RE.match(p.name) and not (keep_previous and p.name.startswith(PREVIOUS_PREFIX)):
             p.unlink()
     shutil.rmtree(out / META_DIR, ignore_errors=True)
+
+
+def set_aside(out: Path, names: list[str]) -> None:
+    """Rename the shards ``names`` to their ``.previous-`` names and remove the rest of the output."""
+    for name in names:
+        os.replace(out / name, out / (PREVIOUS_PREFIX + name))
+    remove_outputs(out, keep_previous=True)
+
+
+def read_sample(tar, members: dict, key: str) -> dict[str, Any]:
+    """The sample ``key`` of a shard written by :func:`write_shard` (``tar`` open, ``members`` by name)."""
+    import io
+    import json
+
+    import torch
+
+    def data(ext):
+        return tar.extractfile(members[f"{key}.{ext}"]).read()
+    return {"latent.pth": torch.load(io.BytesIO(data("latent.pth")), weights_only=True),
+            "text.pth": torch.load(io.BytesIO(data("text.pth")), weights_only=True), "json": json.loads(data("json"))}
 
 
 def assign_splits(num_shards: int, ratios: tuple[float, float, float], seed: int = 42) -> dict[str, list[int]]:

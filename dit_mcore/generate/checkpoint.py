@@ -94,10 +94,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, dtype: torch.dt
     (megatron's groups already initialised), on ``device`` in ``dtype``."""
     family = get_family(model.family)
     config = model.build(parallel, bf16=dtype == torch.bfloat16)
-    with torch.device(device):
-        chunks = ModelChunks.build(lambda **stage: family.build(config, backend=model.backend, **stage),
-                                   config.virtual_pipeline_model_parallel_size, seed=0)
-    return chunks.to(dtype).eval(), config
+    chunks = ModelChunks.of_family(family, config, backend=model.backend, device=device, dtype=dtype, seed=0)
+    return chunks.eval(), config
 
 
 def load_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfig, model_config) -> None:

@@ -39,6 +39,16 @@ class ModelChunks(nn.ModuleList):
         chunks.init_seed = seed
         return chunks
 
+    @classmethod
+    def of_family(cls, family, config, *, backend: str, device, dtype: torch.dtype,
+                  seed: Optional[int] = None) -> "ModelChunks":
+        """This rank's chunks of ``family`` (a model family, ``dit_mcore.models.get_family``) for its
+        ``config``, built on ``device`` and cast to ``dtype``: what training and generation both build."""
+        with torch.device(device):
+            chunks = cls.build(lambda **stage: family.build(config, backend=backend, **stage),
+                               config.virtual_pipeline_model_parallel_size, seed=seed)
+        return chunks.to(dtype)
+
     @property
     def config(self):
         return self[0].config

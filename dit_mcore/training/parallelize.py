@@ -64,11 +64,8 @@ class ParallelModel:
 def build_chunks(cfg: RunConfig, model_config, family, device, seed: Optional[int] = None) -> ModelChunks:
     """This rank's pipeline chunks of ``family`` for ``model_config`` on ``device``, in the run's compute
     dtype (bf16 parameters and compute with ``trainer.bf16``; the optimizer keeps fp32 main weights)."""
-    def chunk(**stage):
-        return family.build(model_config, backend=cfg.model.backend, **stage)
-    with torch.device(device):
-        model = ModelChunks.build(chunk, model_config.virtual_pipeline_model_parallel_size, seed=seed)
-    return model.to(torch.bfloat16 if cfg.trainer.bf16 else torch.float32)
+    return ModelChunks.of_family(family, model_config, backend=cfg.model.backend, device=device,
+                                 dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32, seed=seed)
 
 
 def parallelize(cfg: RunConfig, model_config, family, device: torch.device) -> ParallelModel:

@@ -229,3 +229,120 @@ def test_moving_digits_builtin(tmp_path):
         assert torch.equal(s.latent, ref.videos[i].to(torch.bfloat16))
         assert s.meta["caption"] == ref.captions[i] and s.meta["label"] == int(ref.labels[i])
         assert s.meta["kind"] == "video" and s.meta["fps"] == 8.0
+
+
+def _folder(root, files):
+    """``files``: relative path -> image seed (16x16 RGB PNGs)."""
+    for rel, seed in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(_rgb(seed, 16, 16)).save(root / rel)
+    return root
+
+
+def test_class_sub_folders_become_labels_and_the_label_map_is_kept(tmp_path, capsys):
+    from energon_data.prepare import prepare_record
+
+    root = _folder(tmp_path / "in", {"dog/1.png": 0, "cat/2.png": 1, "cat/3.png": 2, "zebra/x/4.png": 3})
+    out = tmp_path / "out"
+    assert main([str(root), str(out), "--workers", "1"]) == 0
+    assert "labels from class sub-folders (3): 0=cat, 1=dog, 2=zebra" in capsys.readouterr().out
+    assert prepare_record(out)["labels"] == ["cat", "dog", "zebra"]
+    labels = {src: s.meta["label"] for src, s in _load_all(out).items()}
+    assert labels == {"cat/2.png": 0, "cat/3.png": 0, "dog/1.png": 1, "zebra/x/4.png": 2}
+
+    unlabelled = prepare_dataset(root, tmp_path / "none", labels="none", **FAST)
+    assert unlabelled.labels is None and all("label" not in s.meta for s in _load_all(tmp_path / "none").values())
+    _folder(root, {"loose.png": 4})  # a file outside every class folder: auto means no labels ...
+    auto = prepare_dataset(root, tmp_path / "auto", **FAST)
+    assert auto.labels is None and auto.samples == 5
+    forced = prepare_dataset(root, tmp_path / "forced", labels="folders", **FAST)  # ... folders skips it
+    assert forced.labels == ["cat", "dog", "zebra"] and forced.samples == 4
+    assert dict(forced.skipped) == {"loose.png": "not in a class sub-folder (--labels folders)"}
+    with pytest.raises(ValueError, match="--labels must be one of"):
+        prepare_dataset(root, tmp_path / "bad", labels="yes", **FAST)
+
+
+def _spy_encodes(monkeypatch) -> list:
+    """Patch the latent encoder prepare builds so that every source it encodes is counted."""
+    import energon_data.prepare as prepare
+    encoded, build = [], prepare._build_encoders
+
+    def counting(cfg):
+        latent, text = build(cfg)
+        encode = latent.encode
+        latent.encode = lambda pixels: encoded.append(pixels.shape) or encode(pixels)
+        return latent, text
+    monkeypatch.setattr(prepare, "_build_encoders", counting)
+    return encoded
+
+
+def test_a_rerun_encodes_just_the_changed_added_and_removed_sources(tmp_path, monkeypatch):
+    from energon_data.prepare import prepare_record
+
+    root = _folder(tmp_path / "in", {f"{i}.png": i for i in range(6)})
+    (root / "4.txt").write_text("a caption")
+    out = tmp_path / "out"
+    prepare_dataset(root, out, samples_per_shard=2, **FAST)
+    encoded = _spy_encodes(monkeypatch)
+    _folder(root, {"1.png": 11, "9.png": 9})  # 1.png changed under the same name, 9.png added
+    (root / "3.png").unlink()  # removed
+    (root / "4.txt").write_text("another caption")  # a changed caption is a changed source
+    updated = prepare_dataset(root, out, samples_per_shard=2, **FAST)
+    assert updated.status == "updated" and len(encoded) == 3, (updated.status, encoded)
+    assert updated.changes == {"changed": 2, "added": 1, "removed": 1, "reused": 3}
+    assert "sources changed 2, added 1, removed 1; 3 samples reused without encoding" in str(updated)
+    assert not list(out.glob(".previous-*"))
+    fresh = tmp_path / "fresh"
+    prepare_dataset(root, fresh, samples_per_shard=2, **FAST)
+    got, want = _load_all(out), _load_all(fresh)
+    assert set(got) == set(want) == {"0.png", "1.png", "2.png", "4.png", "5.png", "9.png"}
+    for src in want:
+        assert torch.equal(got[src].latent, want[src].latent) and torch.equal(got[src].text_emb, want[src].text_emb)
+        assert got[src].meta == want[src].meta
+    assert prepare_record(out)["shards"] == prepare_record(fresh)["shards"]
+    # touched but unchanged: up to date, and nothing read again next time (the stat record is renewed)
+    import os
+    os.utime(root / "0.png", ns=(1, 1))
+    encoded.clear()
+    assert prepare_dataset(root, out, samples_per_shard=2, **FAST).status == "up-to-date" and not encoded
+    assert prepare_record(out)["stats"]["0.png"][1] == 1
+
+
+def test_an_interrupted_update_resumes_from_the_previous_shards(tmp_path, monkeypatch):
+    import energon_data.prepare as prepare
+
+    root = _folder(tmp_path / "in", {f"{i}.png": i for i in range(6)})
+    out = tmp_path / "out"
+    prepare_dataset(root, out, samples_per_shard=2, **FAST)
+    _folder(root, {"5.png": 15})
+    write, calls = prepare.shard_lib.write_shard, []
+
+    def dies_at_the_second_shard(*args):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return write(*args)
+    monkeypatch.setattr(prepare.shard_lib, "write_shard", dies_at_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(root, out, samples_per_shard=2, **FAST)
+    assert len(list(out.glob(".previous-shard-*.tar"))) == 3  # the samples the update takes are still there
+    monkeypatch.setattr(prepare.shard_lib, "write_shard", write)
+    encoded = _spy_encodes(monkeypatch)
+    resumed = prepare_dataset(root, out, samples_per_shard=2, **FAST)
+    assert resumed.status == "resumed" and resumed.resumed_shards == 1 and len(encoded) == 1  # 5.png
+    prepare_dataset(root, tmp_path / "fresh", samples_per_shard=2, **FAST)
+    got, want = _load_all(out), _load_all(tmp_path / "fresh")
+    assert set(got) == set(want) and all(torch.equal(got[k].latent, want[k].latent) for k in want)
+    assert not list(out.glob(".previous-*"))
+
+
+def test_a_failed_prepare_leaves_nothing_that_looks_like_a_dataset(tmp_path):
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(RuntimeError, match="no sample could be prepared"):
+        prepare_dataset(root, tmp_path / "out", **FAST)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made stays, empty
+    assert main([str(root), str(tmp_path / "mine"), "--workers", "1"]) == 2
+    assert list((tmp_path / "mine").iterdir()) == []
