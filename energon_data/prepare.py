@@ -133,7 +133,7 @@ class PrepareSummary:
     """With "updated": how many sources were ``changed``, ``added`` and ``removed``, and how many samples
     were ``reused`` from the previous shards without encoding."""
     labels: list[str] | None = None
-    """The class names, label 0 first (None: the samples carry no labels, or a built-in's own)."""
+    """The class names, label 0 first (None: the samples carry no labels)."""
     latent_shape_example: tuple[int, ...] | None = None
     text_dim: int | None = None
     seconds: float = 0.0
@@ -154,7 +154,7 @@ class PrepareSummary:
                          f"{c['reused']} samples reused without encoding")
         if self.labels:
             shown = ", ".join(f"{i}={name}" for i, name in enumerate(self.labels[:12]))
-            lines.append(f"  labels from class sub-folders ({len(self.labels)}): {shown}"
+            lines.append(f"  labels ({len(self.labels)}): {shown}"
                          + (", ..." if len(self.labels) > 12 else ""))
         if self.resumed_shards:
             lines.append(f"  continued after {self.resumed_shards} shards from an interrupted run")
@@ -493,6 +493,7 @@ def prepare_dataset(
     classes = None
     if name in BUILTIN_DATASETS:
         items, source = builtin_items(name, cfg), name
+        classes = [str(digit) for digit in range(10)]
     elif Path(name).is_dir():
         items, classes = folder_items(Path(name), cfg, warnings, skipped)
         source = str(Path(name).resolve())

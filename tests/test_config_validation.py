@@ -53,7 +53,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("data", "num_workers", -1, "data.num_workers=-1: must be >= 0"),
     ("data", "max_seq_len", 0, "data.max_seq_len=0: must be >= 1"),
     ("data", "blend_mode", "weights", "data.blend_mode='weights': must be one of ('weight', 'epoch')"),
-    ("data", "image_size", 16, "data.image_size=16: the digits must have the model's size 8"),
+    ("data", "image_size", 16, "model.input_size=8 but data.name=digits has 16: set model.input_size=16"),
     ("data", "path", "/", "data.path='/' is not a prepared energon dataset (no .nv-meta/ inside)"),
     ("data", "path", "/no/such/dir", "data.path='/no/such/dir' does not exist"),
     ("parallel", "tensor_model_parallel_size", 4, "world size"),

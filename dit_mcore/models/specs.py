@@ -58,6 +58,17 @@ def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def fallbacks_line() -> Optional[str]:
+    """One line naming what stands in for the optional GPU packages that are missing (megatron warns
+    about each at import, five times; ``dit_mcore/__init__.py`` keeps those quiet), or None."""
+    missing = []
+    if not te_installed():
+        missing.append("Transformer Engine (megatron's local linears stand in)")
+    if importlib.util.find_spec("apex") is None:
+        missing.append("apex (torch's norms, optimizers and multi-tensor kernels stand in)")
+    return "not installed: " + "; ".join(missing) if missing else None
+
+
 def te_linears():
     """Transformer Engine's ``(column_parallel, row_parallel)`` linears through megatron's wrappers;
     ImportError without TE."""

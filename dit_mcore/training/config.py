@@ -40,17 +40,20 @@ class ModelConfig:
     patch_size: Optional[int] = None
     """Override the preset's patch size."""
     input_size: Optional[int] = None
-    """Latent/image side length the model is trained on."""
+    """Latent/image side length the model is trained on (unset: the data's, :mod:`dit_mcore.training.data_fit`;
+    with data that does not say, e.g. ``mock``, the preset's)."""
     in_channels: Optional[int] = None
-    """Latent/image channels."""
+    """Latent/image channels (unset: the data's, else the preset's)."""
     num_classes: Optional[int] = None
-    """Class count (the null class is added for CFG)."""
+    """Class count (the null class is added for CFG; unset: the data's labels, 0 for a dataset without labels,
+    else the preset's)."""
     learn_sigma: Optional[bool] = None
     """Predict the extra variance channels (unused by flow/EDM losses; kept for interop)."""
     class_dropout_prob: Optional[float] = None
     """Label-dropout probability for classifier-free guidance."""
     text_dim: Optional[int] = None
-    """Text-conditioned families: width of the dataset's text embeddings (its text encoder's)."""
+    """Text-conditioned families: width of the dataset's text embeddings (its text encoder's; unset: the
+    data's, else the preset's)."""
     text_dropout_prob: Optional[float] = None
     """Text-dropout probability for classifier-free guidance on text."""
     st_attention: Optional[str] = None

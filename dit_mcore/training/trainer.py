@@ -28,6 +28,7 @@ from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.flops import peak_tflops
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
+from dit_mcore.models import specs
 from dit_mcore.models.text import TextContext
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
@@ -42,6 +43,7 @@ from dit_mcore.training.metrics import MetricsLogger, StepRate
 from dit_mcore.training.optim import build_optimizer, grads_and_norm, per_sample_loss_scale, step_if_finite
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
+from dit_mcore.training.data_fit import describe as describe_fit, fit_model_to_data
 from dit_mcore.training.validate import validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 
@@ -68,8 +70,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig, hooks: Sequence[StepHook] = ()):
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
+        fitted = fit_model_to_data(cfg)  # the shape fields left unset, from the data (validated as fitted)
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
+        if dist.get_rank() == 0:
+            for line in (specs.fallbacks_line(), fitted and describe_fit(fitted)):
+                if line:
+                    log.info("%s", line)
         self.device = run_device()
         self.family = get_family(cfg.model.family)
         self.model_config = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dit_mcore.errors import ConfigError
+from dit_mcore.training import data_fit
 from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
@@ -27,7 +28,6 @@ from dit_mcore.models.te_fp8 import FORMATS as TE_FP8_FORMATS, RECIPES as TE_FP8
 from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
-from energon_data.datasets import moving_digits_text_encoder
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
@@ -291,10 +291,16 @@ def run_problems(cfg, world_size: int) -> list[str]:
     r.problems += cfg.data.problems()
     if r.problems:
         return r.problems
-    # Cross-section: the model as built (its own shape rules) against the data, the layout and the batch.
+    # Cross-section: the model as built (its own shape rules, the shape its data gives it) against the data,
+    # the layout and the batch.
+    problems = data_fit.contradictions(cfg)
+    if problems:
+        return problems
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
+    data_fit.fit_model_to_data(cfg)
     try:
         model = cfg.model.build(ParallelConfig())
-        _check_data_source(cfg.data, model)
+        _check_data_source(cfg.data)
         _check_text(cfg.data, model, get_family(cfg.model.family))
         check_layout(cfg.parallel, model, cfg.data, world_size,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
@@ -334,31 +340,17 @@ def run_problems(cfg, world_size: int) -> list[str]:
     return []
 
 
-def _dataset_text_dim(path: Path) -> Optional[int]:
-    """The text width a prepared dataset recorded (None if it has no record, e.g. a blend file)."""
-    from energon_data.prepare import prepare_record
-    shards = (prepare_record(path) or {}).get("shards") or [{}]
-    return shards[0].get("text_dim")
-
-
 def _check_text(data, model, family) -> None:
-    """A text family needs data with text of the model's width."""
+    """A text family needs data with text (of the model's width: :mod:`dit_mcore.training.data_fit`)."""
     if "text" not in family.conditioning:
         return
     if not data.path and data.name not in ("mock", "moving_digits"):
         raise ConfigError(f"data.name={data.name!r} has no captions, but model.family={family.name} is conditioned "
                           "on text; use a prepared energon dataset (data.path=..., it carries text embeddings) "
                           "or data.name=mock")
-    if data.path:
-        width = _dataset_text_dim(Path(data.path))
-    else:
-        width = moving_digits_text_encoder().dim if data.name == "moving_digits" else None
-    if width is not None and width != model.text_dim:
-        raise ConfigError(f"model.text_dim={model.text_dim} but the dataset at data.path={data.path!r} has "
-                          f"{width}-wide text embeddings; set model.text_dim={width}")
 
 
-def _check_data_source(data, model) -> None:
+def _check_data_source(data) -> None:
     data.check_source()
     if data.path:
         path = Path(data.path)
@@ -368,12 +360,6 @@ def _check_data_source(data, model) -> None:
         if path.is_dir() and not (path / ".nv-meta").is_dir():
             raise ConfigError(f"data.path={data.path!r} is not a prepared energon dataset (no .nv-meta/ inside); "
                               "prepare one with `python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
-    elif data.name in ("digits", "moving_digits") and data.image_size != model.input_size:
-        raise ConfigError(f"data.image_size={data.image_size}: the {data.name} must have the model's size "
-                          f"{model.input_size}; set model.input_size={data.image_size}")
-    elif data.name in ("digits", "moving_digits") and model.in_channels != 1:
-        raise ConfigError(f"model.in_channels={model.in_channels}: the {data.name} are grey pixels; set "
-                          "model.in_channels=1")
 
 
 def validate_run(cfg, world_size: int) -> None:

@@ -245,7 +245,7 @@ def test_class_sub_folders_become_labels_and_the_label_map_is_kept(tmp_path, cap
     root = _folder(tmp_path / "in", {"dog/1.png": 0, "cat/2.png": 1, "cat/3.png": 2, "zebra/x/4.png": 3})
     out = tmp_path / "out"
     assert main([str(root), str(out), "--workers", "1"]) == 0
-    assert "labels from class sub-folders (3): 0=cat, 1=dog, 2=zebra" in capsys.readouterr().out
+    assert "labels (3): 0=cat, 1=dog, 2=zebra" in capsys.readouterr().out
     assert prepare_record(out)["labels"] == ["cat", "dog", "zebra"]
     labels = {src: s.meta["label"] for src, s in _load_all(out).items()}
     assert labels == {"cat/2.png": 0, "cat/3.png": 0, "dog/1.png": 1, "zebra/x/4.png": 2}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,6 +50,10 @@ class DiTConfig(TransformerConfig):
     The megatron fields (``num_layers``, ``hidden_size``, ``num_attention_heads``, parallel sizes …)
     keep their meaning; the fields below describe the latent/pixel interface and conditioning.
     """
+
+    cuda_graph_scope: list = field(default_factory=list)
+    """megatron's field, whose own default ("full") it has deprecated with a warning at every build; the
+    empty list is the same scope (the whole layer)."""
 
     input_size: int = 32
     """Spatial size (height = width) of the latent the model is trained on; sets the default
