@@ -45,6 +45,33 @@ def test_resume_is_bit_identical(tmp_path, objective, distopt):
     assert first + rest == full  # exact float equality: same data, noise, weights and optimizer state
 
 
+def test_a_resume_with_a_longer_run_says_what_it_does_with_the_learning_rate_horizon(tmp_path, caplog):
+    """trainer.max_steps raised on resume: the cosine keeps the checkpoint's horizon unless the run asks to
+    re-plan it (optim.resume_schedule=config: the new horizon from the resumed step on); both are said."""
+    import logging
+
+    def lrs(run_dir, max_steps, steps, choice="checkpoint"):
+        trainer = Trainer(tiny_run(run_dir, max_steps=max_steps))
+        trainer.cfg.optim.resume_schedule = choice
+        return trainer, [trainer.train_step()["lr"] for _ in range(steps)]
+    short, _ = lrs(tmp_path / "run", 4, 2)  # warmup 1, cosine to step 4
+    short.save()
+    _, kept_reference = lrs(tmp_path / "short", 4, 4)
+    _, replanned_reference = lrs(tmp_path / "long", 8, 4)
+    for choice, reference in (("checkpoint", kept_reference), ("config", replanned_reference)):
+        cfg = tiny_run(tmp_path / "run", max_steps=8)
+        cfg.optim.resume_schedule = choice
+        with caplog.at_level(logging.WARNING, logger="dit_mcore.train"):
+            caplog.clear()
+            resumed = Trainer(cfg)
+        assert resumed.step == 2
+        assert [resumed.train_step()["lr"] for _ in range(2)] == pytest.approx(reference[2:4])
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "resumed at step 2: the checkpoint's learning-rate schedule (lr 0.001, min_lr 0.0, warmup steps 1, " \
+               "decay steps 4, decay style cosine) differs from the config's (" in said and "decay steps 8" in said
+        assert ("kept the checkpoint's" if choice == "checkpoint" else "re-planned with the config's from step 2") in said
+
+
 @pytest.mark.parametrize("sharded_overlap", [False, True])
 def test_an_offloaded_fold_uses_copies_queued_right_after_its_update_and_the_next_update_waits(tmp_path, monkeypatch,
                                                                                                sharded_overlap):

@@ -197,6 +197,11 @@ class OptimConfig:
     """Linear warmup steps from 0 to ``lr``."""
     decay_style: str = "constant"
     """"cosine", "linear" or "constant" after warmup."""
+    resume_schedule: str = "checkpoint"
+    """On resume, when the checkpoint's learning-rate schedule (lr, min_lr, warmup, decay horizon =
+    ``trainer.max_steps``, style) differs from this config's: "checkpoint" keeps the checkpoint's, "config"
+    re-plans with this config's, evaluated from the resumed step on (so a longer ``max_steps`` stretches
+    the decay). Either way the run logs both schedules and the choice."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9

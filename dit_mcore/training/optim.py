@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from typing import Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -183,6 +184,33 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(max_steps, 1),
         wd_incr_style="constant")
     return optimizer, scheduler  # the loss scale: per_sample_loss_scale
+
+
+RESUME_SCHEDULES = ("checkpoint", "config")
+_SCHEDULE_FIELDS = (("max_lr", "lr"), ("min_lr", "min_lr"), ("lr_warmup_steps", "warmup steps"),
+                    ("lr_decay_steps", "decay steps"), ("lr_decay_style", "decay style"))
+
+
+def load_schedule(scheduler, saved: dict, choice: str, step: int) -> Optional[str]:
+    """Load a checkpoint's learning-rate schedule into ``scheduler`` (built from this run's config):
+    where the two differ, ``choice`` (``optim.resume_schedule``) picks the checkpoint's or the config's,
+    the latter evaluated from the resumed ``step`` on. Returns the line saying what differed and what was
+    chosen (None when nothing differed)."""
+    def describe(values: dict) -> str:
+        return ", ".join(f"{label} {values[key]}" for key, label in _SCHEDULE_FIELDS)
+    ours = {key: getattr(scheduler, key) for key, _ in _SCHEDULE_FIELDS}
+    theirs = {key: saved.get(key, ours[key]) for key, _ in _SCHEDULE_FIELDS}
+    scheduler.override_opt_param_scheduler = choice == "config"
+    scheduler.load_state_dict(saved)
+    if ours == theirs:
+        return None
+    head = (f"resumed at step {step}: the checkpoint's learning-rate schedule ({describe(theirs)}) differs from "
+            f"the config's ({describe(ours)}); ")
+    if choice == "config":
+        return head + (f"re-planned with the config's from step {step} (optim.resume_schedule=config; "
+                       f"lr now {scheduler.get_lr(scheduler.optimizer.param_groups[0]):.3e})")
+    return head + ("kept the checkpoint's (optim.resume_schedule=checkpoint); set optim.resume_schedule=config to "
+                   f"re-plan with the config's from step {step}")
 
 
 @torch.no_grad()

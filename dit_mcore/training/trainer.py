@@ -40,7 +40,8 @@ from dit_mcore.training.ema import EMASchedule
 from dit_mcore.training.hooks import (Checkpoints, StepHook, StopOnDivergence, StopOnPreemption,
                                       config_reads_after)
 from dit_mcore.training.metrics import MetricsLogger, StepRate
-from dit_mcore.training.optim import build_optimizer, grads_and_norm, per_sample_loss_scale, step_if_finite
+from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_schedule, per_sample_loss_scale,
+                                     step_if_finite)
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
 from dit_mcore.training.data_fit import describe as describe_fit, fit_model_to_data
@@ -200,7 +201,9 @@ class Trainer:
         self.divergence.load_state_dict(state["divergence"])
         self.ema.unfolded_decay = float(state.get("ema_unfolded_decay", 1.0))  # (older checkpoints: 1.0)
         self.last_saved = path.name
-        self.scheduler.load_state_dict(state["scheduler"])
+        schedule = load_schedule(self.scheduler, state["scheduler"], self.cfg.optim.resume_schedule, self.step)
+        if schedule and dist.get_rank() == 0:
+            log.warning("%s", schedule)
         if "data" in loaded["per_rank"]:
             self.loader.load_state_dict(loaded["per_rank"]["data"])
         elif not self._data_per_rank():

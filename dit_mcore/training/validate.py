@@ -20,7 +20,7 @@ import torch
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.training import data_fit
-from dit_mcore.training.optim import STATE_DTYPES, moments_below_fp32
+from dit_mcore.training.optim import RESUME_SCHEDULES, STATE_DTYPES, moments_below_fp32
 from dit_mcore.diffusion.registry import OBJECTIVES
 from dit_mcore.models.float8 import RECIPES as FLOAT8_RECIPES
 from dit_mcore.models import specs, te_fp8
@@ -213,6 +213,8 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
            f"must be < trainer.max_steps={max_steps}; shorten the warmup or train longer")
     r.need(o.decay_style in DECAY_STYLES, "optim.decay_style", o.decay_style,
            f"use one of {DECAY_STYLES}{did_you_mean(o.decay_style, DECAY_STYLES)}")
+    r.need(o.resume_schedule in RESUME_SCHEDULES, "optim.resume_schedule", o.resume_schedule,
+           f"use one of {RESUME_SCHEDULES}{did_you_mean(o.resume_schedule, RESUME_SCHEDULES)}")
     r.need(o.adam_impl in ADAM_IMPLS, "optim.adam_impl", o.adam_impl,
            f"use one of {ADAM_IMPLS}{did_you_mean(o.adam_impl, ADAM_IMPLS)}")
     for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
