@@ -3,6 +3,7 @@ non-finite steps, preemption signals. Each case fails without its fix."""
 import json
 import logging
 import os
+import re
 import signal
 
 import pytest
@@ -143,7 +144,7 @@ def _signal_after(trainer, step, signum):
     trainer.train_step = stepped
 
 
-def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_path, monkeypatch):
+def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_path, monkeypatch, caplog):
     full = [h["loss"] for h in Trainer(tiny_run(tmp_path / "full", max_steps=5)).fit()]
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -158,6 +159,7 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     # The signal arrived after step 2's vote (between steps): step 3's vote carries it, so the run
     # saves and stops after step 3.
     assert stop.value.code == EXIT_PREEMPTED and stop.value.step == 3
+    assert "received SIGUSR1 at step 2: saving after step 3 at the latest, then exiting" in caplog.text
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
     resumed = Trainer(tiny_run(tmp_path / "cut", max_steps=5))
@@ -165,6 +167,20 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     rest = [h["loss"] for h in resumed.fit()]
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [x["loss"] for x in lines] == full and rest == full[3:]
+
+
+@pytest.mark.parametrize("voted, saves_after", [(False, 5), (True, 6)])
+def test_the_preemption_message_names_the_step_the_run_saves_after(caplog, voted, saves_after):
+    """A signal before the step's vote stops the run after that step; one after it, after the next."""
+    from dit_mcore.training.preemption import PreemptionSignals
+    signals = PreemptionSignals()
+    with signals:
+        signals.begin(5)
+        if voted:
+            signals.start_vote(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.received == signal.SIGTERM
+    assert f"received SIGTERM at step 5: saving after step {saves_after} at the latest" in caplog.text
 
 
 def _preempted_worker(rank, world, run_dir):
@@ -211,6 +227,8 @@ def test_sigterm_to_the_clis_process_group_saves_and_exits_with_the_preempted_co
     assert proc.returncode == EXIT_PREEMPTED, out
     step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
     assert 2 <= step < 1000 and f"preempted by SIGTERM after step {step}" in out
+    said = re.search(r"received SIGTERM at step (\d+): saving after step (\d+) at the latest", out)
+    assert said and int(said.group(2)) == step, out  # the step it names is the step it saved
 
 
 def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_path):

@@ -54,6 +54,8 @@ class PreemptionSignals:
         self._vote = None  # the all-reduce in flight
         self._previous: dict = {}
         self._owner = os.getpid()
+        self.step_in_progress = 1  # the step the trainer is in (or starts next), for the message
+        self._voted = False  # whether that step's vote has started (a later signal counts at the next one)
 
     def __enter__(self) -> "PreemptionSignals":
         if os.getpid() == self._owner and _in_main_thread():
@@ -73,14 +75,21 @@ class PreemptionSignals:
             signal.signal(signum, signal.SIG_IGN)
             return
         if self.received is None:
-            log.warning("received %s: finishing this step, then saving and exiting", signal.Signals(signum).name)
+            saves_after = self.step_in_progress + self._voted
+            log.warning("received %s at step %d: saving after step %d at the latest, then exiting",
+                        signal.Signals(signum).name, self.step_in_progress, saves_after)
         self.received = signum
+
+    def begin(self, step: int) -> None:
+        """The trainer starts ``step``: a signal from now until this step's vote stops the run after it."""
+        self.step_in_progress, self._voted = step, False
 
     def start_vote(self, device) -> None:
         """Start combining every rank's flag (max over the world) without waiting for it; call
         once per step on every rank, before :meth:`ballot`."""
         # A fill kernel, not a copy from pageable host memory (which would sync the stream).
         self._ballot = torch.full((1,), float(self.received or 0), device=device)
+        self._voted = True
         self._vote = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             self._vote = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, async_op=True)

@@ -287,6 +287,7 @@ class Trainer:
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.signals.begin(self.step + 1)
         microbatches = [b.to(self.device) for b in self.loader.next_global_batch()]
         self._weigh_samples(microbatches)
         rows, seq = microbatches[0].tokens.shape[:2]
