@@ -169,6 +169,18 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     assert [x["loss"] for x in lines] == full and rest == full[3:]
 
 
+def test_an_unwritable_run_directory_fails_in_one_line_before_the_model_is_built(tmp_path, monkeypatch):
+    import dit_mcore.training.trainer as trainer_module
+    (tmp_path / "a_file").write_text("not a folder")
+    built = []
+    monkeypatch.setattr(trainer_module, "parallelize", lambda *a, **k: built.append(1))
+    with pytest.raises(ConfigError) as err:
+        Trainer(tiny_run(tmp_path / "a_file" / "run"))
+    assert str(err.value) == (f"log.dir={str(tmp_path / 'a_file' / 'run')!r}: cannot write to "
+                              f"{str(tmp_path / 'a_file' / 'run')!r} (Not a directory); choose another log.dir or "
+                              "make it writable") and not built
+
+
 @pytest.mark.parametrize("voted, saves_after", [(False, 5), (True, 6)])
 def test_the_preemption_message_names_the_step_the_run_saves_after(caplog, voted, saves_after):
     """A signal before the step's vote stops the run after that step; one after it, after the next."""

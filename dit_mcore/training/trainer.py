@@ -45,7 +45,7 @@ from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_sche
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
 from dit_mcore.training.data_fit import describe as describe_fit, fit_model_to_data
-from dit_mcore.training.validate import validate_run
+from dit_mcore.training.validate import check_run_dir_writable, validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 
 log = logging.getLogger("dit_mcore.train")
@@ -72,6 +72,7 @@ class Trainer:
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
         fitted = fit_model_to_data(cfg)  # the shape fields left unset, from the data (validated as fitted)
+        check_run_dir_writable(cfg)
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         if dist.get_rank() == 0:

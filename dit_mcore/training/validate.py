@@ -364,6 +364,20 @@ def _check_data_source(data) -> None:
                               "prepare one with `python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
 
 
+def check_run_dir_writable(cfg) -> None:
+    """Create ``log.dir`` (and its ``checkpoints/``) where missing and write a probe file into each, so a
+    run that could not save fails now, in one line, instead of after the model is built."""
+    import tempfile
+    for path in (Path(cfg.log.dir), Path(cfg.log.dir) / "checkpoints"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".writable-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"log.dir={cfg.log.dir!r}: cannot write to {str(path)!r} ({e.strerror or e}); choose "
+                              "another log.dir or make it writable") from None
+
+
 def validate_run(cfg, world_size: int) -> None:
     """Raise one :class:`ConfigError` listing every problem of ``cfg`` (see :func:`run_problems`)."""
     problems = run_problems(cfg, world_size)
