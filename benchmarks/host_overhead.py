@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import dataclasses
 import sys
 from pathlib import Path
@@ -71,6 +72,18 @@ def measure(mode: str, layers: int, packed_len: int, warmup: int, steps: int, fa
     return {"step_ms": row["step_s"] * 1e3, "forward_backward_ms": queued, "forward_backward_ms_per_layer": queued / layers}
 
 
+@contextlib.contextmanager
+def compile_backend(backend: str):
+    """Every ``torch.compile`` inside (the layers' ``nn.Module.compile`` calls it) with ``backend``."""
+    original = torch.compile
+    if backend != "inductor":
+        torch.compile = functools.partial(original, backend=backend)
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
 def main(argv=None) -> dict:
     import warnings
     warnings.filterwarnings("ignore")
@@ -81,13 +94,18 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="runs of each placement, interleaved; the median is reported")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"),
+                   help="torch.compile's backend: aot_eager traces the same graphs without Inductor's code "
+                        "generation (the test suite's smoke run checks the harness, not Inductor)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     result = {"device": device_name(), "family": args.family, "layers": args.layers, "packed_len": args.packed_len,
               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "kernels": "real" if torch.cuda.is_available() else "varlen emulated by zero outputs"}
+              "kernels": "real" if torch.cuda.is_available() else "varlen emulated by zero outputs",
+              "compile_backend": args.compile_backend}
     runs = {"outside": [], "planned": []}
-    with emulated_varlen_kernels() if not torch.cuda.is_available() else contextlib.nullcontext():
+    with emulated_varlen_kernels() if not torch.cuda.is_available() else contextlib.nullcontext(), \
+            compile_backend(args.compile_backend):
         for _ in range(args.repeats):  # interleaved: a busy spell of the host falls on both
             for mode, times in runs.items():
                 times.append(measure(mode, args.layers, args.packed_len, args.warmup, args.steps, args.family))

@@ -5,7 +5,8 @@ nemo-run 0.11.1's CLI returns normally (exit code 0) when an override does not p
 raises in-process, and when a launched job FAILS. ``main`` records what happened through a
 ``RunContext`` subclass and an experiment plugin, and returns the exit code:
 
-* 0 when the command finished (a run that succeeded, ``--dryrun``, ``--to-yaml``, ``--help``);
+* 0 when the command finished (a run that succeeded, ``--dryrun``, ``--to-yaml``, ``--help``,
+  ``--help-config [SECTION]``: every field of the task's sections, ``dit_mcore.training.config_help``);
 * 1 when the command stopped on an error (bad override, exception in an in-process run, no
   ``--yes`` without a terminal) or a launched job ended in any state other than SUCCEEDED
   (with ``--detach``: FAILED or CANCELLED).
@@ -13,6 +14,7 @@ raises in-process, and when a launched job FAILS. ``main`` records what happened
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -65,7 +67,11 @@ class CheckedRunContext(run.cli.RunContext):
         return task
 
     def cli_execute(self, fn, args, entrypoint_type="task"):
-        super().cli_execute(fn, args, entrypoint_type)
+        from dit_mcore.errors import ConfigError
+        try:
+            super().cli_execute(fn, args, entrypoint_type)
+        except ConfigError as e:  # nemo-run prints "Error: ..." for these (others: "Unexpected error: ...")
+            raise run.cli.api.RunContextError(str(e)) from e
         exporting = any([self.to_yaml, self.to_toml, self.to_json])
         if self.dryrun and not exporting and not self.direct and self.executor is not None:
             # The CLI's --dryrun only prints the config; show what would be submitted (the sbatch
@@ -103,6 +109,18 @@ def main(fn: Callable, default_executor: Optional[run.Config] = None) -> int:
     Under torchrun every rank executes the task in-process and never asks for confirmation: the
     process is already one worker of the job, so launching another would nest launches.
     """
+    argv = sys.argv[1:]
+    if "--help-config" in argv:  # every section's fields, with type, default and docstring
+        from dit_mcore.training.config_help import config_help
+        from dit_mcore.training.validate import config_sections
+        after = argv[argv.index("--help-config") + 1:]
+        only = after[0] if after and not after[0].startswith("-") else None
+        try:
+            print(config_help(config_sections(fn), only))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     cmd_defaults = {"direct": True, "skip_confirmation": True} if under_torchrun() else None
     _STATE.clear()
     run.cli.main(fn, default_executor=default_executor, cmd_defaults=cmd_defaults, run_ctx_cls=CheckedRunContext)

@@ -100,7 +100,7 @@ def pretrain_tiny() -> run.Partial[train]:
     """Smoke test: the tiny preset on 8x8 digits for a few steps (seconds on a CPU)."""
     return run.Partial(
         train,
-        model=run.Config(ModelConfig, preset="tiny", in_channels=1, input_size=8),
+        model=run.Config(ModelConfig, preset="tiny"),  # (channels, size, classes: the data's)
         data=run.Config(DataConfig, name="digits", image_size=8, global_batch_size=32, micro_batch_size=16),
         optim=run.Config(OptimConfig, lr=1e-3),
         diffusion=run.Config(DiffusionConfig, objective="flow", sample_steps=4),

@@ -32,9 +32,9 @@ def resolve(factory, overrides=()):
     return build_run_config(**fdl.build(task).keywords)
 
 
-def cli(args, tmp_path, *, nproc=None, timeout=240, script=SCRIPT):
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    env.update(COLUMNS="200", NEMORUN_HOME=str(tmp_path / "nemo_run"), PYTHONWARNINGS="ignore")
+def cli(args, tmp_path, *, nproc=None, timeout=240, script=SCRIPT, warnings="ignore"):
+    env = {k: v for k, v in os.environ.items() if k not in (*_LAUNCH_ENV, "PYTHONWARNINGS")}
+    env.update(COLUMNS="200", NEMORUN_HOME=str(tmp_path / "nemo_run"), **({"PYTHONWARNINGS": warnings} if warnings else {}))
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     proc = subprocess.run([*launcher, str(script), "--yes", *args], cwd=tmp_path, env=env,
@@ -105,6 +105,25 @@ def test_slurm_dryrun_renders_an_srun_per_gpu_sbatch(tmp_path):
 def test_failed_run_exits_nonzero(tmp_path, override, message):
     rc, out = cli(["--factory", "pretrain_tiny", override, f"log.dir={tmp_path / 'run'}"], tmp_path)
     assert rc != 0 and message in out, out
+    error_lines = [line for line in out.splitlines() if line.startswith("Error: ")]
+    assert error_lines and message in error_lines[0] and "Unexpected error" not in out, out  # expected: said as one
+
+
+def test_a_clean_start_prints_the_projects_lines_and_no_known_third_party_warning(tmp_path):
+    from dit_mcore.models import specs
+    rc, out = cli(["--factory", "pretrain_tiny", "trainer.max_steps=1", f"log.dir={tmp_path / 'run'}"], tmp_path,
+                  warnings=None)
+    assert rc == 0, out
+    assert "Warning" not in out, out  # megatron's Transformer Engine / apex import warnings, its deprecated default
+    assert specs.fallbacks_line() is None or f"INFO {specs.fallbacks_line()}" in out, out  # said once instead
+    assert "INFO the model's shape from its data: model.in_channels=1 model.input_size=8" in out, out
+
+
+def test_help_config_lists_every_field_of_a_section(tmp_path):
+    rc, out = cli(["--help-config", "trainer"], tmp_path)
+    assert rc == 0 and "  trainer.max_steps: int = " in out and "  model." not in out, out
+    rc, out = cli(["--help-config", "trainr"], tmp_path)
+    assert rc == 2 and "--help-config trainr: no such section; use one of" in out, out
 
 
 @pytest.mark.slow
