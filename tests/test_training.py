@@ -422,3 +422,19 @@ def test_every_logged_step_reports_its_own_throughput_the_last_included(tmp_path
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert [x["samples_per_s"] for x in lines] == [8.0, 8.0, 8.0]  # 16 samples per step, 2 s each
+
+
+def test_the_progress_bar_draws_only_on_a_terminal(tmp_path, monkeypatch):
+    """Redrawn bar lines would interleave with the log lines in a file (a job's output)."""
+    import sys
+
+    from dit_mcore.training.metrics import MetricsLogger
+
+    def logger(tty):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
+        return MetricsLogger(tmp_path / f"run_{tty}", enabled=True, max_steps=4, start_step=0, tensorboard=False,
+                             progress_bar=True)
+    assert logger(False).bar is None
+    bar = logger(True).bar
+    assert bar is not None
+    bar.close()

@@ -346,7 +346,7 @@ class LogConfig:
     tensorboard: bool = True
     """Also write TensorBoard event files."""
     progress_bar: bool = True
-    """Show a tqdm progress bar on rank 0."""
+    """Show a tqdm progress bar on rank 0, when its stderr is a terminal (never into a log file)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import logging
 import math
 import time
@@ -70,7 +71,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        if progress_bar:
+        if progress_bar and sys.stderr.isatty():  # (redrawn lines would interleave with the log in a file)
             from tqdm import tqdm
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
                             leave=False)
