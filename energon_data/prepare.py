@@ -46,7 +46,7 @@ STATE_VERSION = 2  # 2: sources known by content, the label map (a version-1 out
 BUILTIN_DATASETS = ("digits", "moving_digits")
 CAPTIONS_JSONL = "captions.jsonl"
 LABEL_MODES = ("auto", "folders", "none")
-PREVIOUS = ".previous-"  # prefix of the previous shards while an update reuses their samples
+RACY_NS = 2_000_000_000  # a file modified this close to when its digest was recorded is read again (as git)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -134,6 +134,8 @@ class PrepareSummary:
     were ``reused`` from the previous shards without encoding."""
     labels: list[str] | None = None
     """The class names, label 0 first (None: the samples carry no labels)."""
+    label_mode: str = "auto"
+    """``--labels`` as given."""
     latent_shape_example: tuple[int, ...] | None = None
     text_dim: int | None = None
     seconds: float = 0.0
@@ -154,8 +156,9 @@ class PrepareSummary:
                          f"{c['reused']} samples reused without encoding")
         if self.labels:
             shown = ", ".join(f"{i}={name}" for i, name in enumerate(self.labels[:12]))
-            lines.append(f"  labels ({len(self.labels)}): {shown}"
-                         + (", ..." if len(self.labels) > 12 else ""))
+            lines.append(f"  labels ({len(self.labels)}): {shown}" + (", ..." if len(self.labels) > 12 else "")
+                         + (" (the sub-folders; --labels none if they are not classes)" if self.label_mode == "auto"
+                            and self.labels != [str(d) for d in range(10)] else ""))
         if self.resumed_shards:
             lines.append(f"  continued after {self.resumed_shards} shards from an interrupted run")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -204,6 +207,9 @@ def class_folders(media: list[Path], mode: str) -> list[str] | None:
     if mode not in LABEL_MODES:
         raise ValueError(f"--labels must be one of {LABEL_MODES}, got {mode!r}")
     classes = sorted({rel.parts[0] for rel in media if len(rel.parts) > 1})
+    if mode == "folders" and not classes:
+        raise ValueError("--labels folders: INPUT has no sub-folder holding media (one per class); use --labels auto "
+                         "or none")
     if mode == "none" or not classes:
         return None
     if mode == "auto" and (len(classes) < 2 or any(len(rel.parts) == 1 for rel in media)):
@@ -285,17 +291,19 @@ def _file_digest(path: Path) -> str:
 
 def content_keys(items: list[Item], known: dict) -> tuple[dict[str, str], dict]:
     """Each item's content key (its file's bytes, caption and json fields) by source, and the stat
-    record to keep for the next run: a file whose size and modification time are those ``known``
-    records is not read again (as git's index does)."""
-    keys, stats = {}, {}
+    record to keep for the next run: a file whose size, modification and change times and inode are
+    those ``known`` records is not read again, unless it was modified within ``RACY_NS`` of when they
+    were recorded (a rewrite in the same clock tick; git's index guards the same way)."""
+    keys, stats, now = {}, {}, time.time_ns()
     for item in items:
         key = hashlib.sha256(json.dumps([item.source, item.caption, item.extra], sort_keys=True).encode())
         if item.path is not None:
             st = item.path.stat()
-            stamp = [st.st_size, st.st_mtime_ns]
+            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
             cached = known.get(item.source)
-            digest = cached[2] if cached and cached[:2] == stamp else _file_digest(item.path)
-            stats[item.source] = stamp + [digest]
+            trusted = cached and len(cached) == 6 and cached[:4] == stamp and cached[5] - st.st_mtime_ns > RACY_NS
+            digest = cached[4] if trusted else _file_digest(item.path)
+            stats[item.source] = stamp + [digest, now]
             key.update(digest.encode())
         keys[item.source] = key.hexdigest()[:24]
     return keys, stats
@@ -424,6 +432,11 @@ def _encode_items(
         item = items[idx]
         if item.source in state["reuse"]:
             sample = previous.read(*state["reuse"][item.source])
+            channels = sample["latent.pth"].shape[0]
+            if state.setdefault("latent_channels", channels) != channels:  # as a fresh prepare would skip it
+                state["skipped"].append((item.source, f"{channels} latent channels, the dataset has "
+                                         f"{state['latent_channels']}; pass --channels to convert all files", idx))
+                continue
             pending.append((idx, item, sample["latent.pth"], sample["json"], sample["text.pth"]))
             if len(pending) == cfg.samples_per_shard:
                 yield flush(idx + 1)
@@ -487,7 +500,7 @@ def prepare_dataset(
         raise ValueError(f"--channels must be 1 or 3, got {cfg.channels}")
 
     out = Path(out)
-    summary = PrepareSummary(out=str(out))
+    summary = PrepareSummary(out=str(out), label_mode=cfg.labels)
     warnings, skipped = summary.warnings, []
     name = str(input)
     classes = None
@@ -512,6 +525,10 @@ def prepare_dataset(
                                   "pass --overwrite to redo it")
         warnings.append("an interrupted run with other options was found; starting over")
         state = None
+    had_dataset = state is not None and (state["complete"] or bool(state["reuse"]))  # (kept if this run fails)
+    if state is not None and state["complete"] and not items:
+        raise FileNotFoundError(f"INPUT {name!r} holds no media now; the dataset in OUT {out} is kept (pass "
+                                "--overwrite to replace it)")
     if state is not None and state["items"] != keys:  # sources changed, were added or were removed
         before, where = state["items"], state["where"]
         if state["complete"]:  # the unchanged sources' samples come from the previous shards
@@ -534,7 +551,7 @@ def prepare_dataset(
     try:
         return _write(out, items, cfg, state, summary, skipped, name, t0)
     except BaseException:
-        if not state["shards"] and not state["reuse"] and not state["complete"]:  # nothing worth keeping
+        if not state["shards"] and not had_dataset and not state["complete"]:  # nothing worth keeping
             shard_lib.remove_outputs(out)
             (out / STATE_FILE).unlink(missing_ok=True)
             if not existed:
@@ -571,6 +588,7 @@ def _write(out: Path, items: list[Item], cfg: PrepareConfig, state: dict, summar
                 shard = shard_lib.write_shard(out, len(shards), samples)
                 shards.append({"name": shard, "samples": len(samples), "next_item": next_item,
                                "latent_shape": list(samples[0]["latent.pth"].shape),
+                               "latent_shapes": sorted({tuple(x["latent.pth"].shape) for x in samples}),
                                "text_dim": samples[0]["text.pth"].shape[-1]})
                 state["where"].update({s["json"]["source"]: [shard, s["__key__"]] for s in samples})
                 _save_state(out, state)

@@ -110,11 +110,13 @@ def main(fn: Callable, default_executor: Optional[run.Config] = None) -> int:
     process is already one worker of the job, so launching another would nest launches.
     """
     argv = sys.argv[1:]
-    if "--help-config" in argv:  # every section's fields, with type, default and docstring
+    asked = [i for i, a in enumerate(argv) if a == "--help-config" or a.startswith("--help-config=")]
+    if asked:  # every section's fields, with type, default and docstring
         from dit_mcore.training.config_help import config_help
         from dit_mcore.training.validate import config_sections
-        after = argv[argv.index("--help-config") + 1:]
-        only = after[0] if after and not after[0].startswith("-") else None
+        flag, after = argv[asked[0]], argv[asked[0] + 1:]
+        only = (flag.split("=", 1)[1] if "=" in flag else
+                after[0] if after and not after[0].startswith("-") else None)
         try:
             print(config_help(config_sections(fn), only))
         except ValueError as e:

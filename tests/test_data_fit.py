@@ -40,7 +40,8 @@ def test_unset_shape_fields_come_from_a_prepared_dataset(pets, tmp_path):
     cfg = run(tmp_path, data)  # the tiny preset: 4 channels of 8x8, 10 classes
     assert fit_model_to_data(cfg) == {"in_channels": 3, "input_size": 16, "num_classes": 2}
     text = run(tmp_path, data, family="dit_xattn", preset="xattn-tiny", text_dim=None)
-    assert fit_model_to_data(text)["text_dim"] == 32
+    fitted = fit_model_to_data(text)
+    assert fitted["text_dim"] == 32 and "num_classes" not in fitted  # a text model without classes keeps none
     more_classes = run(tmp_path, data, num_classes=1000)  # (fine-tuning a model with more classes is fine)
     assert "num_classes" not in fit_model_to_data(more_classes) and more_classes.model.num_classes == 1000
 
@@ -81,3 +82,10 @@ def test_a_trainer_on_a_dataset_of_another_shape_builds_the_data_s_model(pets, t
     assert (shape.in_channels, shape.input_size, shape.num_classes) == (3, 16, 2)
     assert trainer.train_step()["loss"] > 0
     assert trainer._common_state()["run_config"]["model"]["input_size"] == 16  # generation reads this back
+
+
+def test_a_resumed_run_keeps_the_shape_its_checkpoint_records(pets, tmp_path):
+    """A run started before its data said otherwise (or with the preset's shape) resumes as it was trained."""
+    cfg = run(tmp_path, DataConfig(path=pets, global_batch_size=2, micro_batch_size=2))
+    recorded = {"family": "dit", "in_channels": 4, "input_size": 8, "num_classes": 10, "num_layers": 2}
+    assert fit_model_to_data(cfg, recorded=recorded) == {"in_channels": 4, "input_size": 8, "num_classes": 10}

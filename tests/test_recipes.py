@@ -122,7 +122,7 @@ def test_a_clean_start_prints_the_projects_lines_and_no_known_third_party_warnin
 def test_help_config_lists_every_field_of_a_section(tmp_path):
     rc, out = cli(["--help-config", "trainer"], tmp_path)
     assert rc == 0 and "  trainer.max_steps: int = " in out and "  model." not in out, out
-    rc, out = cli(["--help-config", "trainr"], tmp_path)
+    rc, out = cli(["--help-config=trainr"], tmp_path)
     assert rc == 2 and "--help-config trainr: no such section; use one of" in out, out
 
 

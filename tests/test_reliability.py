@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +168,37 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     rest = [h["loss"] for h in resumed.fit()]
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [x["loss"] for x in lines] == full and rest == full[3:]
+
+
+def test_a_failed_save_is_reported_cleaned_up_and_retried_and_a_failed_last_save_fails_the_run(tmp_path, monkeypatch,
+                                                                                                   caplog):
+    """A full disk at a periodic save: one line, no partial files left, the previous checkpoint stays the latest,
+    training goes on exactly and the next save is written; a failing last save stops the run with the reason."""
+    import dit_mcore.training.checkpoint as ckpt
+    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
+    save, calls = ckpt.dist_checkpointing.save, []
+
+    def disk_full_at(failing):
+        def saving(state, path, **kwargs):
+            calls.append(path)
+            if len(calls) in failing:
+                (Path(path) / "half_written.distcp").write_bytes(b"x")
+                raise OSError(28, "No space left on device")
+            return save(state, path, **kwargs)
+        return saving
+    monkeypatch.setattr(ckpt.dist_checkpointing, "save", disk_full_at({2}))
+    losses = [h["loss"] for h in Trainer(tiny_run(tmp_path / "run", max_steps=6, save_interval=2)).fit()]
+    assert losses == reference
+    assert ("checkpoint of step 4 not written (OSError: [Errno 28] No space left on device); its partial files are "
+            "removed; step_00000002 stays the latest, training goes on and saves again at step 6") in caplog.text
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".writable")) == [
+        "latest", "step_00000002", "step_00000006"]
+    calls.clear()
+    monkeypatch.setattr(ckpt.dist_checkpointing, "save", disk_full_at({1}))
+    with pytest.raises(ckpt.SaveFailed, match="checkpoint of step 8 not written .*No space left on device"):
+        Trainer(tiny_run(tmp_path / "run", max_steps=8, save_interval=100)).fit()
+    assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
 
 
 def test_an_unwritable_run_directory_fails_in_one_line_before_the_model_is_built(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
@@ -42,6 +43,18 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 MANIFEST = "manifest.json"
+
+
+class SaveFailed(OSError):
+    """A checkpoint could not be written (disk full, permissions, ...), raised alike on every rank after
+    its partial files are removed; the previous checkpoint stays ``latest``."""
+
+
+def agreed_failure(error: Optional[BaseException]) -> Optional[str]:
+    """The first rank's failure (as one line) if any rank failed, the same on every rank."""
+    reasons = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}".splitlines()[0])
+    return next((r for r in reasons if r is not None), None)
 
 
 class CheckpointError(RuntimeError):
@@ -104,6 +117,18 @@ def intact_checkpoints(root: str | os.PathLike) -> Iterator[Path]:
 def load_common(path: Path) -> dict:
     """The rank-0 (common) part of a checkpoint, without touching sharded tensors."""
     return dist_checkpointing.load_common_state_dict(str(path))
+
+
+def recorded_architecture(root: str | os.PathLike) -> Optional[dict]:
+    """The model architecture (:func:`architecture`) the newest intact checkpoint under ``root`` records,
+    read quietly (the resume reports broken ones); None where there is none."""
+    for path in sorted((p for p in Path(root).glob("step_*") if p.is_dir()), reverse=True):
+        if checkpoint_problem(path) is None:
+            try:
+                return load_common(path).get("model_arch")
+            except Exception:  # noqa: BLE001 - unreadable: the resume falls back past it and says so
+                continue
+    return None
 
 
 def rng_state() -> dict:
@@ -180,10 +205,22 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
     root = Path(root)
     final, partial = _step_dir(root, step), root / f".partial_step_{step:08d}"
     _writer_results_exit_with_trainer()
+
+    def failed(error: Optional[BaseException]) -> None:  # every rank calls it at the same point
+        reason = agreed_failure(error)
+        if reason is not None:
+            if dist.get_rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise SaveFailed(f"checkpoint of step {step} not written ({reason}); its partial files are removed")
+
+    error = None
     if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    failed(error)
     if torch_optimizer.uses_torch_optimizer():  # before the first step: the (zero) state a load expects
         torch_optimizer.init_adam_state(optimizer)
 
@@ -204,14 +241,22 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
         with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
             state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra,
                                                 ema_partial=ema_partial, per_rank={**per_rank, "rng": rng_state()}))
-            request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
+            try:  # (torch's DCP hands a rank's write error to every rank)
+                request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
+            except (OSError, CheckpointException) as e:  # agreed on below, then raised as SaveFailed
+                error = e
+        failed(error)
         if async_queue is not None:
             request.add_finalize_fn(publish)  # runs on every rank once all have written (metadata.json first)
             async_queue.schedule_async_request(request)  # (copies the tensors to the host now)
             return final
-    dist.barrier()
-    publish()
-    dist.barrier()
+    error = None
+    try:
+        if dist.get_rank() == 0:
+            publish()
+    except OSError as e:
+        error = e
+    failed(error)
     return final
 
 

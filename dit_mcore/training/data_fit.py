@@ -2,8 +2,10 @@
 from the data, and a set one that contradicts the data fails before anything is built.
 
 From a prepared dataset (``data.path``, its ``prepare_state.json``): the latent channels, the latent side
-(when every shard's samples are square and of one size), the number of classes (its label map; a dataset
-without labels makes an unset model unconditional) and, for the text families, the text width. From the
+(when every latent shape the record lists is square and of one size), the number of classes of a
+class-conditional model (its label map; a dataset without labels makes it unconditional; a text model whose
+preset has no classes keeps none) and, for the text families, the text width. A resumed run keeps the shape
+its checkpoint records for every field it leaves unset. From the
 built-in sources: what they generate (grey pixels of ``data.image_size``, ten digit classes, the tiny text
 encoder's width). ``data.name=mock`` follows the model, and a blend is not read (each part may differ).
 """
@@ -37,7 +39,8 @@ def data_shape(data) -> Optional[DataShape]:
         record = prepare_record(data.path) if Path(data.path).is_dir() else None
         if not record or not record.get("shards"):
             return None  # a metadataset yaml, or a dataset prepared elsewhere
-        shapes = {tuple(shard["latent_shape"]) for shard in record["shards"]}
+        shapes = {tuple(shape) for shard in record["shards"]
+                  for shape in shard.get("latent_shapes", [shard["latent_shape"]])}
         sides = {(h, w) for _, _, h, w in shapes}
         (height, width), = sides if len(sides) == 1 else [(None, None)]
         labels = record.get("labels", ...)  # (absent: prepared before labels were recorded)
@@ -52,11 +55,19 @@ def data_shape(data) -> Optional[DataShape]:
                      text_dim=moving_digits_text_encoder().dim if data.name == "moving_digits" else None)
 
 
+def _preset_classes(model) -> Optional[int]:
+    from dit_mcore.models.dit.config import DiTConfig
+    presets = get_family(model.family).presets()
+    return presets.get(model.preset, {}).get("num_classes", DiTConfig.__dataclass_fields__["num_classes"].default)
+
+
 def _wanted(cfg) -> tuple[Optional[DataShape], dict]:
     shape = data_shape(cfg.data)
     if shape is None:
         return None, {}
-    wanted = {"in_channels": shape.in_channels, "input_size": shape.input_size, "num_classes": shape.num_classes}
+    wanted = {"in_channels": shape.in_channels, "input_size": shape.input_size}
+    if cfg.model.num_classes or _preset_classes(cfg.model):  # class-conditional (a text model may have none)
+        wanted["num_classes"] = shape.num_classes
     if "text" in get_family(cfg.model.family).conditioning:
         wanted["text_dim"] = shape.text_dim
     return shape, {name: value for name, value in wanted.items() if value is not None}
@@ -80,14 +91,18 @@ def contradictions(cfg) -> list[str]:
     return problems
 
 
-def fit_model_to_data(cfg) -> dict[str, int]:
+def fit_model_to_data(cfg, recorded: Optional[dict] = None) -> dict[str, int]:
     """Set the unset shape fields of ``cfg.model`` from ``cfg.data`` and return them; raises a
-    :class:`ConfigError` listing the :func:`contradictions` first."""
+    :class:`ConfigError` listing the :func:`contradictions` first. ``recorded``: the architecture the
+    checkpoint a run resumes from records (``checkpoint.architecture``); its values win, so a run keeps
+    the shape it was trained with."""
     problems = contradictions(cfg)
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           "the model does not fit its data:\n  " + "\n  ".join(problems))
     shape, wanted = _wanted(cfg)
+    wanted = {**wanted, **{name: (recorded or {}).get(name) for name in wanted
+                           if (recorded or {}).get(name) is not None}}
     filled = {name: value for name, value in wanted.items() if getattr(cfg.model, name) is None}
     for name, value in filled.items():
         setattr(cfg.model, name, value)

@@ -9,9 +9,13 @@ launched; a hook that reads the weights after other steps says so (:meth:`StepHo
 (:class:`dit_mcore.training.ema.EMASchedule`)."""
 from __future__ import annotations
 
+import logging
 import signal
 
+from dit_mcore.training.checkpoint import SaveFailed
 from dit_mcore.training.preemption import Preempted, requeue_if_slurm
+
+log = logging.getLogger("dit_mcore.train")
 
 
 def previews_after(sample_interval: int, step: int) -> bool:
@@ -76,7 +80,11 @@ class Checkpoints(StepHook):
             trainer.async_saves.maybe_finalize_async_calls(blocking=False)
         if (trainer.step % self.save_interval == 0 and trainer.step < self.max_steps
                 and not trainer.divergence.consecutive):
-            trainer.save()
+            try:
+                trainer.save()
+            except SaveFailed as e:  # training goes on; the next interval (or the end) saves again
+                log.error("%s; %s stays the latest, training goes on and saves again at step %d", e,
+                          trainer.last_saved or "no checkpoint", min(trainer.step + self.save_interval, self.max_steps))
 
     def at_end(self, trainer):
         if not (trainer.ckpt_dir / f"step_{trainer.step:08d}").exists():

@@ -200,6 +200,8 @@ def load_schedule(scheduler, saved: dict, choice: str, step: int) -> Optional[st
         return ", ".join(f"{label} {values[key]}" for key, label in _SCHEDULE_FIELDS)
     ours = {key: getattr(scheduler, key) for key, _ in _SCHEDULE_FIELDS}
     theirs = {key: saved.get(key, ours[key]) for key, _ in _SCHEDULE_FIELDS}
+    if ours["lr_decay_style"] == theirs["lr_decay_style"] == "constant":  # no horizon to keep or re-plan
+        theirs["lr_decay_steps"] = ours["lr_decay_steps"]
     scheduler.override_opt_param_scheduler = choice == "config"
     scheduler.load_state_dict(saved)
     if ours == theirs:

@@ -71,10 +71,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig, hooks: Sequence[StepHook] = ()):
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
-        fitted = fit_model_to_data(cfg)  # the shape fields left unset, from the data (validated as fitted)
-        check_run_dir_writable(cfg)
+        # The shape fields left unset: a resumed run's from its checkpoint, a new one's from its data.
+        fitted = fit_model_to_data(cfg, recorded=ckpt.recorded_architecture(Path(cfg.log.dir) / "checkpoints"))
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
+        check_run_dir_writable(cfg)  # (every rank, agreed: before the model is built)
         if dist.get_rank() == 0:
             for line in (specs.fallbacks_line(), fitted and describe_fit(fitted)):
                 if line:

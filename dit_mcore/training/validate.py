@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.training import data_fit
@@ -366,16 +367,25 @@ def _check_data_source(data) -> None:
 
 def check_run_dir_writable(cfg) -> None:
     """Create ``log.dir`` (and its ``checkpoints/``) where missing and write a probe file into each, so a
-    run that could not save fails now, in one line, instead of after the model is built."""
+    run that could not save fails now, in one line, instead of after the model is built (on every rank
+    when one fails)."""
     import tempfile
+
+    from dit_mcore.training.checkpoint import agreed_failure
+    problem = None
     for path in (Path(cfg.log.dir), Path(cfg.log.dir) / "checkpoints"):
         try:
             path.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path, prefix=".writable-"):
                 pass
         except OSError as e:
-            raise ConfigError(f"log.dir={cfg.log.dir!r}: cannot write to {str(path)!r} ({e.strerror or e}); choose "
-                              "another log.dir or make it writable") from None
+            problem = problem or ConfigError(f"log.dir={cfg.log.dir!r}: cannot write to {str(path)!r} "
+                                             f"({e.strerror or e}); choose another log.dir or make it writable")
+    if dist.is_initialized():  # every rank alike (a rank on another node may see another filesystem)
+        reason = agreed_failure(problem)
+        problem = problem or (ConfigError(reason.removeprefix("ConfigError: ")) if reason else None)
+    if problem is not None:
+        raise problem
 
 
 def validate_run(cfg, world_size: int) -> None:

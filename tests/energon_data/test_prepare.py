@@ -260,6 +260,9 @@ def test_class_sub_folders_become_labels_and_the_label_map_is_kept(tmp_path, cap
     assert dict(forced.skipped) == {"loose.png": "not in a class sub-folder (--labels folders)"}
     with pytest.raises(ValueError, match="--labels must be one of"):
         prepare_dataset(root, tmp_path / "bad", labels="yes", **FAST)
+    flat = _folder(tmp_path / "flat", {"a.png": 0})
+    with pytest.raises(ValueError, match="--labels folders: INPUT has no sub-folder holding media"):
+        prepare_dataset(flat, tmp_path / "flat_out", labels="folders", **FAST)
 
 
 def _spy_encodes(monkeypatch) -> list:
@@ -346,3 +349,49 @@ def test_a_failed_prepare_leaves_nothing_that_looks_like_a_dataset(tmp_path):
     (tmp_path / "mine").mkdir()  # a folder the user made stays, empty
     assert main([str(root), str(tmp_path / "mine"), "--workers", "1"]) == 2
     assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_an_update_keeps_one_channel_count_and_a_failed_one_keeps_the_dataset(tmp_path):
+    """As a fresh prepare: the first sample's channels hold for the reused ones too. An INPUT emptied (an
+    unmounted share) refuses and keeps the dataset; an update that fails keeps what it set aside."""
+    root = _folder(tmp_path / "in", {"a.png": 0, "c.png": 2})
+    Image.fromarray(np.zeros((16, 16), dtype=np.uint8), mode="L").save(root / "b.png")  # grey: skipped
+    out = tmp_path / "out"
+    assert prepare_dataset(root, out, **FAST).samples == 2
+    _folder(root, {"d.png": 3})
+    updated = prepare_dataset(root, out, **FAST)
+    fresh = prepare_dataset(root, tmp_path / "fresh", **FAST)
+    assert updated.samples == fresh.samples == 3 and dict(updated.skipped).keys() == dict(fresh.skipped).keys()
+    assert {s.latent.shape[0] for s in _load_all(out).values()} == {3}
+    root.rename(tmp_path / "away")  # the same INPUT, empty (an unmounted share)
+    root.mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no media now; the dataset in OUT .* is kept"):
+        prepare_dataset(root, out, **FAST)
+    assert len(_load_all(out)) == 3
+    root.rmdir()
+    (tmp_path / "away").rename(root)
+    (root / "e.png").write_bytes(b"broken")  # an update that fails after setting the shards aside
+    import energon_data.prepare as prepare
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare, "_encode_items", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            prepare_dataset(root, out, **FAST)
+    assert len(list(out.glob(".previous-shard-*.tar"))) == 1 and (out / "prepare_state.json").exists()
+    assert prepare_dataset(root, out, **FAST).samples == 3 and len(_load_all(out)) == 3
+
+
+def test_unchanged_files_are_not_read_again(tmp_path, monkeypatch):
+    import os
+
+    import energon_data.prepare as prepare
+    root = _folder(tmp_path / "in", {"a.png": 0, "b.png": 1})
+    for name in ("a.png", "b.png"):  # modified well before the digests are recorded (not "racy")
+        os.utime(root / name, ns=(10**18, 10**18))
+    out = tmp_path / "out"
+    prepare_dataset(root, out, **FAST)
+    read, digest = [], prepare._file_digest
+    monkeypatch.setattr(prepare, "_file_digest", lambda path: read.append(path.name) or digest(path))
+    assert prepare_dataset(root, out, **FAST).status == "up-to-date" and read == []
+    _folder(root, {"b.png": 5})  # rewritten: its stamp changed
+    os.utime(root / "b.png", ns=(10**18, 10**18))  # even with the old modification time put back (cp -p)
+    assert prepare_dataset(root, out, **FAST).status == "updated" and read == ["b.png"]
