@@ -302,9 +302,8 @@ def content_keys(items: list[Item], known: dict) -> tuple[dict[str, str], dict]:
             stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
             cached = known.get(item.source)
             trusted = cached and len(cached) == 6 and cached[:4] == stamp and cached[5] - st.st_mtime_ns > RACY_NS
-            digest = cached[4] if trusted else _file_digest(item.path)
-            stats[item.source] = stamp + [digest, now]
-            key.update(digest.encode())
+            stats[item.source] = cached if trusted else stamp + [_file_digest(item.path), now]
+            key.update(stats[item.source][4].encode())
         keys[item.source] = key.hexdigest()[:24]
     return keys, stats
 
@@ -545,7 +544,7 @@ def prepare_dataset(
     if state is None:
         shard_lib.remove_outputs(out)
         state = _new_state(out, options, keys, stats, cfg, classes, {})
-    if state["stats"] != stats:  # files touched but not changed: not read again next time
+    if state["stats"] != stats:  # files read again (touched, racy): their new stamps, not read next time
         state["stats"] = stats
         _save_state(out, state)
     try:

@@ -90,18 +90,19 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     return None
 
 
-def intact_checkpoints(root: str | os.PathLike) -> Iterator[Path]:
+def intact_checkpoints(root: str | os.PathLike, quiet: bool = False) -> Iterator[Path]:
     """The intact ``step_*`` checkpoints under ``root``, newest first (nothing when there are none).
-    Broken ones are reported and passed over; only broken ones is an error."""
+    Broken ones are reported and passed over; only broken ones is an error (``quiet``: neither)."""
     root = Path(root)
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     found = False
     for path in reversed(steps):
         problem = checkpoint_problem(path)
         if problem is not None:
-            log.warning("checkpoint %s is not usable: %s; trying the previous one", path, problem)
+            if not quiet:
+                log.warning("checkpoint %s is not usable: %s; trying the previous one", path, problem)
             continue
-        if not found:
+        if not found and not quiet:
             marker = root / "latest"
             hint = marker.read_text().strip() if marker.exists() else None
             if hint != path.name:
@@ -109,7 +110,7 @@ def intact_checkpoints(root: str | os.PathLike) -> Iterator[Path]:
                             hint or "nothing (missing)", path.name)
         found = True
         yield path
-    if steps and not found:
+    if steps and not found and not quiet:
         raise CheckpointError(f"no intact checkpoint in {root} ({len(steps)} step_* directories, all broken, "
                               "see the warnings above); move them away to start over, or restore one")
 
@@ -122,12 +123,11 @@ def load_common(path: Path) -> dict:
 def recorded_architecture(root: str | os.PathLike) -> Optional[dict]:
     """The model architecture (:func:`architecture`) the newest intact checkpoint under ``root`` records,
     read quietly (the resume reports broken ones); None where there is none."""
-    for path in sorted((p for p in Path(root).glob("step_*") if p.is_dir()), reverse=True):
-        if checkpoint_problem(path) is None:
-            try:
-                return load_common(path).get("model_arch")
-            except Exception:  # noqa: BLE001 - unreadable: the resume falls back past it and says so
-                continue
+    for path in intact_checkpoints(root, quiet=True):
+        try:
+            return load_common(path).get("model_arch")
+        except Exception:  # noqa: BLE001 - unreadable: the resume falls back past it and says so
+            continue
     return None
 
 

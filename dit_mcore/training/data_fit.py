@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.models import get_family
@@ -73,13 +73,10 @@ def _wanted(cfg) -> tuple[Optional[DataShape], dict]:
     return shape, {name: value for name, value in wanted.items() if value is not None}
 
 
-def contradictions(cfg) -> list[str]:
-    """One line for each shape field ``cfg.model`` sets that contradicts ``cfg.data``, with both values and
-    the fix (a model may have more classes than its data, or none)."""
-    shape, wanted = _wanted(cfg)
+def _contradictions(shape: Optional[DataShape], wanted: dict, model) -> list[str]:
     problems = []
     for name, value in wanted.items():
-        current = getattr(cfg.model, name)
+        current = getattr(model, name)
         if current is None or current == value:
             continue
         if name != "num_classes":
@@ -91,19 +88,25 @@ def contradictions(cfg) -> list[str]:
     return problems
 
 
-def fit_model_to_data(cfg, recorded: Optional[dict] = None) -> dict[str, int]:
+def contradictions(cfg) -> list[str]:
+    """One line for each shape field ``cfg.model`` sets that contradicts ``cfg.data``, with both values and
+    the fix (a model may have more classes than its data, or none)."""
+    return _contradictions(*_wanted(cfg), cfg.model)
+
+
+def fit_model_to_data(cfg, recorded: Callable[[], Optional[dict]] = lambda: None) -> dict[str, int]:
     """Set the unset shape fields of ``cfg.model`` from ``cfg.data`` and return them; raises a
-    :class:`ConfigError` listing the :func:`contradictions` first. ``recorded``: the architecture the
-    checkpoint a run resumes from records (``checkpoint.architecture``); its values win, so a run keeps
-    the shape it was trained with."""
-    problems = contradictions(cfg)
+    :class:`ConfigError` listing the :func:`contradictions` first. ``recorded()``: the architecture the
+    checkpoint a run resumes from records (``checkpoint.architecture``), read only where the data says
+    something; its values win, so a run keeps the shape it was trained with."""
+    shape, wanted = _wanted(cfg)
+    problems = _contradictions(shape, wanted, cfg.model)
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           "the model does not fit its data:\n  " + "\n  ".join(problems))
-    shape, wanted = _wanted(cfg)
-    wanted = {**wanted, **{name: (recorded or {}).get(name) for name in wanted
-                           if (recorded or {}).get(name) is not None}}
-    filled = {name: value for name, value in wanted.items() if getattr(cfg.model, name) is None}
+    unset = [name for name in wanted if getattr(cfg.model, name) is None]
+    kept = (recorded() or {}) if unset else {}
+    filled = {name: wanted[name] if kept.get(name) is None else kept[name] for name in unset}
     for name, value in filled.items():
         setattr(cfg.model, name, value)
     return filled

@@ -72,7 +72,8 @@ class Trainer:
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
         # The shape fields left unset: a resumed run's from its checkpoint, a new one's from its data.
-        fitted = fit_model_to_data(cfg, recorded=ckpt.recorded_architecture(Path(cfg.log.dir) / "checkpoints"))
+        fitted = fit_model_to_data(
+            cfg, recorded=lambda: ckpt.recorded_architecture(Path(cfg.log.dir) / "checkpoints"))
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         check_run_dir_writable(cfg)  # (every rank, agreed: before the model is built)
