@@ -45,6 +45,10 @@ def checkpoints(tmp_path_factory):
         destroy_distributed()
         runs[name] = str(root / name)
     runs["diffusers"] = str(_diffusers_dir(root / "diffusers"))
+    from dit_mcore.convert import import_weights  # the same weights as a checkpoint: any layout samples them
+    import_weights(runs["diffusers"], root / "imported")
+    destroy_distributed()
+    runs["imported"] = str(root / "imported")
     return runs
 
 
@@ -92,6 +96,8 @@ LAYOUTS_2 = {
     "xattn_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
     "ddpm_cfg2": {"cfg_parallel": 2},
     "diffusers_cfg2": {"cfg_parallel": 2},
+    "imported_tp2": {"tensor_model_parallel_size": 2},
+    "imported_pp2": {"pipeline_model_parallel_size": 2},
     "dit_pf2_sync": {"pipefusion": 2, "pipefusion_warmup_steps": STEPS},
     "dit_pf2": {"pipefusion": 2},
     "xattn_pf2x4": {"pipefusion": 2, "pipefusion_patches": 4},
@@ -151,7 +157,8 @@ def _check_displaced(checkpoints, tmp_path, name, layout, got, want) -> None:
 def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_path, world, layouts):
     """CFG-parallel, data parallel over items, sequence parallel (ring, Ulysses, USP), tensor and
     pipeline parallel, PipeFusion synchronised over every step, and their products: the one-process
-    latents within fp32 rounding, item for item
+    latents within fp32 rounding, item for item (diffusers weights brought in as a checkpoint, under
+    tensor and pipeline parallel too, and they sample as the direct diffusers path does)
     (the 4-rank CFG x items case also with one item per batch: noise is per item, not per batch; so
     is the DDPM sampler's fresh noise at every step, with the items shared over 4 ranks). PipeFusion
     with one warm-up step: :func:`_check_displaced`."""
@@ -173,6 +180,8 @@ def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_
         index = json.loads((out / "index.json").read_text())
         assert [e["index"] for e in index] == list(range(len(want)))
         assert all(e["layout"] != "1 process" for e in index)
+    if "imported" in references:  # diffusers weights brought in as a checkpoint sample as they do directly
+        torch.testing.assert_close(references["imported"], _reference(checkpoints, tmp_path, "diffusers"))
 
 
 def _error(argv, capsys) -> str:
@@ -294,7 +303,7 @@ def test_diffusers_weights_generate_as_the_imported_model_samples_with_ddim(chec
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
     line = _error(["--diffusers", checkpoints["diffusers"], "--labels", "1", "--out", str(tmp_path / "x"),
                    "parallel.context_parallel_size=2"], capsys)
-    assert "save them as a dit_mcore checkpoint" in line
+    assert "--to checkpoint" in line
 
 
 def test_facebookresearch_weights_generate_as_the_imported_model_samples(tmp_path):

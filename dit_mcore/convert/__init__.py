@@ -25,6 +25,7 @@ import torch
 from dit_mcore.errors import ConfigError
 from dit_mcore.models.dit import interop
 from dit_mcore.parallel.initialize import whole_model_world
+from dit_mcore.training.init_from import import_weights
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
     model section beside it, in ``dit_mcore_source.json``). ``weights``: "ema"
     (the average the previews draw from) or "model" (the trained weights). The checkpoint is resharded
     into one whole model whatever layout wrote it. Returns what was written."""
-    from dit_mcore.generate.checkpoint import (build_model, find_checkpoint, generation_model_config, load_weights,
-                                               read_run)
+    from dit_mcore.generate.checkpoint import build_model, find_checkpoint, load_weights, read_run
+    from dit_mcore.training.weights import weights_model_config
     from dit_mcore.parallel.config import ParallelConfig
     if to not in FORMATS:
         raise ConfigError(f"--to {to!r}: use one of {', '.join(FORMATS)}")
@@ -68,7 +69,7 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out_dir}: not empty; give a new folder (nothing is overwritten)")
     whole_model_world()
-    chunks, config = build_model(generation_model_config(run), ParallelConfig(), dtype=torch.float32, device="cpu")
+    chunks, config = build_model(weights_model_config(run.model), ParallelConfig(), dtype=torch.float32, device="cpu")
     load_weights(chunks, path, weights=weights, run=run, model_config=config)
     model = chunks[0]
     if to == "diffusers":
@@ -88,7 +89,8 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
         torch.save(state, written)
     (out_dir / "dit_mcore_source.json").write_text(json.dumps(
         {"checkpoint": str(path), "weights": weights, "family": run.model.family, "preset": run.model.preset,
-         "objective": run.diffusion.objective, "model": run.to_dict()["model"]}, indent=1, default=str))
+         "objective": run.diffusion.objective, "model": run.to_dict()["model"],
+         "diffusion": run.to_dict()["diffusion"]}, indent=1, default=str))
     log.info("wrote %s (%s weights of %s) as %s", written, weights, path, to)
     if run.diffusion.objective != "ddpm" and to != "safetensors":
         log.warning("the run trained with diffusion.objective=%s: the exported weights are ours, but "
@@ -97,5 +99,5 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
     return written
 
 
-__all__ = ["FORMATS", "export_checkpoint", "export_diffusers", "export_facebookresearch", "load_diffusers",
-           "load_facebookresearch"]
+__all__ = ["FORMATS", "export_checkpoint", "export_diffusers", "export_facebookresearch", "import_weights",
+           "load_diffusers", "load_facebookresearch"]

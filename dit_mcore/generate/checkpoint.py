@@ -1,92 +1,17 @@
-"""A trained run's checkpoint as a model to sample from: find it, read the run it records, build the
-model for the generation layout and load its weights, resharded by megatron's dist_checkpointing
-(any training layout into any generation layout; nothing is gathered to one file first).
+"""A trained run's checkpoint as a model to sample from: build the model for the generation layout (the
+checkpoint is found, its run read and its weights loaded by :mod:`dit_mcore.training.weights`, resharded by
+megatron's dist_checkpointing: any training layout into any generation layout; nothing is gathered to one
+file first).
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
-from pathlib import Path
-from typing import Optional
-
 import torch
-from megatron.core import dist_checkpointing
 
-from dit_mcore.errors import ConfigError
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.pipeline import ModelChunks
-from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import ModelConfig, RunConfig  # noqa: F401
-
-log = logging.getLogger(__name__)
-
-WEIGHTS = ("ema", "model")
-
-
-def _listing(path: Path, limit: int = 8) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
-    return ", ".join(names[:limit]) + (f" … ({len(names)} entries)" if len(names) > limit else "") or "nothing"
-
-
-def find_checkpoint(path: str | Path, step: Optional[int] = None) -> Path:
-    """The checkpoint to sample: ``path`` is a run directory (holding ``checkpoints/``), its
-    ``checkpoints/`` folder, or one ``step_XXXXXXXX`` checkpoint; ``step`` picks one (default: the
-    newest intact one). Errors name what is there instead."""
-    path = Path(path)
-    if not path.exists():
-        parent = path.parent if path.parent.exists() else None
-        raise ConfigError(f"--checkpoint {path}: no such directory"
-                          + (f"; {parent} holds {_listing(parent)}" if parent else "")
-                          + "; give a run directory (e.g. runs/digits), its checkpoints/ or one step_* folder")
-    if path.name.startswith("step_") and ((path / "metadata.json").exists() or (path / ckpt.MANIFEST).exists()):
-        if step is not None and int(path.name.removeprefix("step_")) != step:
-            raise ConfigError(f"--step {step}: --checkpoint names the checkpoint {path.name} itself; drop --step "
-                              "or give the run directory")
-        problem = ckpt.checkpoint_problem(path)
-        if problem:
-            raise ConfigError(f"--checkpoint {path}: not usable, {problem}; pick another step")
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    if not steps:
-        raise ConfigError(f"--checkpoint {path}: no checkpoint there (it holds {_listing(path)}); give a run "
-                          "directory with checkpoints/ (a training run's log.dir), or one step_* folder")
-    if step is not None:
-        wanted = root / f"step_{step:08d}"
-        if wanted not in steps:
-            have = ", ".join(str(int(p.name.removeprefix("step_"))) for p in steps)
-            raise ConfigError(f"--step {step}: no such checkpoint in {root}; it has steps {have}")
-        problem = ckpt.checkpoint_problem(wanted)
-        if problem:
-            raise ConfigError(f"--step {step}: checkpoint {wanted} is not usable, {problem}; pick another step")
-        return wanted
-    try:
-        return next(ckpt.intact_checkpoints(root))
-    except (StopIteration, ckpt.CheckpointError) as e:
-        raise ConfigError(f"--checkpoint {path}: no intact checkpoint ({e})") from None
-
-
-def read_run(path: Path) -> RunConfig:
-    """The run the checkpoint at ``path`` records (checkpoints from before runs were recorded are
-    refused: their objective and data are unknown)."""
-    common = ckpt.load_common(path)
-    if "run_config" in common:
-        return RunConfig.from_dict(common["run_config"])
-    if common.get("model_arch"):
-        raise ConfigError(f"--checkpoint {path}: written before checkpoints recorded their run (objective, text "
-                          "encoder, decoder); resume its training with this version for a step or more "
-                          "(trainer.max_steps one higher) and generate from the new checkpoint")
-    raise ConfigError(f"--checkpoint {path}: the checkpoint records neither its run nor its model; was it "
-                      "written by dit_mcore's trainer?")
-
-
-def generation_model_config(run: RunConfig) -> ModelConfig:
-    """The run's model settings for sampling: training-only speed and memory settings off (FP8,
-    compile, recompute, the meta-device build), the architecture as trained."""
-    return dataclasses.replace(run.model, fp8=None, compile=False, recompute_granularity=None,
-                               recompute_method=None, recompute_num_layers=None, recompute_modules=None,
-                               init_model_with_meta_device=None)
+from dit_mcore.training.weights import WEIGHTS, find_checkpoint, load_weights, read_run  # noqa: F401
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, dtype: torch.dtype, device) -> tuple:
@@ -96,24 +21,3 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, dtype: torch.dt
     config = model.build(parallel, bf16=dtype == torch.bfloat16)
     chunks = ModelChunks.of_family(family, config, backend=model.backend, device=device, dtype=dtype, seed=0)
     return chunks.eval(), config
-
-
-def load_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfig, model_config) -> None:
-    """Load the checkpoint's ``weights`` ("ema": the EMA average the previews draw from; "model": the
-    trained weights) into ``chunks``, each rank reading its own shards. A checkpoint of another
-    model is refused before anything loads, naming the differing fields."""
-    if weights not in WEIGHTS:
-        raise ConfigError(f"--weights {weights!r}: use one of {WEIGHTS}")
-    prefix = "ema." if weights == "ema" else ""
-    template = chunks.sharded_state_dict(prefix=prefix)
-    ema_view = template if weights == "ema" else chunks.sharded_state_dict(prefix="ema.")
-    arch = ckpt.architecture(model_config, run.model.family, run.model.preset)
-    ckpt.refuse_other_model(path, ema_view, ckpt.load_common(path).get("model_arch"), arch)
-    loaded = dist_checkpointing.load(template, str(path))
-    ours = set(chunks.state_dict())
-    state = {k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix)}
-    state = {k: v for k, v in state.items() if k in ours}
-    missing, _ = chunks.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
-    if missing:
-        raise ConfigError(f"checkpoint {path} has no {weights} weights for {len(missing)} tensors (e.g. {missing[0]})")

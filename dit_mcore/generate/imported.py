@@ -5,7 +5,7 @@ DDPM (DDIM, 50 steps, guidance 4: diffusers' ``DiTPipeline`` defaults).
 
 Interop builds whole models, so imported weights generate under the layouts that keep the model
 whole on every rank: CFG-parallel and items shared over ranks. For tensor, sequence or pipeline
-parallel, save them as a dit_mcore checkpoint first.
+parallel, write them as a dit_mcore checkpoint first (``python -m dit_mcore.convert SRC OUT --to checkpoint``).
 """
 from __future__ import annotations
 
@@ -16,20 +16,10 @@ from typing import Mapping, Optional
 import torch
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.training.config import DiffusionConfig, ModelConfig, RunConfig
+from dit_mcore.training.config import RunConfig
+from dit_mcore.training.init_from import external_run, facebookresearch_state
 
 KINDS = ("diffusers", "facebookresearch")
-SAMPLING = dict(objective="ddpm", sample_steps=50, cfg_scale=4.0)
-"""The original DiT's objective with diffusers' ``DiTPipeline`` defaults."""
-
-
-def _facebookresearch_state(path: Path) -> Mapping[str, torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, Mapping) and isinstance(state.get("ema"), Mapping):  # a training checkpoint: its EMA
-        state = state["ema"]
-    if not isinstance(state, Mapping):
-        raise ConfigError(f"--facebookresearch {path}: not a state dict (a DiT-XL-2-256x256.pt-style file)")
-    return state
 
 
 @dataclass
@@ -58,7 +48,7 @@ class Imported:
             elif kind == "facebookresearch":
                 from dit_mcore.models.dit.interop.facebookresearch import facebookresearch_config
                 preset = preset or "DiT-XL/2"
-                state = _facebookresearch_state(path)
+                state = facebookresearch_state(path, f"--{kind}")
                 config = facebookresearch_config(state, preset)
             else:
                 raise ConfigError(f"unknown weights format {kind!r}; use one of {KINDS}")
@@ -66,11 +56,8 @@ class Imported:
             raise ConfigError(f"--{kind} {path}: {e}") from None
         except ValueError as e:  # an unknown preset
             raise ConfigError(f"--preset {preset}: {e}") from None
-        fields = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "patch_size", "input_size",
-                  "in_channels", "num_classes", "learn_sigma")
-        model = ModelConfig(family="dit", preset=preset or "imported", **{f: getattr(config, f) for f in fields})
         return cls(kind=kind, path=path, preset=preset, model_config=config, state=state,
-                   run=RunConfig(model=model, diffusion=DiffusionConfig(**SAMPLING)))
+                   run=external_run(config, preset))
 
     def check_layout(self, parallel) -> None:
         split = {name: getattr(parallel, name) for name in ("tensor_model_parallel_size", "context_parallel_size",
@@ -81,7 +68,8 @@ class Imported:
         if split:
             raise ConfigError(f"--{self.kind}: imported weights generate whole on every rank (CFG-parallel and items "
                               f"over ranks), not with {', '.join(f'parallel.{k}={v}' for k, v in split.items())}; "
-                              "save them as a dit_mcore checkpoint to sample with model or sequence parallelism")
+                              "write them as a dit_mcore checkpoint first (python -m dit_mcore.convert SRC OUT --to checkpoint) to "
+                              "sample with model or sequence parallelism")
 
     def load(self):
         """Our ``DiT`` with the converted weights (megatron's groups must be TP = PP = 1)."""

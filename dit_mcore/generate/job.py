@@ -33,6 +33,7 @@ from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
+from dit_mcore.training.weights import weights_model_config
 
 log = logging.getLogger("dit_mcore.generate")
 
@@ -142,7 +143,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         path = source.find_checkpoint(r.checkpoint, r.step)
         run = source.read_run(path)
         # sizes and conditioning only: no groups, no weights
-        model_config = source.generation_model_config(run).build(ParallelConfig())
+        model_config = weights_model_config(run.model).build(ParallelConfig())
     else:
         if r.step is not None or r.weights != "ema":
             raise ConfigError("--step and --weights pick from a dit_mcore checkpoint; imported weights are one set")
@@ -303,7 +304,7 @@ def run_plan(p: Plan) -> dict:
             model = ModelChunks([p.imported.load()]).to(device=device, dtype=p.dtype).eval()
             model_config = model.config
         else:
-            model, model_config = source.build_model(source.generation_model_config(p.run), p.parallel,
+            model, model_config = source.build_model(weights_model_config(p.run.model), p.parallel,
                                                      dtype=p.dtype, device=device)
             source.load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
     except ConfigError as e:

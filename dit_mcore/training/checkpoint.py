@@ -61,7 +61,7 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one is expected (the message names the path and the fix)."""
 
 
-def _write_manifest(path: Path) -> None:
+def write_manifest(path: Path) -> None:
     files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"files": files}, indent=1))
@@ -226,7 +226,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
 
     def publish():
         if dist.get_rank() == 0:
-            _write_manifest(partial)
+            write_manifest(partial)
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
             tmp = root / "latest.tmp"
@@ -262,7 +262,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
 
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "kv_channels", "patch_size", "patch_size_t", "in_channels", "input_size", "learn_sigma",
-                       "num_classes", "frequency_embedding_size", "num_moe_experts")
+                       "num_classes", "frequency_embedding_size", "num_moe_experts", "timestep_freq_shift")
 
 
 def architecture(model_cfg, family: str, preset: str) -> dict:
@@ -274,7 +274,8 @@ def _tensor_shapes(sharded: dict) -> dict:
     return {t.key: tuple(t.global_shape) for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
 
 
-def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict], arch: dict) -> None:
+def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict], arch: dict,
+                       fix: Optional[str] = None) -> None:
     """Fail before loading when the checkpoint's weights are not this model's: tensors missing,
     extra (e.g. a layer fewer) or of another shape. The message lists the config fields that
     differ. Compared on the EMA copy, which holds exactly the model's tensors."""
@@ -302,7 +303,7 @@ def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict
     raise ConfigError(f"checkpoint {path} holds another model: "
                       f"{'; '.join(fields) or ('same recorded settings' if saved_arch else 'settings not recorded')}; "
                       f"{'; '.join(details)}. "
-                      "Resume with the checkpoint's model settings, or set log.dir to a new run directory")
+                      + (fix or "Resume with the checkpoint's model settings, or set log.dir to a new run directory"))
 
 
 def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per_rank: dict,

@@ -49,6 +49,9 @@ class ModelConfig:
     else the preset's)."""
     learn_sigma: Optional[bool] = None
     """Predict the extra variance channels (unused by flow/EDM losses; kept for interop)."""
+    timestep_freq_shift: Optional[float] = None
+    """The timestep sinusoid's frequency shift: 0 as facebookresearch/DiT (the presets'), 1 as diffusers'
+    ``DiTTransformer2DModel`` (weights imported from diffusers keep theirs)."""
     class_dropout_prob: Optional[float] = None
     """Label-dropout probability for classifier-free guidance."""
     text_dim: Optional[int] = None
@@ -274,6 +277,16 @@ class TrainerConfig:
     """Optimizer steps to train."""
     seed: int = 1234
     """Seed of weights, data order and noise (each derived per step/rank, so resume is exact)."""
+    init_from: Optional[str] = None
+    """Start from these weights instead of a random init (fine-tuning: the optimizer, schedule and step start
+    fresh): another run's directory, its ``checkpoints/`` or one ``step_*`` folder; a diffusers
+    ``DiTTransformer2DModel`` folder; a facebookresearch/DiT ``.pt`` state dict (architecture: ``model.preset``
+    and the fields set); or a ``.safetensors`` file written by ``python -m dit_mcore.convert --to safetensors``.
+    The model's shape fields left unset come from the source. Ignored once the run has a checkpoint of its
+    own (a restart resumes it)."""
+    init_weights: str = "ema"
+    """With ``init_from`` a dit_mcore checkpoint: start from its "ema" (the average previews draw from) or
+    its "model" (the trained) weights."""
     bf16: bool = False
     """bf16 mixed precision: bf16 parameters and compute, fp32 main weights in the optimizer and
     fp32 gradient reduction unless ``optim.main_grads_dtype="bf16"`` (megatron's mixed-precision

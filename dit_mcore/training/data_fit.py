@@ -94,6 +94,11 @@ def contradictions(cfg) -> list[str]:
     return _contradictions(*_wanted(cfg), cfg.model)
 
 
+def data_fields(cfg) -> set[str]:
+    """The ``cfg.model`` fields ``cfg.data`` fixes (:func:`fit_model_to_data` fills them)."""
+    return set(_wanted(cfg)[1])
+
+
 def fit_model_to_data(cfg, recorded: Callable[[], Optional[dict]] = lambda: None) -> dict[str, int]:
     """Set the unset shape fields of ``cfg.model`` from ``cfg.data`` and return them; raises a
     :class:`ConfigError` listing the :func:`contradictions` first. ``recorded()``: the architecture the

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,10 +68,14 @@ def build_chunks(cfg: RunConfig, model_config, family, device, seed: Optional[in
                                  dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32, seed=seed)
 
 
-def parallelize(cfg: RunConfig, model_config, family, device: torch.device) -> ParallelModel:
-    """Build, check, compile and wrap this rank's model and its EMA shadow for the run ``cfg``."""
+def parallelize(cfg: RunConfig, model_config, family, device: torch.device,
+                initial: Optional[Callable[[ModelChunks], None]] = None) -> ParallelModel:
+    """Build, check, compile and wrap this rank's model and its EMA shadow for the run ``cfg``. ``initial``
+    loads the run's first weights (``trainer.init_from``) into the plain chunks, where the random init
+    would have put them: before the wrapper, the EMA and the optimizer copy them."""
     meta = bool(cfg.model.init_model_with_meta_device)
     fsdp = cfg.parallel.fsdp != "none"
+    assert not (initial and meta and fsdp), "refused by validate_run"
 
     def build(config=model_config, on=None, seed=None):
         return build_chunks(cfg, config, family, on or ("meta" if meta else device), seed)
@@ -81,6 +85,8 @@ def parallelize(cfg: RunConfig, model_config, family, device: torch.device) -> P
     parts = []
     with on_each_part(lambda key, owned: parts.append((key, owned))) if meta else contextlib.nullcontext():
         model = build()
+    if initial and not meta:
+        initial(model)
     ema_sharded = shards_ema(cfg, model)
     budget = state_budget(cfg, model, model_config, ema_sharded)
     _check_state_fits(budget, device, fsdp)  # before the EMA, the optimizer and any compile allocate or take time
@@ -101,6 +107,8 @@ def parallelize(cfg: RunConfig, model_config, family, device: torch.device) -> P
                          lambda: build(on="cpu", seed=model.init_seed))
     if not fsdp:
         fill(None if ema_sharded else shadow)
+        if initial and meta:
+            initial(model)
     ddp_chunks = wrap_data_parallel(model, model_config, cfg.parallel,
                                     use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
                                     grad_reduce_in_fp32=cfg.optim.main_grads_dtype == "fp32")

@@ -37,6 +37,7 @@ from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
 from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.ema import EMASchedule
+from dit_mcore.training.init_from import InitialWeights, take_architecture
 from dit_mcore.training.hooks import (Checkpoints, StepHook, StopOnDivergence, StopOnPreemption,
                                       config_reads_after)
 from dit_mcore.training.metrics import MetricsLogger, StepRate
@@ -44,7 +45,7 @@ from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_sche
                                      step_if_finite)
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
-from dit_mcore.training.data_fit import describe as describe_fit, fit_model_to_data
+from dit_mcore.training.data_fit import data_fields, describe as describe_fit, fit_model_to_data
 from dit_mcore.training.validate import check_run_dir_writable, validate_run
 from energon_data.lifetime import forked_children_exit_with_parent
 
@@ -71,14 +72,26 @@ class Trainer:
     def __init__(self, cfg: RunConfig, hooks: Sequence[StepHook] = ()):
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
-        # The shape fields left unset: a resumed run's from its checkpoint, a new one's from its data.
-        fitted = fit_model_to_data(
-            cfg, recorded=lambda: ckpt.recorded_architecture(Path(cfg.log.dir) / "checkpoints"))
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         check_run_dir_writable(cfg)  # (every rank, agreed: before the model is built)
+        self.run_dir = Path(cfg.log.dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        resuming = next(ckpt.intact_checkpoints(self.ckpt_dir, quiet=True), None) is not None
+        # trainer.init_from: a new run's first weights (and unset shape fields) from another checkpoint or library.
+        initial = InitialWeights.prepare(cfg, self.run_dir) if cfg.trainer.init_from and not resuming else None
+        # The shape fields left unset: a resumed run's from its checkpoint, a run started from other weights
+        # from those (the fields its data fixes too: the record wins), else from the data.
+        record = ckpt.recorded_architecture(self.ckpt_dir) if resuming else initial and initial.architecture()
+        taken = take_architecture(cfg.model, record, "its checkpoint" if resuming else f"trainer.init_from={cfg.trainer.init_from}",
+                                  leave=data_fields(cfg))
+        fitted = fit_model_to_data(cfg, recorded=lambda: record)
         if dist.get_rank() == 0:
-            for line in (specs.fallbacks_line(), fitted and describe_fit(fitted)):
+            for line in (specs.fallbacks_line(), resuming and cfg.trainer.init_from and
+                         f"trainer.init_from={cfg.trainer.init_from} is not used: the run resumes its own checkpoint",
+                         initial and taken and "the model's shape from trainer.init_from: "
+                         + " ".join(f"model.{k}={v}" for k, v in taken.items()),
+                         fitted and describe_fit(fitted)):
                 if line:
                     log.info("%s", line)
         self.device = run_device()
@@ -98,7 +111,12 @@ class Trainer:
                 tp_comm_overlap.userbuffer_shape(cfg.data, self.model_config, self.dp_size),
                 cfg.parallel.tensor_model_parallel_size, self.compute_dtype)
 
-        self.parallel_model = parallelize(cfg, self.model_config, self.family, self.device)
+        self.parallel_model = parallelize(cfg, self.model_config, self.family, self.device,
+                                          initial=initial and (lambda chunks: initial.load(chunks, cfg, self.model_config)))
+        if initial:
+            line = initial.done()
+            if dist.get_rank() == 0:
+                log.info("%s", line)
         self.model, self.ddp_chunks = self.parallel_model.model, self.parallel_model.ddp_chunks
         self.ema, self.ema_sharded = self.parallel_model.ema, self.parallel_model.ema_sharded
         self.optimizer, self.scheduler = build_optimizer(self.ddp_chunks, cfg.optim, bf16=cfg.trainer.bf16,
@@ -124,8 +142,6 @@ class Trainer:
         if cfg.trainer.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
             self.async_saves = AsyncCallsQueue()
-        self.run_dir = Path(cfg.log.dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
         self.step = 0
         self._maybe_resume()
 

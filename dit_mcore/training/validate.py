@@ -270,6 +270,8 @@ def _trainer_rules(r: _Rules, t) -> None:
            t.peak_tflops, "must be a number > 0 (the device's dense peak) or None (look it up)")
     r.need(t.max_skipped_steps >= 1, "trainer.max_skipped_steps", t.max_skipped_steps,
            "must be >= 1 (non-finite steps in a row before the run stops)")
+    r.need(t.init_weights in ("ema", "model"), "trainer.init_weights", t.init_weights,
+           "must be 'ema' (the checkpoint's average) or 'model' (its trained weights)")
 
 
 def _log_rules(r: _Rules, g) -> None:
@@ -291,6 +293,9 @@ def run_problems(cfg, world_size: int) -> list[str]:
     _diffusion_rules(r, cfg.diffusion)
     _trainer_rules(r, cfg.trainer)
     _log_rules(r, cfg.log)
+    r.need(not (cfg.trainer.init_from and cfg.model.init_model_with_meta_device and cfg.parallel.fsdp != "none"),
+           "trainer.init_from", cfg.trainer.init_from, "is not supported yet with model.init_model_with_meta_device "
+           "under parallel.fsdp (the weights load before FSDP shards them); set model.init_model_with_meta_device=False")
     r.problems += cfg.data.problems()
     if r.problems:
         return r.problems

@@ -18,6 +18,7 @@ from dit_mcore.models.st_attention import STSelfAttention
 from dit_mcore.models.specs import linears, norm_spec
 
 log = logging.getLogger(__name__)
+_SAID: set[str] = set()
 
 
 def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_experts: Optional[int] = None,
@@ -40,10 +41,13 @@ def dit_layer_spec(backend: str = "local", norm: str = "layernorm", num_moe_expe
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
     if num_moe_experts:
         mlp = moe_spec(column, num_moe_experts, grouped_gemm=moe_grouped_gemm)
-    log.info("DiT layer spec: %s linears, %s, kernels core attention%s%s%s%s", column.__name__, norm,
-             ", spatial then temporal self-attention" if spatial_temporal else "",
-             ", cross-attention" if cross_attention else "", ", QK RMSNorm" if qk_norm else "",
-             f", MoE with {num_moe_experts} experts" if num_moe_experts else "")
+    line = (f"DiT layer spec: {column.__name__} linears, {norm}, kernels core attention"
+            + (", spatial then temporal self-attention" if spatial_temporal else "")
+            + (", cross-attention" if cross_attention else "") + (", QK RMSNorm" if qk_norm else "")
+            + (f", MoE with {num_moe_experts} experts" if num_moe_experts else ""))
+    if line not in _SAID:  # once per process (the model and its EMA shadow build the same layers)
+        _SAID.add(line)
+        log.info("%s", line)
     head_norm = HeadRMSNorm if qk_norm else None
     cross = ModuleSpec(
         module=TextCrossAttention, params={"attn_mask_type": AttnMaskType.no_mask},
