@@ -57,6 +57,16 @@ def test_a_run_starts_from_another_runs_weights_with_a_fresh_optimizer(trained, 
     assert again.step == 2 and (restart.model.num_layers, restart.model.hidden_size) == (2, 32)
 
 
+def test_a_model_built_on_the_meta_device_starts_from_the_source_too(trained, tmp_path):
+    run_dir, ema, _ = trained
+    cfg = tiny_run(tmp_path / "meta")
+    cfg.model.init_model_with_meta_device = True
+    cfg.trainer = dataclasses.replace(cfg.trainer, init_from=str(run_dir))
+    trainer = Trainer(cfg)
+    _equal(_state(trainer.model[0]), ema)
+    _equal(_state(trainer.ema.module[0]), ema)
+
+
 def test_diffusers_weights_come_in_as_a_checkpoint_that_computes_what_diffusers_does(tmp_path):
     from dit_mcore.convert.__main__ import main
     from dit_mcore.generate.checkpoint import build_model
@@ -103,3 +113,43 @@ def test_bad_sources_are_one_line_naming_the_field_and_the_fix(trained, tmp_path
     cfg.trainer = dataclasses.replace(cfg.trainer, init_from=str(run_dir))
     with pytest.raises(ConfigError, match=r"model.hidden_size: checkpoint 32, this run 64.*trainer.init_from"):
         Trainer(cfg)
+
+
+def _start_under_layouts(rank, world, cases):
+    """Each case: a run started from its source under a 2-rank layout, saved at step 0 (its first weights)."""
+    from dit_mcore.parallel.initialize import release_model_parallel_groups
+    for cfg in cases:
+        trainer = Trainer(cfg)
+        assert trainer.step == 0
+        trainer.save()
+        del trainer
+        release_model_parallel_groups()
+
+
+def test_every_rank_starts_from_its_shards_of_the_source_under_tensor_and_pipeline_parallel(trained, tmp_path):
+    """Tensor parallel from another run's checkpoint and pipeline parallel from diffusers weights (converted by
+    rank 0, read by both): the step-0 checkpoint, gathered whole, holds the source's weights bit for bit."""
+    from safetensors.torch import load_file
+
+    from dist_utils import run_distributed
+    from dit_mcore.convert import export_checkpoint, load_diffusers
+    from dit_mcore.parallel.initialize import destroy_distributed, whole_model_world
+    run_dir, ema, _ = trained
+    _tiny_diffusers().save_pretrained(tmp_path / "diffusers")
+    tp = tiny_run(tmp_path / "tp2")
+    tp.parallel.tensor_model_parallel_size = 2
+    tp.trainer = dataclasses.replace(tp.trainer, init_from=str(run_dir))
+    pp = tiny_run(tmp_path / "pp2")
+    pp.model = ModelConfig(preset="tiny")
+    pp.data = DataConfig(name="mock", global_batch_size=4, micro_batch_size=2)
+    pp.parallel.pipeline_model_parallel_size = 2
+    pp.trainer = dataclasses.replace(pp.trainer, init_from=str(tmp_path / "diffusers"))
+    run_distributed(_start_under_layouts, 2, [tp, pp])
+    whole_model_world()
+    diffusers = _state(load_diffusers(str(tmp_path / "diffusers")))
+    for name, want in (("tp2", ema), ("pp2", diffusers)):
+        for weights in ("model", "ema"):
+            out = export_checkpoint(str(tmp_path / name), str(tmp_path / f"{name}_{weights}"), to="safetensors",
+                                    weights=weights)
+            _equal({k: v.float() for k, v in load_file(str(out)).items()}, want)
+    destroy_distributed()

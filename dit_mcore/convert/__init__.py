@@ -55,8 +55,8 @@ def export_checkpoint(checkpoint: str, out: str, *, to: str = "diffusers", step:
     model section beside it, in ``dit_mcore_source.json``). ``weights``: "ema"
     (the average the previews draw from) or "model" (the trained weights). The checkpoint is resharded
     into one whole model whatever layout wrote it. Returns what was written."""
-    from dit_mcore.generate.checkpoint import build_model, find_checkpoint, load_weights, read_run
-    from dit_mcore.training.weights import weights_model_config
+    from dit_mcore.generate.checkpoint import build_model
+    from dit_mcore.training.weights import find_checkpoint, load_weights, read_run, weights_model_config
     from dit_mcore.parallel.config import ParallelConfig
     if to not in FORMATS:
         raise ConfigError(f"--to {to!r}: use one of {', '.join(FORMATS)}")

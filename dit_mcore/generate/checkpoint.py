@@ -10,8 +10,7 @@ import torch
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.pipeline import ModelChunks
-from dit_mcore.training.config import ModelConfig, RunConfig  # noqa: F401
-from dit_mcore.training.weights import WEIGHTS, find_checkpoint, load_weights, read_run  # noqa: F401
+from dit_mcore.training.config import ModelConfig
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, dtype: torch.dtype, device) -> tuple:

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-import torch
-
 from dit_mcore.errors import ConfigError
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.init_from import external_run, facebookresearch_state

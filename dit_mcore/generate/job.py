@@ -33,7 +33,7 @@ from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
-from dit_mcore.training.weights import weights_model_config
+from dit_mcore.training.weights import WEIGHTS, find_checkpoint, load_weights, read_run, weights_model_config
 
 log = logging.getLogger("dit_mcore.generate")
 
@@ -140,8 +140,8 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
                           f"(got {', '.join('--' + k for k in sources) or 'none'})")
     imported = None
     if r.checkpoint:
-        path = source.find_checkpoint(r.checkpoint, r.step)
-        run = source.read_run(path)
+        path = find_checkpoint(r.checkpoint, r.step)
+        run = read_run(path)
         # sizes and conditioning only: no groups, no weights
         model_config = weights_model_config(run.model).build(ParallelConfig())
     else:
@@ -151,8 +151,8 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         imported = Imported.describe(kind, getattr(r, kind), r.preset)
         imported.check_layout(parallel)
         path, run, model_config = imported.path, imported.run, imported.model_config
-    if r.weights not in source.WEIGHTS:
-        raise ConfigError(f"--weights {r.weights}: use one of {', '.join(source.WEIGHTS)}")
+    if r.weights not in WEIGHTS:
+        raise ConfigError(f"--weights {r.weights}: use one of {', '.join(WEIGHTS)}")
     if r.labels is not None and r.prompts is not None:
         raise ConfigError("give --labels or --prompts, not both")
     unconditional = not model_config.num_classes and not model_config.text_dim
@@ -306,7 +306,7 @@ def run_plan(p: Plan) -> dict:
         else:
             model, model_config = source.build_model(weights_model_config(p.run.model), p.parallel,
                                                      dtype=p.dtype, device=device)
-            source.load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
+            load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
     except ConfigError as e:
         problem = e
     _agree(problem, device)
