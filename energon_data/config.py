@@ -62,6 +62,13 @@ class DataConfig:
     whole share of the global batch in one micro-batch."""
     num_workers: int = 0
     """Loader worker processes per rank (energon datasets). Must stay the same across a resume."""
+    shard_over_ranks: bool = False
+    """Energon datasets under data parallelism. False: every data-parallel rank reads the whole sample stream and
+    keeps its micro-batches of each global batch, so the global batches depend only on the seed, the data and the
+    batch sizes: the same under any layout (given ``micro_batch_size``), and a run resumes on any number of
+    data-parallel ranks without repeating or skipping a sample. Each rank decodes every sample of a global batch
+    (latents: cheap for a few ranks; at many, watch the step's data time). True: energon shards the stream over the
+    ranks (each reads its share; the global batches depend on the data-parallel size, which a resume must keep)."""
     max_seq_len: int = 1024
     """Tokens per packed sequence (rows, including padding). Longer samples are skipped and counted."""
     packing: bool = True

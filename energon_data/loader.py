@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import tempfile
 import threading
 from typing import Iterator, Optional
@@ -215,7 +216,8 @@ def save_state(loader, cfg: DataConfig) -> dict:
     wc = loader.worker_config
     return {
         "version": STATE_VERSION,
-        "energon": loader.save_state_rank(),
+        # (pickled: energon's state classes are no tensors, and a checkpoint's common part loads weights-only)
+        "energon": pickle.dumps(loader.save_state_rank()),
         "num_workers": wc.num_workers,
         "dp_size": wc.world_size,
         "dp_rank": wc.rank,
@@ -283,5 +285,6 @@ def restore_state(loader, state: Optional[dict], cfg: DataConfig) -> bool:
         raise DataResumeError("restore_state must be called before iterating the loader")
     if not accept_mismatch(_mismatches(loader, state, cfg), cfg):
         return False
-    loader.restore_state_rank(state["energon"])
+    energon = state["energon"]
+    loader.restore_state_rank(pickle.loads(energon) if isinstance(energon, bytes) else energon)
     return True

@@ -188,7 +188,7 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
     for name, data, parallel in cases:
         results[name] = _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"),
                                           family=family_of(name), **parallel),
-                               save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE),
+                               save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE, ENERGON_DP2[0]),
                                samples=(parallel.get("fsdp", "none") != "none" or parallel.get("distopt", False))
                                and family_of(name) == "dit")
         release_model_parallel_groups()  # (what the next case's Trainer does first)
@@ -418,6 +418,7 @@ def energon_digits(tmp_path_factory) -> str:
 
 
 ENERGON_CASE = ("cp2_p2p_energon", {"context_parallel_size": 2, "cp_comm_type": "p2p"})
+ENERGON_DP2 = ("dp2_energon", {})  # saved, then resumed on one process
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +428,8 @@ def world_results(tmp_path_factory, energon_digits):
     def get(world):
         if world not in results:
             run_dir = tmp_path_factory.mktemp(f"w{world}")
-            cases = _cases(world) + ([(ENERGON_CASE[0], energon_digits, ENERGON_CASE[1])] if world == 2 else [])
+            cases = _cases(world) + ([(name, energon_digits, layout) for name, layout in (ENERGON_CASE, ENERGON_DP2)]
+                                     if world == 2 else [])
             results[world] = (run_distributed(_layouts_worker, world, str(run_dir), cases), run_dir)
         return results[world]
     return get
@@ -498,6 +500,24 @@ def test_context_parallel_on_energon_packed_data_equals_one_process(world_result
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]),
                                    rtol=1e-4, atol=1e-7)
+
+
+def test_data_parallel_on_energon_data_trains_on_the_one_process_batches_and_resumes_on_one_process(
+        world_results, tmp_path_factory, energon_digits):
+    """Both data-parallel ranks read the one-process sample stream and keep their micro-batches of each global
+    batch: DP2's losses and gradient norms are the one-process run's; its checkpoint (one loader state for
+    every rank) resumes on one process and takes the one-process run's next step."""
+    per_rank, run_dir = world_results(2)
+    ref = reference(tmp_path_factory, energon_digits)
+    for result in per_rank:
+        got = result[ENERGON_DP2[0]]
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]),
+                                   rtol=1e-4, atol=1e-7)
+    resumed = Trainer(layout_run(f"{run_dir}/{ENERGON_DP2[0]}", energon_digits))
+    assert resumed.step == STEPS
+    torch.testing.assert_close(torch.tensor(resumed.train_step()["loss"]), torch.tensor(ref["loss"][STEPS]),
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):

@@ -66,6 +66,23 @@ def test_resume_with_other_num_workers_is_refused_or_restarted(tmp_path, digits_
     assert restarted.step == 1  # weights and optimizer resumed, data stream restarted
 
 
+def test_a_resume_keeps_how_the_stream_is_split_over_ranks(tmp_path, digits_dataset):
+    """``data.shard_over_ranks=True`` keeps per-rank loader states (energon's own split) and resumes exactly; a
+    resume that changes the setting is refused naming it (the states do not carry over)."""
+    sharded = energon_run(tmp_path / "full", digits_dataset, max_steps=3)
+    sharded.data.shard_over_ranks = True
+    full = losses(pretrain(sharded))
+    cut = energon_run(tmp_path / "cut", digits_dataset, max_steps=3)
+    cut.data.shard_over_ranks = True
+    trainer = Trainer(cut)
+    first = [trainer.train_step()["loss"]]
+    trainer.save()
+    del trainer
+    with pytest.raises(DataResumeError, match=r"data.shard_over_ranks=True \(its loader state is per rank\)"):
+        Trainer(energon_run(tmp_path / "cut", digits_dataset, max_steps=3))
+    assert first + losses(Trainer(cut).fit()) == full
+
+
 def test_mixed_image_and_video_blend_trains(tmp_path, digits_dataset):
     """Images and moving-digit videos blended 1:1 and packed together into the same sequences."""
     from energon_data.blend import write_blend

@@ -204,7 +204,7 @@ class Trainer:
         same_world = common["world_size"] == dist.get_world_size()
         per_rank = {}
         if self._data_per_rank():
-            if self.loader.check_layout(common["data_layout"], dist.get_world_size(), common["world_size"]):
+            if self.loader.check_layout(common.get("data_layout"), dist.get_world_size(), common["world_size"]):
                 per_rank = {"data": self.loader.state_dict()}
         if not same_world:
             log.info("checkpoint was written by %d ranks, this run has %d: weights and optimizer are "
@@ -226,7 +226,7 @@ class Trainer:
         if "data" in loaded["per_rank"]:
             self.loader.load_state_dict(loaded["per_rank"]["data"])
         elif not self._data_per_rank():
-            self.loader.load_state_dict(state["data"])
+            self.loader.load_state_dict(state.get("data"))
         log.info("resumed from %s at step %d", path, self.step)
 
     def save(self) -> Path:
