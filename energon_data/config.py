@@ -83,8 +83,9 @@ class DataConfig:
     max_abs_value: Optional[float] = None
     """Skip latents with a value above this magnitude (corrupt encodes); None: no check."""
     restart_data_on_mismatch: bool = False
-    """On resume with a changed worker count, data-parallel size or data config (which energon
-    cannot restore exactly), restart the data stream from its beginning (warning) instead of failing."""
+    """On resume with a changed worker count, data config or split over ranks (with ``shard_over_ranks``: also
+    the data-parallel size), which energon cannot restore exactly, restart the data stream from its beginning
+    (warning) instead of failing."""
     patch_size: tuple = (1, 2, 2)
     """Model patch sizes ``(pt, ph, pw)``. Derived from the model by the trainer; set it only when
     using the loaders on their own."""
@@ -196,7 +197,7 @@ class DataConfig:
     def stream_fields(self) -> dict:
         """The fields that decide the sample stream of an energon loader; a restore with other values
         would not continue the same stream."""
-        skip = {"restart_data_on_mismatch", "num_workers", "val_path", "blend_dir", "name", "image_size",
+        skip = {"restart_data_on_mismatch", "num_workers", "shard_over_ranks",  # (the split: checked by the trainer) "val_path", "blend_dir", "name", "image_size",
                 "mock_latent_shapes", "global_batch_size", "max_consecutive_skips", "first_batch_timeout_s"}
         return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(self), default=str)).items()
                 if k not in skip}

@@ -1,13 +1,14 @@
 """Train / val loaders over prepared energon datasets, and exact save/restore of the train loader.
 
-Rank mapping: loaders are built per DATA-PARALLEL rank (``WorkerConfig(rank=dp_rank,
-world_size=dp_size)``), so the TP/CP/PP ranks of one model replica read the same micro-batches and
-different DP ranks read disjoint data. Get ``dp_rank``/``dp_size`` from megatron's
-``parallel_state.get_data_parallel_rank()`` / ``get_data_parallel_world_size()``, not from the global rank.
+Rank mapping: a loader is built for a DATA-PARALLEL rank (``WorkerConfig(rank=dp_rank,
+world_size=dp_size)``) and reads its share of the data; the TP/CP/PP ranks of one model replica read the same
+micro-batches. Get ``dp_rank``/``dp_size`` from megatron's ``parallel_state.get_data_parallel_rank()`` /
+``get_data_parallel_world_size()``, not from the global rank. (The trainer builds every rank's loader as rank 0
+of 1 by default and keeps each rank's micro-batches: ``dit_mcore.training.energon_source``.)
 
-Resume: ``save_state(loader, cfg)`` returns a per-rank dict for the checkpoint; every rank stores its
-own. ``restore_state(loader, state, cfg)`` checks, before calling into energon, that the things
-energon cannot change on restore (number of workers, DP world size, DP rank, dataset and data
+Resume: ``save_state(loader, cfg)`` returns the loader's state for the checkpoint.
+``restore_state(loader, state, cfg)`` checks, before calling into energon, that the things
+energon cannot change on restore (number of workers, the loader's DP world size and rank, dataset and data
 config) are unchanged, and raises :class:`DataResumeError` naming the old and new value otherwise;
 with ``cfg.restart_data_on_mismatch`` it logs the mismatch and leaves the loader at the start of
 its (seeded) stream instead.
@@ -130,7 +131,10 @@ def build_train_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, seed: int
         task_encoder=task_encoder_for(cfg))
     # energon's watchdog would dump every thread's stack (warning only) while a slow first batch
     # is still within data.first_batch_timeout_s; let it speak only when ours does.
-    return _workers_exit_with_parent(get_savable_loader(ds, watchdog_initial_timeout_seconds=cfg.first_batch_timeout_s))
+    # Worker states are snapshot by sample count, not by time, so loaders that read the same stream hold the same
+    # state at the same position (the trainer saves one state for every data-parallel rank).
+    return _workers_exit_with_parent(get_savable_loader(ds, watchdog_initial_timeout_seconds=cfg.first_batch_timeout_s,
+                                                        checkpoint_every_sec=0))
 
 
 def build_val_loader(cfg: DataConfig, *, dp_rank: int, dp_size: int, limit: Optional[int] = None):

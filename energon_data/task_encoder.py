@@ -6,8 +6,8 @@ Pipeline per data worker: ``encode_sample`` (validate + patchify, may skip) -> p
 
 Skipped samples are counted per reason by the task encoder instance of the data worker that saw
 them; the counts travel to the trainer inside the next batch that worker builds
-(``LatentBatch.num_skipped``) and are then reset, so the trainer's running sum is the per-rank
-total. Counts of a worker's last few samples before the end of an (infinite, so never-ending)
+(``LatentBatch.num_skipped``) and are then reset, so the trainer's running sum (each batch is kept by one
+rank) is the total. Counts of a worker's last few samples before the end of an (infinite, so never-ending)
 stream are the only ones that can be missed.
 """
 from __future__ import annotations

@@ -11,12 +11,15 @@ batches either way.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 from energon_data.batch import MicroBatch
 from energon_data.config import DataConfig
 from energon_data.loader import (accept_mismatch, build_train_loader, iterate_with_timeout, layout, layout_problems,
                                  restore_state, save_state)
+
+log = logging.getLogger(__name__)
 
 
 class EnergonSource:
@@ -35,6 +38,10 @@ class EnergonSource:
             self.read = num_microbatches * dp_size
             self.keep = slice(dp_rank * num_microbatches, (dp_rank + 1) * num_microbatches)
             self.loader = build_train_loader(self.config, dp_rank=0, dp_size=1, seed=seed)
+            if dp_size > 1 and dp_rank == 0:
+                log.info("each of the %d data-parallel ranks reads the whole sample stream and keeps its micro-batches "
+                         "(the one-process batches under any layout); data.shard_over_ranks=True splits the reading "
+                         "instead", dp_size)
         self._iter = None
 
     def next_global_batch(self) -> list[MicroBatch]:

@@ -202,10 +202,12 @@ class Trainer:
         # those from a different world would fail deep inside dist_checkpointing.
         common = ckpt.load_common(path)
         same_world = common["world_size"] == dist.get_world_size()
-        per_rank = {}
+        per_rank, common_data = {}, "data" in common
         if self._data_per_rank():
             if self.loader.check_layout(common.get("data_layout"), dist.get_world_size(), common["world_size"]):
                 per_rank = {"data": self.loader.state_dict()}
+        elif not common_data:  # per-rank loader states where this run keeps one: refused (or restarted) before any load
+            self.loader.load_state_dict(None)
         if not same_world:
             log.info("checkpoint was written by %d ranks, this run has %d: weights and optimizer are "
                      "resharded, per-rank RNG states are not restored", common["world_size"], dist.get_world_size())
@@ -225,8 +227,8 @@ class Trainer:
             log.warning("%s", schedule)
         if "data" in loaded["per_rank"]:
             self.loader.load_state_dict(loaded["per_rank"]["data"])
-        elif not self._data_per_rank():
-            self.loader.load_state_dict(state.get("data"))
+        elif not self._data_per_rank() and common_data:
+            self.loader.load_state_dict(state["data"])
         log.info("resumed from %s at step %d", path, self.step)
 
     def save(self) -> Path:
