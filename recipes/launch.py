@@ -13,6 +13,7 @@ raises in-process, and when a launched job FAILS. ``main`` records what happened
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ class CheckedRunContext(run.cli.RunContext):
     def cli_execute(self, fn, args, entrypoint_type="task"):
         from dit_mcore.errors import ConfigError
         try:
-            super().cli_execute(fn, args, entrypoint_type)
+            with _no_config_table(quiet=not self.dryrun):
+                super().cli_execute(fn, args, entrypoint_type)
         except ConfigError as e:  # nemo-run prints "Error: ..." for these (others: "Unexpected error: ...")
             raise run.cli.api.RunContextError(str(e)) from e
         exporting = any([self.to_yaml, self.to_toml, self.to_json])
@@ -78,6 +80,21 @@ class CheckedRunContext(run.cli.RunContext):
             # script or the torchrun command) too. Needs no cluster.
             run.run(_STATE["task"], executor=self.executor, name=self.name, dryrun=True)
         _STATE["completed"] = True
+
+
+@contextlib.contextmanager
+def _no_config_table(quiet: bool):
+    """nemo-run prints its table of resolved arguments before every launch; a run writes its whole
+    configuration to ``<log.dir>/config.json`` instead, and ``--dryrun`` still prints the table."""
+    if not quiet:
+        yield
+        return
+    original = run.dryrun_fn
+    run.dryrun_fn = lambda *args, **kwargs: None  # (nemo-run's CLI calls it as run.dryrun_fn)
+    try:
+        yield
+    finally:
+        run.dryrun_fn = original
 
 
 def _check_override_names(fn: Callable, args) -> None:

@@ -201,6 +201,45 @@ def test_a_failed_save_is_reported_cleaned_up_and_retried_and_a_failed_last_save
     assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
 
 
+def test_a_failed_asynchronous_save_is_reported_cleaned_up_and_retried_and_a_failed_last_one_fails_the_run(
+        tmp_path, monkeypatch, caplog):
+    """``trainer.async_save``: a full disk met by the forked writer of step 4's checkpoint is one line once the write
+    is known to have failed, its partial files are removed, training goes on exactly and step 6 is written; the
+    writer failing at the last save stops the run with the reason."""
+    import dataclasses
+    import functools
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    import dit_mcore.training.checkpoint as ckpt
+    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
+    write = filesystem_async._write_item
+
+    def disk_full_for(step):
+        @functools.wraps(write)  # (megatron reads its signature)
+        def writing(*args, **kwargs):  # (runs in the forked writer: the step is read off the file it writes)
+            if any(f"partial_step_{step:08d}" in str(getattr(a, "name", "")) for a in args):
+                raise OSError(28, "No space left on device")
+            return write(*args, **kwargs)
+        return writing
+
+    def run(max_steps, save_interval):
+        cfg = tiny_run(tmp_path / "run", max_steps=max_steps, save_interval=save_interval)
+        cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
+        return [h["loss"] for h in Trainer(cfg).fit()]
+    monkeypatch.setattr(filesystem_async, "_write_item", disk_full_for(4))
+    assert run(6, 2) == reference
+    assert re.search(r"checkpoint of step 4 not written \(.*\[Errno 28\] No space left on device\); its partial files "
+                     r"are removed; step_00000002 stays the latest", caplog.text), caplog.text
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".writable")) == [
+        "latest", "step_00000002", "step_00000006"]
+    monkeypatch.setattr(filesystem_async, "_write_item", disk_full_for(8))
+    with pytest.raises(ckpt.SaveFailed, match="checkpoint of step 8 not written .*No space left on device"):
+        run(8, 100)
+    assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
+
+
 def test_an_unwritable_run_directory_fails_in_one_line_before_the_model_is_built(tmp_path, monkeypatch):
     import dit_mcore.training.trainer as trainer_module
     (tmp_path / "a_file").write_text("not a folder")

@@ -33,6 +33,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from dit_mcore.parallel.adam_step import step_device
+
 
 def fsdp_groups() -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     """(shard group, replicate group or None): megatron's partial data-parallel groups when the run
@@ -302,14 +304,10 @@ def _same_state_everywhere(opt) -> None:
     if getattr(opt, "init_state_fn", None) is not None:
         opt.init_state_fn(inner, opt.config)
     for group in inner.param_groups:
-        # where torch's Adam kernel reads ``step``: the fused (and capturable) one on the parameter's
-        # device, the others on the host (as ``training.torch_optimizer.place_steps`` keeps them)
-        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = inner.state[p]
             if isinstance(p, DTensor) and (p.to_local().numel() == 0 or "step" not in state):
-                state["step"] = torch.tensor(latest, dtype=torch.float32,
-                                             device=p.to_local().device if on_device else "cpu")
+                state["step"] = torch.tensor(latest, dtype=torch.float32, device=step_device(group, p))
             for key in ("exp_avg", "exp_avg_sq"):
                 state.setdefault(key, torch.zeros_like(p))
 

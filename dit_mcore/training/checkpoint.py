@@ -192,6 +192,25 @@ def _writer_results_exit_with_trainer() -> None:
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
+def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> None:
+    """Publish the asynchronous saves ``queue`` (megatron's ``AsyncCallsQueue``) has finished writing
+    (``blocking``: wait for them). A write that failed on any rank, which megatron raises on every rank, becomes
+    a :class:`SaveFailed` naming its step and reason, its partial files under ``root`` removed."""
+    try:
+        queue.maybe_finalize_async_calls(blocking=blocking)
+    except CheckpointException as e:
+        partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
+        if dist.get_rank() == 0:
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
+        steps = ", ".join(str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
+        # (torch's wrapped failures: (exception, stack) per rank, known on the coordinator only)
+        failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        reason = agreed_failure(failures[0] if failures else e)
+        raise SaveFailed(f"checkpoint of step {steps} not written ({reason}); its partial files are "
+                         "removed") from None
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimizer, *, extra: dict,
                     per_rank: dict, keep: int = 2, protect: frozenset = frozenset(), ema_partial: bool = False,
                     async_queue=None) -> Path:

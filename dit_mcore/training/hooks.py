@@ -76,15 +76,16 @@ class Checkpoints(StepHook):
         self.save_interval, self.max_steps = save_interval, max_steps
 
     def after_step(self, trainer):
-        if trainer.async_saves is not None and trainer.async_saves.get_num_unfinalized_calls():
-            trainer.async_saves.maybe_finalize_async_calls(blocking=False)
-        if (trainer.step % self.save_interval == 0 and trainer.step < self.max_steps
-                and not trainer.divergence.consecutive):
-            try:
+        try:
+            if trainer.async_saves is not None and trainer.async_saves.get_num_unfinalized_calls():
+                trainer.finish_saves(blocking=False)
+            if (trainer.step % self.save_interval == 0 and trainer.step < self.max_steps
+                    and not trainer.divergence.consecutive):
                 trainer.save()
-            except SaveFailed as e:  # training goes on; the next interval (or the end) saves again
-                log.error("%s; %s stays the latest, training goes on and saves again at step %d", e,
-                          trainer.last_saved or "no checkpoint", min(trainer.step + self.save_interval, self.max_steps))
+        except SaveFailed as e:  # training goes on; the next interval (or the end) saves again
+            log.error("%s; %s stays the latest, training goes on and saves again at step %d", e,
+                      trainer.last_saved or "no checkpoint",
+                      min((trainer.step // self.save_interval + 1) * self.save_interval, self.max_steps))
 
     def at_end(self, trainer):
         if not (trainer.ckpt_dir / f"step_{trainer.step:08d}").exists():

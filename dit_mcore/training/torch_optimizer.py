@@ -47,6 +47,8 @@ from typing import Optional
 
 import torch
 
+from dit_mcore.parallel.adam_step import step_device
+
 _applied = False
 
 
@@ -169,17 +171,15 @@ def set_adam_impl(optimizer, impl: str) -> None:
 
 
 def place_steps(inner) -> None:
-    """Each ``step`` where torch's Adam kernel wants it: the fused (and capturable) kernel on its
-    parameter's device, in float32; the foreach and for-loop kernels on the host (a device ``step``
-    there, e.g. from a checkpoint of a fused run, costs two host reads per parameter per step).
-    torch creates them so; a load or :func:`init_adam_state` may not."""
+    """Each ``step`` where torch's Adam kernel wants it (:func:`~dit_mcore.parallel.adam_step.step_device`, in
+    float32). torch creates them so; a load (e.g. from a checkpoint of a fused run) or :func:`init_adam_state`
+    may not."""
     for group in inner.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = inner.state.get(p)
             if not state or not torch.is_tensor(state.get("step")):
                 continue
-            where = p.device if on_device else torch.device("cpu")
+            where = step_device(group, p)
             if state["step"].device != where:
                 state["step"] = state["step"].to(device=where, dtype=torch.float32)
 

@@ -8,6 +8,7 @@ resumed run replays exactly the steps an uninterrupted run would have taken.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -87,6 +88,7 @@ class Trainer:
                                   leave=data_fields(cfg))
         fitted = fit_model_to_data(cfg, recorded=lambda: record)
         if dist.get_rank() == 0:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
             for line in (specs.fallbacks_line(), resuming and cfg.trainer.init_from and
                          f"trainer.init_from={cfg.trainer.init_from} is not used: the run resumes its own checkpoint",
                          initial and taken and "the model's shape from trainer.init_from: "
@@ -234,7 +236,10 @@ class Trainer:
     def save(self) -> Path:
         per_rank = {"data": self.loader.state_dict()} if self._data_per_rank() else {}
         self.parallel_model.gather_params()  # the model weights of the last update (overlap_param_gather)
-        self.finish_saves()  # one save in flight at a time
+        try:
+            self.finish_saves()  # one save in flight at a time
+        except ckpt.SaveFailed as e:  # the one in flight failed: said, and this one is written all the same
+            log.error("%s; %s stays the latest; saving step %d now", e, self.last_saved or "no checkpoint", self.step)
         with self.ema.saving() as shadow:  # (sharded: what this rank writes, gathered into host memory)
             path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, shadow, self.optimizer,
                                         extra=self._common_state(), per_rank=per_rank,
@@ -244,10 +249,18 @@ class Trainer:
         self.last_saved = path.name
         return path
 
-    def finish_saves(self) -> None:
-        """Wait for an asynchronous save in flight and publish it (no-op for synchronous saves)."""
-        if self.async_saves is not None:
-            self.async_saves.maybe_finalize_async_calls(blocking=True)
+    def finish_saves(self, blocking: bool = True) -> None:
+        """Publish an asynchronous save in flight once written (``blocking``: wait for it; no-op for synchronous
+        saves). A write that failed on any rank raises :class:`~dit_mcore.training.checkpoint.SaveFailed` on
+        every rank, its partial files removed, and the newest published checkpoint stays ``last_saved``."""
+        if self.async_saves is None:
+            return
+        try:
+            ckpt.finalize_async_saves(self.async_saves, self.ckpt_dir, blocking=blocking)
+        except ckpt.SaveFailed:
+            latest = self.ckpt_dir / "latest"
+            self.last_saved = latest.read_text().strip() if latest.exists() else None
+            raise
 
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator: Iterator, model):
