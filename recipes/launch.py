@@ -70,7 +70,7 @@ class CheckedRunContext(run.cli.RunContext):
     def cli_execute(self, fn, args, entrypoint_type="task"):
         from dit_mcore.errors import ConfigError
         try:
-            with _no_config_table(quiet=not self.dryrun):
+            with _no_config_table(quiet=not self.dryrun and (self.skip_confirmation or under_torchrun())):
                 super().cli_execute(fn, args, entrypoint_type)
         except ConfigError as e:  # nemo-run prints "Error: ..." for these (others: "Unexpected error: ...")
             raise run.cli.api.RunContextError(str(e)) from e
@@ -84,8 +84,9 @@ class CheckedRunContext(run.cli.RunContext):
 
 @contextlib.contextmanager
 def _no_config_table(quiet: bool):
-    """nemo-run prints its table of resolved arguments before every launch; a run writes its whole
-    configuration to ``<log.dir>/config.json`` instead, and ``--dryrun`` still prints the table."""
+    """nemo-run prints its table of resolved arguments before every launch; a training run writes its whole
+    configuration to ``<log.dir>/run_config.json`` instead. Shown where it helps: with ``--dryrun``, and before the
+    confirmation a run without ``--yes`` asks for."""
     if not quiet:
         yield
         return

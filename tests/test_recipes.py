@@ -117,8 +117,8 @@ def test_a_clean_start_prints_the_projects_lines_and_no_known_third_party_warnin
     assert "Warning" not in out, out  # megatron's Transformer Engine / apex import warnings, its deprecated default
     assert specs.fallbacks_line() is None or f"INFO {specs.fallbacks_line()}" in out, out  # said once instead
     assert "INFO the model's shape from its data: model.in_channels=1 model.input_size=8" in out, out
-    assert "Resolved Arguments" not in out, out  # nemo-run's table: --dryrun prints it, a run writes config.json
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["trainer"]["max_steps"] == 1
+    assert "Resolved Arguments" not in out, out  # nemo-run's table: --dryrun prints it, a run writes run_config.json
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["trainer"]["max_steps"] == 1
 
 
 def test_help_config_lists_every_field_of_a_section(tmp_path):

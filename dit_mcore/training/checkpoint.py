@@ -200,13 +200,13 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
         queue.maybe_finalize_async_calls(blocking=blocking)
     except CheckpointException as e:
         partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
-        if dist.get_rank() == 0:
-            for partial in partials:
-                shutil.rmtree(partial, ignore_errors=True)
         steps = ", ".join(str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
         # (torch's wrapped failures: (exception, stack) per rank, known on the coordinator only)
         failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
-        reason = agreed_failure(failures[0] if failures else e)
+        reason = agreed_failure(failures[0] if failures else e)  # (every rank has looked before rank 0 deletes)
+        if dist.get_rank() == 0:
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
         raise SaveFailed(f"checkpoint of step {steps} not written ({reason}); its partial files are "
                          "removed") from None
 

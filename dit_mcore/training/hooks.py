@@ -61,8 +61,12 @@ class StopOnPreemption(StepHook):
     def after_step(self, trainer):
         signum = trainer.signals.agreed
         if signum is not None:
-            path = trainer.save()
-            trainer.finish_saves()
+            try:
+                path = trainer.save()
+                trainer.finish_saves()
+            except SaveFailed as e:  # stop for the signal all the same: the restart resumes the newest one
+                log.error("%s; the run stops for the signal and resumes from %s", e, trainer.last_saved or "step 0")
+                path = trainer.ckpt_dir / trainer.last_saved if trainer.last_saved else None
             requeue_if_slurm(signum)
             raise Preempted(trainer.step, signal.Signals(signum).name, path)
 
@@ -76,12 +80,15 @@ class Checkpoints(StepHook):
         self.save_interval, self.max_steps = save_interval, max_steps
 
     def after_step(self, trainer):
+        if trainer.async_saves is not None and trainer.async_saves.get_num_unfinalized_calls():
+            self._trying(trainer, lambda: trainer.finish_saves(blocking=False))
+        if (trainer.step % self.save_interval == 0 and trainer.step < self.max_steps
+                and not trainer.divergence.consecutive):
+            self._trying(trainer, trainer.save)
+
+    def _trying(self, trainer, save) -> None:
         try:
-            if trainer.async_saves is not None and trainer.async_saves.get_num_unfinalized_calls():
-                trainer.finish_saves(blocking=False)
-            if (trainer.step % self.save_interval == 0 and trainer.step < self.max_steps
-                    and not trainer.divergence.consecutive):
-                trainer.save()
+            save()
         except SaveFailed as e:  # training goes on; the next interval (or the end) saves again
             log.error("%s; %s stays the latest, training goes on and saves again at step %d", e,
                       trainer.last_saved or "no checkpoint",

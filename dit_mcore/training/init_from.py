@@ -49,12 +49,12 @@ def detect(path: str | Path, flag: str) -> str:
     if not p.exists():
         raise ConfigError(f"{flag}={path}: no such file or directory")
     if p.is_dir():
+        if (p / "checkpoints").is_dir() or any(p.glob("step_*")) or (p / "metadata.json").is_file():
+            return "checkpoint"
         if (p / "config.json").is_file():
             return "diffusers"
         if (p / "model.safetensors").is_file():
             return "safetensors"
-        if (p / "checkpoints").is_dir() or any(p.glob("step_*")) or (p / "metadata.json").is_file():
-            return "checkpoint"
         hint = ("a diffusers pipeline: give its transformer/ folder" if (p / "transformer").is_dir() else
                 f"give the .pt file in it, {(p / 'dit.pt')}" if (p / "dit.pt").is_file() else
                 "give a run directory, its checkpoints/ or a step_* folder, or a diffusers folder with config.json")

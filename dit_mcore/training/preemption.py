@@ -38,7 +38,8 @@ class Preempted(SystemExit):
         self.step, self.signame, self.checkpoint = step, signame, checkpoint
 
     def __str__(self) -> str:
-        return (f"preempted by {self.signame} after step {self.step}; saved {self.checkpoint}; "
+        saved = f"saved {self.checkpoint}" if self.checkpoint else "no checkpoint saved"
+        return (f"preempted by {self.signame} after step {self.step}; {saved}; "
                 f"run the same command to resume (exit code {EXIT_PREEMPTED})")
 
 

@@ -88,7 +88,9 @@ class Trainer:
                                   leave=data_fields(cfg))
         fitted = fit_model_to_data(cfg, recorded=lambda: record)
         if dist.get_rank() == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+            written = self.run_dir / "run_config.json.tmp"  # (whole or not at all)
+            written.write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+            written.replace(self.run_dir / "run_config.json")
             for line in (specs.fallbacks_line(), resuming and cfg.trainer.init_from and
                          f"trainer.init_from={cfg.trainer.init_from} is not used: the run resumes its own checkpoint",
                          initial and taken and "the model's shape from trainer.init_from: "
