@@ -494,9 +494,13 @@ def test_context_parallel_on_energon_packed_data_equals_one_process(world_result
                                                                      energon_digits):
     """The front door's data path: energon packs, CP2 splits them, the loss is the one-process loss."""
     per_rank, _ = world_results(2)
-    ref = reference(tmp_path_factory, energon_digits)
+    _every_rank_equals(per_rank, ENERGON_CASE[0], reference(tmp_path_factory, energon_digits))
+
+
+def _every_rank_equals(per_rank: list, name: str, ref: dict) -> None:
+    """Case ``name``'s losses and gradient norms on every rank are the one-process run's ``ref``."""
     for result in per_rank:
-        got = result[ENERGON_CASE[0]]
+        got = result[name]
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]),
                                    rtol=1e-4, atol=1e-7)
@@ -509,11 +513,7 @@ def test_data_parallel_on_energon_data_trains_on_the_one_process_batches_and_res
     every rank) resumes on one process and takes the one-process run's next step."""
     per_rank, run_dir = world_results(2)
     ref = reference(tmp_path_factory, energon_digits)
-    for result in per_rank:
-        got = result[ENERGON_DP2[0]]
-        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]),
-                                   rtol=1e-4, atol=1e-7)
+    _every_rank_equals(per_rank, ENERGON_DP2[0], ref)
     resumed = Trainer(layout_run(f"{run_dir}/{ENERGON_DP2[0]}", energon_digits))
     assert resumed.step == STEPS
     torch.testing.assert_close(torch.tensor(resumed.train_step()["loss"]), torch.tensor(ref["loss"][STEPS]),

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.training.config import RunConfig
-from dit_mcore.training.init_from import external_run, facebookresearch_state
+from dit_mcore.training.init_from import FACEBOOKRESEARCH_PRESET, external_run, facebookresearch_state, interop_errors
 
 KINDS = ("diffusers", "facebookresearch")
 
@@ -34,26 +34,21 @@ class Imported:
 
     @classmethod
     def describe(cls, kind: str, path: str, preset: Optional[str] = None) -> "Imported":
-        from dit_mcore.models.dit.interop.mapping import InteropError
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"--{kind} {path}: no such {'directory' if kind == 'diffusers' else 'file'}")
         state = None
-        try:
+        with interop_errors(f"--{kind}", path, "--preset", preset):
             if kind == "diffusers":
                 from dit_mcore.models.dit.interop.diffusers_dit import diffusers_config
                 config = diffusers_config(str(path))
             elif kind == "facebookresearch":
                 from dit_mcore.models.dit.interop.facebookresearch import facebookresearch_config
-                preset = preset or "DiT-XL/2"
+                preset = preset or FACEBOOKRESEARCH_PRESET
                 state = facebookresearch_state(path, f"--{kind}")
                 config = facebookresearch_config(state, preset)
             else:
                 raise ConfigError(f"unknown weights format {kind!r}; use one of {KINDS}")
-        except InteropError as e:
-            raise ConfigError(f"--{kind} {path}: {e}") from None
-        except ValueError as e:  # an unknown preset
-            raise ConfigError(f"--preset {preset}: {e}") from None
         return cls(kind=kind, path=path, preset=preset, model_config=config, state=state,
                    run=external_run(config, preset))
 

@@ -12,6 +12,7 @@ before the data-parallel wrapper, the EMA and the optimizer copy them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -68,6 +69,23 @@ def detect(path: str | Path, flag: str) -> str:
                       ".safetensors file")
 
 
+FACEBOOKRESEARCH_PRESET = "DiT-XL/2"
+"""The preset a facebookresearch/DiT state dict is read as unless one is given (the released checkpoints')."""
+
+
+@contextlib.contextmanager
+def interop_errors(flag: str, path, preset_flag: str, preset: Optional[str]):
+    """Interop's refusals as one :class:`ConfigError` line naming the argument: a weights file it cannot read
+    (``flag path: ...``), an unknown preset (``preset_flag preset: ...``)."""
+    from dit_mcore.models.dit.interop.mapping import InteropError
+    try:
+        yield
+    except InteropError as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+    except ValueError as e:  # an unknown preset
+        raise ConfigError(f"{preset_flag} {preset}: {e}") from None
+
+
 def facebookresearch_state(path: Path, flag: str) -> Mapping[str, torch.Tensor]:
     """The state dict of a facebookresearch/DiT file (a training checkpoint: its EMA)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -85,7 +103,7 @@ def _matching_preset(config) -> str:
     for name, values in get_family("dit").presets().items():
         if all(values.get(k) == getattr(config, k) for k in keys):
             return name
-    return "DiT-XL/2"
+    return FACEBOOKRESEARCH_PRESET
 
 
 def external_model(config, preset: Optional[str] = None) -> ModelConfig:
@@ -121,19 +139,18 @@ def import_weights(path: str | Path, out: str | Path, *, kind: Optional[str] = N
     facebookresearch state dict's (default DiT-XL/2; ``model``'s shape fields that are set override it);
     ``model``: a safetensors file's model where no ``dit_mcore_source.json`` lies beside it."""
     from dit_mcore.models.dit import interop
-    from dit_mcore.models.dit.interop.mapping import InteropError
     from dit_mcore.parallel.initialize import whole_model_world
     path = Path(path)
     kind = kind or detect(path, flag)
     if kind == "checkpoint":
         raise ConfigError(f"{flag} {path}: already a dit_mcore checkpoint (train or generate from it as it is)")
     whole_model_world()
-    try:
+    with interop_errors(flag, path, "--preset/model.preset", preset):
         if kind == "diffusers":
             dit = interop.load_diffusers(str(path))
             chunks, run, config = ModelChunks([dit]), external_run(dit.config), dit.config
         elif kind == "facebookresearch":
-            preset = preset or "DiT-XL/2"
+            preset = preset or FACEBOOKRESEARCH_PRESET
             overrides = {k: getattr(model, k) for k in _SHAPE if model is not None and getattr(model, k) is not None}
             dit = interop.load_facebookresearch(facebookresearch_state(path, flag), preset, **overrides)
             chunks, run, config = ModelChunks([dit]), external_run(dit.config, preset), dit.config
@@ -154,10 +171,6 @@ def import_weights(path: str | Path, out: str | Path, *, kind: Optional[str] = N
                                   f"{(unexpected or ['-'])[0]})")
         else:
             raise ConfigError(f"{flag} {path}: unknown kind {kind!r}; use one of {', '.join(KINDS[1:])}")
-    except InteropError as e:
-        raise ConfigError(f"{flag} {path}: {e}") from None
-    except ValueError as e:  # an unknown preset
-        raise ConfigError(f"preset {preset!r} (--preset, or model.preset with trainer.init_from): {e}") from None
     return save_weights(out, chunks.float(), run, model_config=config,
                         source={"kind": kind, "path": str(path.resolve())})
 

@@ -29,6 +29,7 @@ from dit_mcore.models.te_fp8 import FORMATS as TE_FP8_FORMATS, RECIPES as TE_FP8
 from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.training.weights import WEIGHTS
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.kernels.attention_kernels import BACKENDS as ATTENTION_BACKENDS
@@ -270,7 +271,7 @@ def _trainer_rules(r: _Rules, t) -> None:
            t.peak_tflops, "must be a number > 0 (the device's dense peak) or None (look it up)")
     r.need(t.max_skipped_steps >= 1, "trainer.max_skipped_steps", t.max_skipped_steps,
            "must be >= 1 (non-finite steps in a row before the run stops)")
-    r.need(t.init_weights in ("ema", "model"), "trainer.init_weights", t.init_weights,
+    r.need(t.init_weights in WEIGHTS, "trainer.init_weights", t.init_weights,
            "must be 'ema' (the checkpoint's average) or 'model' (its trained weights)")
 
 

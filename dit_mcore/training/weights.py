@@ -114,8 +114,8 @@ def load_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfi
 
 def save_weights(out: str | Path, model: ModelChunks, run: RunConfig, *, model_config, source: dict) -> Path:
     """Write ``model`` (whole, in a one-process world) as the checkpoint ``out/step_00000000`` (``out``: a new
-    folder; the checkpoint is published whole or not at all) that generation, conversion and ``trainer.init_from`` read like a trained run's:
-    the weights under both names (``--weights ema`` and ``model`` read the same), step 0, ``run`` as the
+    folder; the checkpoint is published whole or not at all) that generation, conversion and
+    ``trainer.init_from`` read like a trained run's: the weights under both names (``--weights ema`` and ``model`` read the same), step 0, ``run`` as the
     run it records and ``source`` (where the weights came from) beside it. Holds no optimizer state: it
     starts runs, it does not resume them."""
     folder, out = Path(out), Path(out) / "step_00000000"
