@@ -34,7 +34,7 @@ from megatron.energon import (WorkerConfig, get_loader, get_savable_loader, get_
 
 from energon_data import shard_safety
 from energon_data.lifetime import exit_with_parent
-from energon_data.config import DataConfig, config_hash
+from energon_data.config import NOT_STREAM_FIELDS, DataConfig, config_hash
 from energon_data.task_encoder import LatentTaskEncoder, SkipStreakError
 
 shard_safety.harden()  # no code runs while decoding; unreadable samples are skipped, not fatal
@@ -257,7 +257,7 @@ def _mismatches(loader, state: dict, cfg: DataConfig) -> list[str]:
         out.append(f"this state belongs to DP rank {state['dp_rank']} but is being restored on DP rank "
                    f"{loader.worker_config.rank}; load each rank's own loader state")
     old, new = state["config"], cfg.stream_fields()
-    for key in sorted(set(old) | set(new)):
+    for key in sorted((set(old) | set(new)) - NOT_STREAM_FIELDS):  # (states that recorded more: not compared)
         if old.get(key) != new.get(key):
             out.append(f"data.{key} was {old.get(key)!r} in the checkpoint but is {new.get(key)!r} now")
     return out

@@ -69,7 +69,8 @@ def pretrain_digits() -> run.Partial[train]:
         optim=run.Config(OptimConfig, lr=1e-3, min_lr=1e-5, warmup_steps=100, decay_style="cosine",
                          weight_decay=0.0),
         diffusion=run.Config(DiffusionConfig, objective="flow", sample_steps=32, cfg_scale=3.0),
-        trainer=run.Config(TrainerConfig, max_steps=3000, ema_decay=0.998, save_interval=1000),
+        trainer=run.Config(TrainerConfig, max_steps=3000, ema_decay=0.998, save_interval=1000, val_interval=500,
+                           val_samples=128),
         log=run.Config(LogConfig, dir="runs/digits", log_interval=50, sample_interval=1000, samples_per_class=10),
         parallel=run.Config(ParallelConfig),
     )
@@ -89,7 +90,8 @@ def pretrain_t2v_digits() -> run.Partial[train]:
         optim=run.Config(OptimConfig, lr=1e-3, min_lr=1e-5, warmup_steps=100, decay_style="cosine",
                          weight_decay=0.0),
         diffusion=run.Config(DiffusionConfig, objective="flow", sample_steps=32, cfg_scale=3.0),
-        trainer=run.Config(TrainerConfig, max_steps=2400, ema_decay=0.998, save_interval=800),
+        trainer=run.Config(TrainerConfig, max_steps=2400, ema_decay=0.998, save_interval=800, val_interval=400,
+                           val_samples=128),
         log=run.Config(LogConfig, dir="runs/t2v_digits", log_interval=50, sample_interval=800),
         parallel=run.Config(ParallelConfig),
     )

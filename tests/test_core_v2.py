@@ -191,7 +191,7 @@ def test_the_mock_source_draws_the_next_batch_ahead_and_stays_exact():
 
     def tokens(batches):
         return [b.tokens for b in batches]
-    reference = [tokens(source()._global_batch(k)) for k in range(5)]
+    reference = [tokens(source().global_batch(k)) for k in range(5)]
     src = source()
     first = src.next_global_batch()
     assert src._ahead is not None and src._ahead[0] == 1  # batch 1 is being drawn already

@@ -63,6 +63,7 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
     else:  # packs of 62 tokens; samples straddle CP pieces and are padded at the stream tail
         data_cfg = DataConfig(name="mock", image_size=8, mock_latent_shapes=PACKED_SHAPES, max_seq_len=62,
                               global_batch_size=4, micro_batch_size=1)
+    compile = parallel.pop("compile", False)
     return RunConfig(
         model=ModelConfig(family=family, preset=TINY[family], num_layers=4, hidden_size=32, num_attention_heads=4,
                           input_size=8,
@@ -72,12 +73,14 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           init_model_with_meta_device=parallel.pop("meta_init", None),
                           aten_linears=parallel.pop("aten_linears", None),
                           fuse_wgrad_accumulation=parallel.pop("fuse_wgrad_accumulation", None),
-                          st_attention=parallel.pop("st_attention", None), compile=parallel.pop("compile", False)),
+                          st_attention=parallel.pop("st_attention", None), compile=compile),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
                           adam_impl=parallel.pop("adam_impl", "fused")),
         diffusion=DiffusionConfig(objective="flow", sample_steps=2),
-        trainer=TrainerConfig(max_steps=STEPS, save_interval=1000, ema_decay=0.9),
+        # the validation loss, at 2 levels of 8 samples (not compiled: its forward-only graphs would compile anew)
+        trainer=TrainerConfig(max_steps=STEPS, save_interval=1000, ema_decay=0.9, val_interval=0 if compile else 1000,
+                              val_samples=8, val_levels=2),
         log=LogConfig(dir=str(run_dir), log_interval=1, sample_interval=0, progress_bar=False, tensorboard=False),
         parallel=ParallelConfig(**parallel))
 
@@ -156,6 +159,8 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
     init = [_whole(next(chunk.t_embedder.parameters())) for chunk in trainer.model]
     _randomize(trainer)
     history = [trainer.train_step()]
+    # between steps, as a run validates: the steps after it must train as if it had not run
+    val = trainer.validation.metrics(trainer) if trainer.validation else None
     if cfg.parallel.fsdp != "none":  # (the Llama DiT's SwiGLU fc1 is split by megatron: gathered whole)
         with _no_whole_tensors() if cfg.model.family != "llama" else contextlib.nullcontext():
             trainer.save()
@@ -171,7 +176,7 @@ def _train(cfg: RunConfig, steps: int = STEPS, save: bool = False, samples: bool
     replicated = torch.cat([_whole(next(m.parameters())).flatten()
                             for m in (last.t_embedder, getattr(last, "text_embedder", None)) if m is not None])
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "replicated": replicated, "init": init, "ema_samples": samples,
+            "replicated": replicated, "init": init, "ema_samples": samples, "val": val,
             "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
             "grad_dtypes": sorted({str(b.grad_data.dtype) for c in trainer.ddp_chunks  # megatron DDP's (FSDP: none)
                                    if isinstance(getattr(c, "buffers", None), list) for b in c.buffers}),
@@ -413,7 +418,7 @@ def energon_digits(tmp_path_factory) -> str:
     from energon_data.prepare import prepare_dataset
     out = tmp_path_factory.mktemp("digits_energon")
     prepare_dataset("digits", str(out), encoder="identity", image_size=(8, 8), samples_per_shard=300,
-                    progress=False, workers=1)
+                    progress=False, workers=1, split_ratio=(0.8, 0.2, 0.0))  # (a val split: the validation loss)
     return f"energon:{out}"
 
 
@@ -460,6 +465,9 @@ def test_layout_equals_one_process(world_results, text_results, tmp_path_factory
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]), rtol=1e-4,
                                    atol=1e-7, msg=lambda m: f"{name} rank {rank} grad norm: {m}")
         assert all(torch.equal(w, ref["init"][0]) for w in got["init"]), f"{name}: rank {rank} init differs"
+        if got["val"] is not None:  # the model's and the EMA's validation losses, per level
+            torch.testing.assert_close(got["val"], ref["val"], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{name} rank {rank} validation loss: {m}")
         if "compiled" in name:  # each layer one graph: no attention between graphs
             assert not got["graph_breaks"], f"{name} rank {rank} graph breaks: {got['graph_breaks']}"
         if "flat_adam" in name:  # every part stepped flat (not torch's AdamW after a refused install)
@@ -504,6 +512,7 @@ def _every_rank_equals(per_rank: list, name: str, ref: dict) -> None:
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][:STEPS]),
                                    rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(got["val"], ref["val"], rtol=1e-5, atol=1e-7)  # (energon's val split)
 
 
 def test_data_parallel_on_energon_data_trains_on_the_one_process_batches_and_resumes_on_one_process(

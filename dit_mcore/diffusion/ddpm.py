@@ -85,6 +85,10 @@ class DDPMObjective(Objective):
         t = t.float()
         return to_device(t, device) if device is not None else t
 
+    def level_quantile(self, q: torch.Tensor) -> torch.Tensor:
+        n = self.config.num_train_timesteps  # uniform over the integer steps 0 .. n-1
+        return (q * n).floor().clamp(0, n - 1).float()
+
     def timestep(self, level: torch.Tensor) -> torch.Tensor:
         return level
 

@@ -72,6 +72,9 @@ class EDMObjective(Objective):
         # Not clipped to [sigma_min, sigma_max], as in Karras: training covers the whole log-normal.
         return ts.log_normal(n, self.config.p_mean, self.config.p_std, generator=generator, device=device)
 
+    def level_quantile(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.config.p_mean + self.config.p_std * torch.special.ndtri(q)).float()
+
     def preconditioning(self, sigma: torch.Tensor) -> Preconditioning:
         sd2 = self.config.sigma_data ** 2
         total = sigma.square() + sd2

@@ -55,6 +55,11 @@ class FlowObjective(Objective):
             t = ts.uniform(n, generator=generator, device=device)
         return ts.shift_time(t, c.shift)
 
+    def level_quantile(self, q: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        t = torch.sigmoid(c.logit_mean + c.logit_std * torch.special.ndtri(q)) if c.sampling == "logit_normal" else q
+        return ts.shift_time(t, c.shift).float()
+
     def timestep(self, level: torch.Tensor) -> torch.Tensor:
         return self.config.timestep_scale * level
 

@@ -78,6 +78,18 @@ class Objective(abc.ABC):
         """``n`` independent training noise levels (float32 ``[n]``), one per sample."""
 
     @abc.abstractmethod
+    def level_quantile(self, q: torch.Tensor) -> torch.Tensor:
+        """The training distribution's noise level at probability ``q`` (its inverse CDF), float32."""
+
+    def validation_levels(self, k: int) -> torch.Tensor:
+        """``k`` fixed noise levels (float32 ``[k]``, increasing) spread as the training draws are: the
+        training distribution's ``(i + 1/2) / k`` quantiles, so their mean loss weighs the levels as
+        training does, and a validation loss at them is comparable across steps, runs and layouts."""
+        if k < 1:
+            raise ValueError(f"the number of validation levels must be >= 1, got {k}")
+        return self.level_quantile((torch.arange(k, dtype=torch.float64) + 0.5) / k).float()
+
+    @abc.abstractmethod
     def timestep(self, level: torch.Tensor) -> torch.Tensor:
         """Map noise levels ``[N]`` to the value fed to the network's timestep embedder."""
 

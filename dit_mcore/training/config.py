@@ -329,6 +329,28 @@ class TrainerConfig:
     """Write checkpoints from a forked process while training goes on (megatron dist_checkpointing's
     async save): the step stalls only for the snapshot; the checkpoint is published once every rank
     has written it. See ``benchmarks/checkpoint_stall.py`` for the measured stall."""
+    val_interval: int = 0
+    """Steps between validation losses (0: none): the model and its EMA are evaluated on the same
+    validation samples at ``val_levels`` fixed noise levels with fixed noise, so the numbers compare
+    across steps, runs and layouts (``val/loss``, ``val/ema_loss`` and one per level, in every sink); also
+    after the last step. The samples: ``data.val_path``, else the ``val`` split of ``data.path``; the
+    built-in ``digits`` hold every 10th scan out of training for it, ``moving_digits`` draws new clips
+    (another seed), ``mock`` another seed's latents. Skipped at a preemption."""
+    val_samples: int = 256
+    """Validation samples, in whole global batches of ``data.global_batch_size`` (rounded up, or down to
+    what the validation data holds; the log names the count)."""
+    val_levels: int = 8
+    """Noise levels of the validation loss: the training distribution's ``(i + 1/2) / val_levels``
+    quantiles (``Objective.validation_levels``)."""
+    profile_steps: Optional[str] = None
+    """``"A-B"``: a torch profiler trace of steps A to B (1-based, inclusive) per rank, written to
+    ``<log.dir>/profile/rank<r>_steps<A>-<B>.json`` (Chrome / Perfetto JSON with shapes, stacks and memory)."""
+    memory_snapshot: bool = False
+    """CUDA: record the caching allocator's history from the start through step 3 and dump it to
+    ``<log.dir>/profile/memory_snapshot_rank<r>.pickle`` (read by https://pytorch.org/memory_viz)."""
+    flight_recorder: bool = False
+    """NCCL: keep the flight recorder's ring of recent collectives and dump it on a watchdog timeout to
+    ``<log.dir>/profile/nccl_trace_rank_<r>`` (for a hang: which rank waits in which collective)."""
     max_skipped_steps: int = 3
     """Steps in a row whose loss or gradient norm is not finite (each skipped, not applied) after
     which the run stops with an error instead of saving diverged weights."""

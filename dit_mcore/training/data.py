@@ -8,6 +8,8 @@ exactly the same batches.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+from typing import Optional
 
 import torch
 
@@ -46,14 +48,26 @@ class InMemoryImageLoader(_GlobalBatchCounter):
     tail is dropped). ``texts``: one ``[L_i, D]`` text embedding per sample, for text models."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, patch_size: int, patch_size_t: int = 1,
-                 texts=None, **kw):
+                 texts=None, held_out_every: Optional[int] = None, **kw):
         super().__init__(**kw)
+        self.held_out_every = held_out_every  # (the digits: every k-th scan left out of training)
         if self.global_batch_size > len(images):
             raise ConfigError(f"data.global_batch_size ({self.global_batch_size}) exceeds the dataset size "
                               f"({len(images)}); lower it")
         self.tokens, self.grid = patchify(images, patch_size, patch_size_t)
         self.labels, self.texts = labels, texts
         self.batches_per_epoch = len(images) // self.global_batch_size
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), **({"held_out_every": self.held_out_every} if self.held_out_every else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("held_out_every") != self.held_out_every:
+            from energon_data.loader import DataResumeError
+            raise DataResumeError(f"this checkpoint's run trained on every digit scan; training now leaves every "
+                                  f"{self.held_out_every}th out for the validation loss, so its data order cannot "
+                                  "continue: start a new run (another log.dir)")
+        super().load_state_dict(state)
 
     def _order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -158,10 +172,10 @@ class MockLatentSource(_GlobalBatchCounter):
         MovieGen-3B step drawing 8k-token packs)."""
         step, self.consumed_batches = self.consumed_batches, self.consumed_batches + 1
         ahead, self._ahead = self._ahead, None
-        out = ahead[1].result() if ahead is not None and ahead[0] == step else self._global_batch(step)
+        out = ahead[1].result() if ahead is not None and ahead[0] == step else self.global_batch(step)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mock-batches")
-        self._ahead = (step + 1, self._pool.submit(self._global_batch, step + 1))
+        self._ahead = (step + 1, self._pool.submit(self.global_batch, step + 1))
         return out
 
     def state_dict(self) -> dict:
@@ -169,7 +183,7 @@ class MockLatentSource(_GlobalBatchCounter):
             self._ahead[1].result()
         return super().state_dict()
 
-    def _global_batch(self, step: int) -> list[MicroBatch]:
+    def global_batch(self, step: int) -> list[MicroBatch]:
         per_rank = self.global_batch_size // self.dp_size
         out, n_micro = [], per_rank // self.micro_batch_size
         for micro in range(n_micro):
@@ -187,15 +201,68 @@ class MockLatentSource(_GlobalBatchCounter):
         return out
 
 
+HELD_OUT_EVERY = 10
+"""The built-in digits keep every 10th scan (179 of 1,797) out of training, for the validation loss."""
+
+
+def digits_split(size: int, *, held_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The built-in digits' training scans, or (``held_out``) the ones kept for validation."""
+    from energon_data.datasets import load_digits
+    images, labels = load_digits(size=size)
+    keep = (torch.arange(len(images)) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held_out
+    return images[keep], labels[keep]
+
+
+def builtin_validation_batches(data: DataConfig, model_config, *, global_batches: int, micro_batch_size: int,
+                               seed: int, pad_multiple: int = 1) -> list[list[MicroBatch]]:
+    """The validation data of a built-in source as ``global_batches`` global batches (fewer when the held-out
+    split holds fewer), each its micro-batches in one-process order: the digits' held-out scans, new
+    ``moving_digits`` clips (seed 1; training's are seed 0), or ``mock`` latents of another seed."""
+    g = data.global_batch_size
+    if data.name == "mock":
+        source = build_builtin_source(dataclasses.replace(data, micro_batch_size=micro_batch_size), model_config,
+                                      dp_rank=0, dp_size=1, seed=seed + 1, pad_multiple=pad_multiple)
+        return [source.global_batch(k) for k in range(global_batches)]
+    texts = None
+    if data.name == "digits":
+        images, labels = digits_split(data.image_size, held_out=True)
+        patch_t = 1
+    elif data.name == "moving_digits":
+        from energon_data.datasets import moving_digits, moving_digits_text_encoder
+        videos = moving_digits(global_batches * g, frames=data.video_frames, size=data.image_size, seed=1, max_speed=2)
+        images, labels, patch_t = videos.videos, videos.labels, model_config.patch_size_t
+        texts = moving_digits_text_encoder().encode(list(videos.captions))
+    else:
+        raise ConfigError(f"unknown built-in dataset data.name={data.name!r}")
+    global_batches = min(global_batches, len(images) // g)
+    if global_batches < 1:
+        raise ConfigError(f"trainer.val_samples: the held-out split of data.name={data.name!r} has {len(images)} "
+                          f"samples, fewer than one global batch (data.global_batch_size={g}); lower "
+                          "data.global_batch_size or set trainer.val_interval=0")
+    tokens, grid = patchify(images[:global_batches * g], model_config.patch_size, patch_t)
+    out = []
+    for k in range(global_batches):
+        micro = []
+        for start in range(k * g, (k + 1) * g, micro_batch_size):
+            idx = torch.arange(start, start + micro_batch_size)
+            text = {}
+            if texts is not None:
+                text = dict(text_emb=torch.cat([texts[i] for i in idx.tolist()]),
+                            cu_seqlens_text=cumsum0([len(texts[i]) for i in idx.tolist()]))
+            micro.append(MicroBatch.dense(tokens[idx], grid, labels[idx], **text))
+        out.append(micro)
+    return out
+
+
 def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_size: int, seed: int,
                          pad_multiple: int = 1):
     """The in-memory source named by ``data.name``."""
     common = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch(dp_size),
                   dp_rank=dp_rank, dp_size=dp_size, seed=seed)
     if data.name == "digits":
-        from energon_data.datasets import load_digits
-        images, labels = load_digits(size=data.image_size)
-        return InMemoryImageLoader(images, labels, patch_size=model_config.patch_size, **common)
+        images, labels = digits_split(data.image_size, held_out=False)
+        return InMemoryImageLoader(images, labels, patch_size=model_config.patch_size, held_out_every=HELD_OUT_EVERY,
+                                   **common)
     if data.name == "moving_digits":
         from energon_data.datasets import moving_digits, moving_digits_text_encoder
         videos = moving_digits(data.num_videos, frames=data.video_frames, size=data.image_size, seed=0,

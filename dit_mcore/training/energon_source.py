@@ -11,13 +11,14 @@ batches either way.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Optional
 
 from energon_data.batch import MicroBatch
 from energon_data.config import DataConfig
-from energon_data.loader import (accept_mismatch, build_train_loader, iterate_with_timeout, layout, layout_problems,
-                                 restore_state, save_state)
+from energon_data.loader import (accept_mismatch, build_train_loader, build_val_loader, iterate_with_timeout, layout,
+                                 layout_problems, restore_state, save_state)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,20 @@ class EnergonSource:
             if saved_world_size != world_size:
                 problems.append(f"world size was {saved_world_size} in the checkpoint but is {world_size} now")
         return accept_mismatch(problems, self.config)
+
+
+def validation_batches(data: DataConfig, model_config, *, global_batches: int, per_global_batch: int,
+                       micro_batch_size: int, pad_multiple: int) -> list[list[MicroBatch]]:
+    """Up to ``global_batches`` global batches of ``per_global_batch`` micro-batches (one-process order) from
+    one pass over the validation data (``data.val_path``, else the val split of ``data.path``), in energon's
+    fixed validation order: what every rank reads alike, whatever the layout."""
+    p = model_config.patch_size
+    config = dataclasses.replace(data, patch_size=(model_config.patch_size_t, p, p), pad_multiple=pad_multiple,
+                                 micro_batch_size=micro_batch_size)
+    stream = iterate_with_timeout(build_val_loader(config, dp_rank=0, dp_size=1), config)
+    read = [_micro_batch(lb) for lb in itertools.islice(stream, global_batches * per_global_batch)]
+    del stream  # (its workers, if any, end with it)
+    return [read[k:k + per_global_batch] for k in range(0, len(read) - per_global_batch + 1, per_global_batch)]
 
 
 def _other_order(was: bool) -> str:

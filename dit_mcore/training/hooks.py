@@ -14,6 +14,7 @@ import signal
 
 from dit_mcore.training.checkpoint import SaveFailed
 from dit_mcore.training.preemption import Preempted, requeue_if_slurm
+from dit_mcore.training.val_loss import validation_due
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -25,9 +26,11 @@ def previews_after(sample_interval: int, step: int) -> bool:
 
 def config_reads_after(cfg, step: int) -> bool:
     """Whether the run's config reads the state after ``step`` (1-based): a periodic save
-    (``trainer.save_interval``), a preview (``log.sample_interval``), the end of the run."""
+    (``trainer.save_interval``), a preview (``log.sample_interval``), a validation loss
+    (``trainer.val_interval``), the end of the run."""
     t = cfg.trainer
-    return step == t.max_steps or step % t.save_interval == 0 or previews_after(cfg.log.sample_interval, step)
+    return (step == t.max_steps or step % t.save_interval == 0 or previews_after(cfg.log.sample_interval, step)
+            or validation_due(t, step))
 
 
 class StepHook:

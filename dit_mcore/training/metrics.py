@@ -24,6 +24,11 @@ class StepRate:
     def _reset(self) -> None:
         self.start, self.samples, self.tokens, self.flops = time.perf_counter(), 0.0, 0.0, 0.0
 
+    def restart(self) -> None:
+        """Start the next interval now: time spent since the last flush outside the steps (a validation) is
+        not counted."""
+        self._reset()
+
     def add(self, samples: float, tokens: float, flops: float) -> None:
         self.samples, self.tokens, self.flops = self.samples + samples, self.tokens + tokens, self.flops + flops
 
@@ -38,6 +43,17 @@ class StepRate:
         return out
 
 
+def device_memory(device) -> dict:
+    """``max_memory_gib``: the peak the CUDA caching allocator handed out since the last call (the log
+    interval's), then reset; empty on other devices."""
+    import torch
+    if getattr(device, "type", None) != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"max_memory_gib": peak}
+
+
 def format_line(step: int, max_steps: int, m: dict) -> str:
     line = (f"step {step:>7d}/{max_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
             f"lr {m['lr']:.3e} | {m['samples_per_s']:.1f} samples/s | {m['tokens_per_s']:.0f} tokens/s")
@@ -45,6 +61,10 @@ def format_line(step: int, max_steps: int, m: dict) -> str:
         line += f" | {m['tflops_per_gpu']:.3g} TFLOPS/GPU"
     if "mfu" in m:
         line += f" | MFU {100 * m['mfu']:.1f}%"
+    if "max_memory_gib" in m:
+        line += f" | {m['max_memory_gib']:.1f} GiB"
+    if "val/loss" in m:
+        line += f" | val {m['val/loss']:.4f} (EMA {m['val/ema_loss']:.4f})"
     if m.get("skipped"):
         line += " | SKIPPED (not finite)"
     return line
@@ -91,7 +111,7 @@ class MetricsLogger:
                 if not isinstance(value, (int, float)):
                     continue
                 if math.isfinite(value):
-                    self.writer.add_scalar(f"train/{key}", value, step)
+                    self.writer.add_scalar(key if "/" in key else f"train/{key}", value, step)  # (val/...)
                 else:  # TensorBoard's charts drop NaN/inf points: mark them on a chart of their own
                     self.writer.add_scalar(f"nonfinite/{key}", 1.0, step)
         line = format_line(step, self.max_steps, metrics)

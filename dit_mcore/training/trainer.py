@@ -41,13 +41,15 @@ from dit_mcore.training.ema import EMASchedule
 from dit_mcore.training.init_from import InitialWeights, take_architecture
 from dit_mcore.training.hooks import (Checkpoints, StepHook, StopOnDivergence, StopOnPreemption,
                                       config_reads_after)
-from dit_mcore.training.metrics import MetricsLogger, StepRate
+from dit_mcore.training.metrics import MetricsLogger, StepRate, device_memory
 from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_schedule, per_sample_loss_scale,
                                      step_if_finite)
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
+from dit_mcore.training.profiling import Profiling, enable_flight_recorder
 from dit_mcore.training.data_fit import data_fields, describe as describe_fit, fit_model_to_data
 from dit_mcore.training.validate import check_run_dir_writable, validate_run
+from dit_mcore.training.val_loss import Validation, validation_due
 from energon_data.lifetime import forked_children_exit_with_parent
 
 log = logging.getLogger("dit_mcore.train")
@@ -74,6 +76,7 @@ class Trainer:
         self.cfg = cfg
         validate_run(cfg, _launched_world_size())  # every field, the layout and the batch, before any compute
         forked_children_exit_with_parent()  # nothing this run forks outlives it, even after kill -9
+        recorder = cfg.trainer.flight_recorder and enable_flight_recorder(Path(cfg.log.dir))  # (before the group)
         initialize_distributed(cfg.parallel, cfg.trainer.seed)
         check_run_dir_writable(cfg)  # (every rank, agreed: before the model is built)
         self.run_dir = Path(cfg.log.dir)
@@ -99,6 +102,10 @@ class Trainer:
                 if line:
                     log.info("%s", line)
         self.device = run_device()
+        self.profiling = Profiling(cfg.trainer, self.run_dir, dist.get_rank(), self.device)  # (the build included)
+        if recorder and dist.get_rank() == 0:
+            log.info("NCCL flight recorder on: a watchdog timeout dumps each rank's recent collectives to %s<rank>",
+                     recorder)
         self.family = get_family(cfg.model.family)
         self.model_config = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
         # Pipeline p2p sends each micro-batch's shape first when packed streams may vary in length.
@@ -128,6 +135,7 @@ class Trainer:
         self.sample_weight = torch.ones((), device=self.device)  # 1 / the global batch's samples, per step
         per_sample_loss_scale(self.ddp_chunks[0].config, self.optimizer, self.sample_weight)
         self.loader = self._build_data()
+        self.validation = Validation(self) if cfg.trainer.val_interval else None  # (its samples read now)
 
         self.hooks = all_hooks = [StopOnDivergence(), StopOnPreemption(),
                                   Checkpoints(cfg.trainer.save_interval, cfg.trainer.max_steps), *hooks]
@@ -270,28 +278,39 @@ class Trainer:
         tokens; the loss is averaged per sample over its real tokens."""
         micro, batch = next(data_iterator)
         mc = self.model_config
+        g = step_generator(self.cfg.trainer.seed, self.step, self.dp_rank * self.num_microbatches + micro,
+                           self.device)
+        n = batch.num_samples
+        level = self.objective.sample_level(n, generator=g, device=self.device)
+        noise = torch.randn(batch.tokens.shape, generator=g, device=self.device)
+        labels = drop_labels(self.labels_of(batch), mc.class_dropout_prob, mc.num_classes, generator=g)
+        keep = torch.rand(n, generator=g, device=self.device) >= mc.text_dropout_prob if mc.text_dim else None
+        return self.forward_loss(model, batch, level, noise, labels, text_keep=keep)  # (keep: CFG's null text)
+
+    def labels_of(self, batch) -> torch.Tensor:
+        """The batch's class labels, the null class where a sample has none."""
+        return torch.where(batch.labels >= 0, batch.labels, torch.full_like(batch.labels, self.model_config.num_classes))
+
+    def forward_loss(self, model, batch, level: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, *,
+                     text_keep: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None):
+        """``model``'s output on ``batch`` noised with ``noise`` at ``level`` (one per sample), and the loss
+        function megatron's schedule calls on it (:meth:`_loss`); ``text_keep``: the samples whose text is
+        kept (else the null text); ``dtype``: of the model's input (default: the run's compute dtype)."""
+        mc = self.model_config
         if batch.tokens.shape[-1] != mc.patch_dim:
             raise ConfigError(f"data tokens have {batch.tokens.shape[-1]} values but the model expects "
                               f"in_channels x patch volume = {mc.patch_dim}; set model.in_channels / patch sizes "
                               "to match the data")
-        g = step_generator(self.cfg.trainer.seed, self.step, self.dp_rank * self.num_microbatches + micro,
-                           self.device)
-        x0 = batch.tokens.float()
-        n = batch.num_samples
-        level = self.objective.sample_level(n, generator=g, device=self.device)
-        noise = torch.randn(x0.shape, generator=g, device=self.device)
-        labels = torch.where(batch.labels >= 0, batch.labels, torch.full_like(batch.labels, mc.num_classes))
-        labels = drop_labels(labels, mc.class_dropout_prob, mc.num_classes, generator=g)
         text = None
         if mc.text_dim:
             if not batch.has_text:
                 raise ConfigError(f"model.family={self.cfg.model.family} is conditioned on text but the data has "
                                   "none; use a prepared energon dataset (it carries text embeddings)")
-            keep = torch.rand(n, generator=g, device=self.device) >= mc.text_dropout_prob  # CFG: drop to null text
-            text = TextContext.from_batch(batch, keep)
+            text = TextContext.from_batch(batch, text_keep)
+        x0 = batch.tokens.float()
         sample_of = batch.token_to_sample.clamp(min=0)
         inputs = self.objective.prepare(x0.flatten(0, 1), noise.flatten(0, 1), level[sample_of])
-        x_in = to_model_layout(inputs.model_input.view_as(x0).to(self.compute_dtype))
+        x_in = to_model_layout(inputs.model_input.view_as(x0).to(dtype or self.compute_dtype))
         out = model(x_in, self.objective.timestep(level), labels, batch=batch, context=text)
         return out, partial(self._loss, inputs, batch)
 
@@ -416,13 +435,22 @@ class Trainer:
         try:
             with self.signals:
                 while self.step < cfg.trainer.max_steps:
-                    metrics = self.train_step()
+                    with self.profiling.step(self.step + 1):
+                        metrics = self.train_step()
                     history.append({"step": self.step, **metrics})
                     metrics = dict(metrics)
                     rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
+                    validate = (self.validation is not None and validation_due(cfg.trainer, self.step)
+                                and self.signals.agreed is None)  # (a preemption saves at once instead)
                     log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
-                               or metrics["skipped"])  # a skipped step is always shown
-                    logger.step(self.step, {**metrics, **rate.flush()} if log_now else None)
+                               or metrics["skipped"] or validate)  # a skipped step is always shown
+                    logged = {**metrics, **rate.flush(), **device_memory(self.device)} if log_now else None
+                    if validate:
+                        losses = self.validation.metrics(self)
+                        rate.restart()  # (the throughput counts training steps only)
+                        history[-1].update(losses)
+                        logged.update(losses)
+                    logger.step(self.step, logged)
                     for hook in self.hooks:
                         hook.after_step(self)
             for hook in self.hooks:
@@ -431,6 +459,7 @@ class Trainer:
             self.finish_saves()  # a save in flight holds weights from before the divergence
             raise
         finally:
+            self.profiling.close()
             logger.close()
         return history
 

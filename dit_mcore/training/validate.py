@@ -29,6 +29,7 @@ from dit_mcore.models.te_fp8 import FORMATS as TE_FP8_FORMATS, RECIPES as TE_FP8
 from dit_mcore.models.layer_stack import COMPILE_MODES
 from dit_mcore.models.registry import families, get_family
 from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.training.profiling import parse_steps
 from dit_mcore.training.weights import WEIGHTS
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.layout import check_layout
@@ -271,6 +272,18 @@ def _trainer_rules(r: _Rules, t) -> None:
            t.peak_tflops, "must be a number > 0 (the device's dense peak) or None (look it up)")
     r.need(t.max_skipped_steps >= 1, "trainer.max_skipped_steps", t.max_skipped_steps,
            "must be >= 1 (non-finite steps in a row before the run stops)")
+    r.need(t.val_interval >= 0, "trainer.val_interval", t.val_interval,
+           "must be >= 0 (steps between validation losses; 0: none)")
+    r.need(t.val_samples >= 1, "trainer.val_samples", t.val_samples, "must be >= 1 (validation samples)")
+    r.need(t.val_levels >= 1, "trainer.val_levels", t.val_levels, "must be >= 1 (noise levels of the validation loss)")
+    try:
+        parse_steps(t.profile_steps)
+    except ValueError as e:
+        r.need(False, "trainer.profile_steps", t.profile_steps, str(e))
+    for name, what in (("memory_snapshot", "records CUDA's caching allocator"),
+                       ("flight_recorder", "records NCCL's collectives")):
+        r.need(not getattr(t, name) or torch.cuda.is_available(), f"trainer.{name}", getattr(t, name),
+               f"{what}; this machine has no GPU: unset it (trainer.profile_steps profiles on CPU too)")
     r.need(t.init_weights in WEIGHTS, "trainer.init_weights", t.init_weights,
            "must be 'ema' (the checkpoint's average) or 'model' (its trained weights)")
 
@@ -309,7 +322,7 @@ def run_problems(cfg, world_size: int) -> list[str]:
     data_fit.fit_model_to_data(cfg)
     try:
         model = cfg.model.build(ParallelConfig())
-        _check_data_source(cfg.data)
+        _check_data_source(cfg.data, validates=cfg.trainer.val_interval > 0)
         _check_text(cfg.data, model, get_family(cfg.model.family))
         check_layout(cfg.parallel, model, cfg.data, world_size,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
@@ -359,8 +372,22 @@ def _check_text(data, model, family) -> None:
                           "or data.name=mock")
 
 
-def _check_data_source(data) -> None:
+def _check_data_source(data, validates: bool = False) -> None:
     data.check_source()
+    if data.val_path and not data.uses_energon:
+        raise ConfigError(f"data.val_path={data.val_path!r} is for prepared energon datasets; the built-in "
+                          f"data.name={data.name!r} validates on its own held-out split: unset data.val_path")
+    if validates and data.blend and not data.val_path:
+        raise ConfigError("trainer.val_interval: a blend has no val split of its own; set data.val_path to a prepared "
+                          "dataset to validate on, or trainer.val_interval=0")
+    if data.val_path and not (Path(data.val_path) / ".nv-meta").is_dir():
+        raise ConfigError(f"data.val_path={data.val_path!r} is not a prepared energon dataset (no .nv-meta/ inside); "
+                          "point it at the output of `python -m energon_data.prepare` (or unset it to validate on "
+                          "the val split of data.path)")
+    if validates and data.path and not data.val_path and not _has_val_split(Path(data.path)):
+        raise ConfigError(f"trainer.val_interval: the val split of data.path={data.path!r} is empty; prepare it with "
+                          "--split-ratio (e.g. 0.95,0.05,0), set data.val_path to a prepared dataset, or set "
+                          "trainer.val_interval=0")
     if data.path:
         path = Path(data.path)
         if not path.exists():
@@ -369,6 +396,17 @@ def _check_data_source(data) -> None:
         if path.is_dir() and not (path / ".nv-meta").is_dir():
             raise ConfigError(f"data.path={data.path!r} is not a prepared energon dataset (no .nv-meta/ inside); "
                               "prepare one with `python -m energon_data.prepare INPUT OUT` and point data.path at OUT")
+
+
+def _has_val_split(path: Path) -> bool:
+    """Whether a prepared energon dataset lists shards in its ``val`` split (True when it cannot tell:
+    a metadataset file, a layout this check does not know)."""
+    import yaml
+    split = path / ".nv-meta" / "split.yaml"
+    if not split.is_file():
+        return True
+    parts = (yaml.safe_load(split.read_text()) or {}).get("split_parts", {})
+    return bool(parts.get("val", True))
 
 
 def check_run_dir_writable(cfg) -> None:

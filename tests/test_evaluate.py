@@ -1,0 +1,110 @@
+"""FID (python -m dit_mcore.evaluate) through torchmetrics: a set against itself is ~0, a set moved further
+away scores higher, the value equals a float64 NumPy/SciPy computation on the same features, the digits
+feature network reads held-out digits, too few samples are refused naming the minimum, and the command
+evaluates a trained checkpoint end to end."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy import linalg
+
+from dit_mcore.errors import ConfigError
+from dit_mcore.evaluate.cli import main, reference_images
+from dit_mcore.evaluate.features import digit_features, to_uint8
+from dit_mcore.evaluate.fid import fid
+from dit_mcore.training.config import DiffusionConfig, LogConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from dit_mcore.training.data import digits_split
+from energon_data.config import DataConfig
+from energon_data.datasets import load_digits
+
+
+def _digits(size=16) -> torch.Tensor:
+    images, _ = load_digits(size=size)
+    return images
+
+
+def _u8(images: torch.Tensor) -> torch.Tensor:
+    return to_uint8(images).expand(-1, 3, -1, -1).contiguous()
+
+
+def test_the_digits_features_read_held_out_digits():
+    images, labels = digits_split(16, held_out=True)
+    accuracy = (digit_features().classify(_u8(images)) == labels).float().mean().item()
+    assert accuracy > 0.9, accuracy
+
+
+def test_fid_of_a_set_with_itself_is_zero_and_grows_as_the_set_moves_away():
+    real = _digits()
+    net = digit_features()
+    assert abs(fid(_u8(real), _u8(real), net)) < 1e-3
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(real.shape, generator=g)
+    scores = [fid(_u8(real), _u8(real + s * noise), net) for s in (0.1, 0.3, 0.6)]
+    assert 0.1 < scores[0] < scores[1] < scores[2], scores
+
+
+def test_fid_equals_a_float64_scipy_computation_on_the_same_features():
+    net = digit_features()
+    real, fake = _u8(_digits()[:900]), _u8((_digits()[900:] + 0.2 * torch.randn(897, 1, 16, 16,
+                                                  generator=torch.Generator().manual_seed(1))))
+    with torch.no_grad():
+        a, b = net(real).double().numpy(), net(fake).double().numpy()
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    root = linalg.sqrtm(cov_a @ cov_b).real
+    want = float(((mu_a - mu_b) ** 2).sum() + np.trace(cov_a + cov_b - 2 * root))
+    assert fid(real, fake, net) == pytest.approx(want, rel=1e-4)
+
+
+def test_too_few_samples_are_refused_naming_the_minimum():
+    with pytest.raises(ConfigError, match=r"--num-samples \(generated images\): 64 images; FID on 64 features needs at "
+                                          r"least 65 per set"):
+        fid(_u8(_digits()), _u8(_digits()[:64]), digit_features())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from dit_mcore.training.trainer import pretrain
+    run_dir = tmp_path_factory.mktemp("evaluate_run")
+    pretrain(RunConfig(
+        model=ModelConfig(preset="tiny", input_size=8, in_channels=1, num_classes=10, class_dropout_prob=0.1,
+                          backend="local"),
+        data=DataConfig(name="digits", image_size=8, global_batch_size=32, micro_batch_size=32),
+        optim=OptimConfig(lr=1e-3, warmup_steps=1), diffusion=DiffusionConfig(objective="flow", sample_steps=4),
+        trainer=TrainerConfig(max_steps=3, save_interval=1000),
+        log=LogConfig(dir=str(run_dir), log_interval=1, sample_interval=0, progress_bar=False, tensorboard=False)))
+    return run_dir
+
+
+def test_the_command_writes_the_fid_of_a_checkpoint_with_its_settings(trained, tmp_path, capsys):
+    out = tmp_path / "fid.json"
+    assert main(["--checkpoint", str(trained), "--reference", "digits", "--num-samples", "70", "--steps", "2",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["features"] == "digits" and result["num_samples"] == 70 and result["reference_samples"] == 1797
+    assert result["steps"] == 2 and result["cfg_scale"] == 1.5 and result["image_size"] == [8, 8]
+    assert 0 < result["fid"] < 1e4 and np.isfinite(result["fid"])
+    assert "FID " in capsys.readouterr().out
+
+
+def test_a_folder_of_images_is_a_reference(tmp_path):
+    """The digits written as PNGs (in sub-folders) read back as the built-in reference does."""
+    from PIL import Image
+    for i, image in enumerate(to_uint8(_digits(8))[:, 0]):
+        (tmp_path / str(i % 3)).mkdir(exist_ok=True)
+        Image.fromarray(image.numpy(), mode="L").save(tmp_path / str(i % 3) / f"{i:04d}.png")
+    got = reference_images(str(tmp_path), (8, 8))
+    want = reference_images("digits", (8, 8))
+    order = sorted(range(1797), key=lambda i: (str(i % 3), f"{i:04d}"))  # (files are read in path order)
+    assert got.shape == (1797, 3, 8, 8) and torch.equal(got, want[order])
+
+
+def test_bad_evaluation_requests_are_one_line(trained, tmp_path, capsys):
+    assert main(["--checkpoint", str(trained), "--reference", "digits", "--num-samples", "10",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.strip() == ("evaluate: error: --num-samples=10: FID on 64 digits features needs at "
+                                               "least 65")
+    assert main(["--checkpoint", str(trained), "--reference", str(tmp_path / "none"), "--num-samples", "70",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "neither 'digits' nor a folder of images" in capsys.readouterr().err
