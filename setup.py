@@ -34,9 +34,11 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
         "fp8": ["torchao==0.18.0"],  # model.fp8: float8 training of the transformer linears
-        "test": ["pytest", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "torchmetrics"],
+        "test": ["pytest", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "torchmetrics",
+                 "wandb"],
         "plot": ["matplotlib"],  # python -m dit_mcore.plot
         "eval": ["torchmetrics"],  # python -m dit_mcore.evaluate (+ torch-fidelity for its Inception features)
+        "wandb": ["wandb"],  # log.wandb=true
         "bench": ["matplotlib", "diffusers"],  # benchmarks/throughput.py plots, the diffusers side by side
     },
 )

@@ -121,11 +121,17 @@ class Previews(StepHook):
 
     def after_step(self, trainer):
         if self.reads_after(trainer.step):
-            preview(trainer, self.assets)
+            self._draw(trainer)
 
     def at_end(self, trainer):
         if not self.reads_after(trainer.step):
-            preview(trainer, self.assets)
+            self._draw(trainer)
+
+    def _draw(self, trainer) -> None:
+        path = preview(trainer, self.assets)
+        logger = getattr(trainer, "logger", None)
+        if path is not None and logger is not None:  # (rank 0 wrote it) -> the image sinks (W&B)
+            logger.image(trainer.step, "samples", path / "strip.png" if path.is_dir() else path)
 
 
 def preview(trainer, assets: Optional[dict] = None) -> Optional[Path]:

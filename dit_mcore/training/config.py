@@ -382,6 +382,15 @@ class LogConfig:
     """Also write TensorBoard event files."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0, when its stderr is a terminal (never into a log file)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (``pip install wandb``): the config once, every metric, preview images; a
+    resumed run continues its W&B run; ``WANDB_MODE=offline`` works without a network."""
+    wandb_project: str = "dit-mcore"
+    """W&B project."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user); default: the logged-in user's."""
+    wandb_name: Optional[str] = None
+    """W&B run name; default: the run directory's name."""
 
 
 @dataclass

@@ -76,11 +76,15 @@ class MetricsLogger:
     dropped on open so each step appears once."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int, start_step: int,
-                 tensorboard: bool, progress_bar: bool):
+                 tensorboard: bool, progress_bar: bool, wandb_run=None):
+        """``wandb_run``: the run's config when ``log.wandb`` is on (:class:`~dit_mcore.training.wandb_sink.WandbSink`)."""
         self.enabled, self.max_steps = enabled, max_steps
-        self.writer = self.bar = None
+        self.writer = self.bar = self.wandb = None
         if not enabled:
             return
+        if wandb_run is not None:
+            from dit_mcore.training.wandb_sink import WandbSink
+            self.wandb = WandbSink(wandb_run, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
@@ -114,15 +118,24 @@ class MetricsLogger:
                     self.writer.add_scalar(key if "/" in key else f"train/{key}", value, step)  # (val/...)
                 else:  # TensorBoard's charts drop NaN/inf points: mark them on a chart of their own
                     self.writer.add_scalar(f"nonfinite/{key}", 1.0, step)
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         line = format_line(step, self.max_steps, metrics)
         if self.bar is not None:
             self.bar.write(line)
         else:
             log.info(line)
 
+    def image(self, step: int, name: str, path: Path) -> None:
+        """An image file of ``step`` (a preview) to the sinks that take images (W&B)."""
+        if self.enabled and self.wandb is not None:
+            self.wandb.image(step, name, path)
+
     def close(self) -> None:
         if not self.enabled:
             return
+        if self.wandb is not None:
+            self.wandb.close()
         self.file.close()
         if self.writer is not None:
             self.writer.close()

@@ -136,6 +136,7 @@ class Trainer:
         per_sample_loss_scale(self.ddp_chunks[0].config, self.optimizer, self.sample_weight)
         self.loader = self._build_data()
         self.validation = Validation(self) if cfg.trainer.val_interval else None  # (its samples read now)
+        self.logger: Optional[MetricsLogger] = None  # (while fit runs: the hooks' way to the sinks)
 
         self.hooks = all_hooks = [StopOnDivergence(), StopOnPreemption(),
                                   Checkpoints(cfg.trainer.save_interval, cfg.trainer.max_steps), *hooks]
@@ -427,8 +428,9 @@ class Trainer:
         """Train to ``trainer.max_steps``: a step, its metrics logged, the post-step hooks; at the end the
         hooks' last work (the final checkpoint, then an attached preview). Returns the steps' metrics."""
         cfg, rank0 = self.cfg, dist.get_rank() == 0
-        logger = MetricsLogger(self.run_dir, enabled=rank0, max_steps=cfg.trainer.max_steps, start_step=self.step,
-                               tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar)
+        self.logger = logger = MetricsLogger(
+            self.run_dir, enabled=rank0, max_steps=cfg.trainer.max_steps, start_step=self.step,
+            tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar, wandb_run=cfg if cfg.log.wandb else None)
         rate = StepRate(dist.get_world_size(), peak_tflops(self.device, "bf16" if cfg.trainer.bf16 else "fp32",
                                                            cfg.trainer.peak_tflops))
         history = []
@@ -461,6 +463,7 @@ class Trainer:
         finally:
             self.profiling.close()
             logger.close()
+            self.logger = None
         return history
 
 

@@ -293,6 +293,10 @@ def _log_rules(r: _Rules, g) -> None:
     r.need(g.sample_interval >= 0, "log.sample_interval", g.sample_interval, "must be >= 0 (0: only a final grid)")
     r.need(g.samples_per_class >= 1, "log.samples_per_class", g.samples_per_class, "must be >= 1")
     r.need(bool(g.dir), "log.dir", g.dir, "set a run directory")
+    if g.wandb:
+        import importlib.util
+        r.need(importlib.util.find_spec("wandb") is not None, "log.wandb", g.wandb,
+               "needs the wandb package: pip install wandb (or set log.wandb=False)")
 
 
 def run_problems(cfg, world_size: int) -> list[str]:
