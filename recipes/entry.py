@@ -46,7 +46,11 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every parameter
     try:
-        pretrain(cfg, hooks=[Previews(cfg.log.sample_interval)])  # (previews sample: the generation layer's)
+        hooks = [Previews(cfg.log.sample_interval)]  # (previews sample: the generation layer's)
+        if cfg.trainer.fid_interval:
+            from dit_mcore.evaluate.during_training import FIDDuringTraining
+            hooks.append(FIDDuringTraining(cfg))
+        pretrain(cfg, hooks=hooks)
     except (ConfigError, DivergenceError):
         raise  # the message names the field (or the steps) and the fix; a traceback adds nothing
     except Preempted as stop:

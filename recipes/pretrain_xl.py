@@ -70,7 +70,7 @@ def pretrain_digits() -> run.Partial[train]:
                          weight_decay=0.0),
         diffusion=run.Config(DiffusionConfig, objective="flow", sample_steps=32, cfg_scale=3.0),
         trainer=run.Config(TrainerConfig, max_steps=3000, ema_decay=0.998, save_interval=1000, val_interval=500,
-                           val_samples=128),
+                           val_samples=128, fid_interval=1000, fid_samples=500),
         log=run.Config(LogConfig, dir="runs/digits", log_interval=50, sample_interval=1000, samples_per_class=10),
         parallel=run.Config(ParallelConfig),
     )

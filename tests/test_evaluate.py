@@ -108,3 +108,35 @@ def test_bad_evaluation_requests_are_one_line(trained, tmp_path, capsys):
     assert main(["--checkpoint", str(trained), "--reference", str(tmp_path / "none"), "--num-samples", "70",
                  "--out", str(tmp_path / "x.json")]) == 2
     assert "neither 'digits' nor a folder of images" in capsys.readouterr().err
+
+
+def test_fid_during_training_is_logged_and_equals_the_commands(tmp_path):
+    """trainer.fid_interval: FID of the EMA's samples at steps 2 and 4, in the history and metrics.jsonl; the last
+    one equals the evaluate command's on the final checkpoint (the same items, seeds and sampler)."""
+    from dit_mcore.evaluate.during_training import FIDDuringTraining
+    from dit_mcore.training.trainer import pretrain
+    cfg = RunConfig(
+        model=ModelConfig(preset="tiny", input_size=8, in_channels=1, num_classes=10, class_dropout_prob=0.1,
+                          backend="local"),
+        data=DataConfig(name="digits", image_size=8, global_batch_size=32, micro_batch_size=32),
+        optim=OptimConfig(lr=1e-3, warmup_steps=1), diffusion=DiffusionConfig(objective="flow", sample_steps=2),
+        trainer=TrainerConfig(max_steps=4, save_interval=1000, fid_interval=2, fid_samples=70),
+        log=LogConfig(dir=str(tmp_path / "run"), log_interval=3, sample_interval=0, progress_bar=False,
+                      tensorboard=False))
+    history = pretrain(cfg, hooks=[FIDDuringTraining(cfg)])
+    assert [h["step"] for h in history if "fid" in h] == [2, 4]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "fid" in line] == [2, 4]  # (step 2 logged for it: log_interval=3)
+    assert main(["--checkpoint", str(tmp_path / "run"), "--reference", "digits", "--num-samples", "70",
+                 "--out", str(tmp_path / "fid.json")]) == 0
+    assert json.loads((tmp_path / "fid.json").read_text())["fid"] == pytest.approx(history[-1]["fid"], rel=1e-3)
+
+
+def test_fid_during_training_is_refused_for_other_data(tmp_path):
+    from dit_mcore.training.validate import validate_run
+    cfg = RunConfig(model=ModelConfig(preset="tiny", input_size=8, in_channels=4, num_classes=10, backend="local"),
+                    data=DataConfig(name="mock", image_size=8, global_batch_size=8),
+                    trainer=TrainerConfig(max_steps=4, fid_interval=2), log=LogConfig(dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"trainer.fid_interval=2: FID during training compares with the built-in "
+                                          r"digits only so far"):
+        validate_run(cfg, 1)

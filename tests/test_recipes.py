@@ -71,6 +71,21 @@ def test_cpu_recipes_match_the_builtin_digits(factory):
     assert cfg.data.global_batch_size <= len(images)
 
 
+def test_the_digits_demo_logs_its_validation_loss_and_fid_through_the_command_line(tmp_path):
+    """The demo's evaluations, a few steps of a smaller model: the validation loss and the FID (attached by the
+    command line, as the previews are) at the last step, in metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    rc, out = cli(["--factory", "pretrain_digits", "trainer.max_steps=2", "optim.warmup_steps=1", "model.num_layers=1",
+                   "data.image_size=8",
+                   "data.global_batch_size=16", "trainer.fid_samples=70", "diffusion.sample_steps=2",
+                   "log.samples_per_class=1", "log.tensorboard=false", "log.progress_bar=false", f"log.dir={run_dir}"],
+                  tmp_path)
+    assert rc == 0, out[-3000:]
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 2 and last["fid"] > 0 and last["val/ema_loss"] > 0, last
+    assert "validation loss every 500 steps: 128 samples (8 global batches)" in out
+
+
 def test_overrides_reach_every_section():
     cfg = resolve(pretrain_digits, ["trainer.max_steps=20", "log.dir=/tmp/run", "optim.lr=0.002",
                                             "model.num_layers=3", "data.micro_batch_size=32",

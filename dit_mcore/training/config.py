@@ -342,6 +342,12 @@ class TrainerConfig:
     val_levels: int = 8
     """Noise levels of the validation loss: the training distribution's ``(i + 1/2) / val_levels``
     quantiles (``Objective.validation_levels``)."""
+    fid_interval: int = 0
+    """Steps between FIDs of the EMA's samples (0: none; also after the last step), logged as ``fid``: the built-in
+    ``digits`` only so far (its feature network; other data: ``python -m dit_mcore.evaluate``). Needs the
+    command line's hooks (``recipes/pretrain_xl.py``) or ``dit_mcore.evaluate.during_training.FIDDuringTraining``."""
+    fid_samples: int = 500
+    """Images sampled for each FID during training (every class alike; at least 65)."""
     profile_steps: Optional[str] = None
     """``"A-B"``: a torch profiler trace of steps A to B (1-based, inclusive) per rank, written to
     ``<log.dir>/profile/rank<r>_steps<A>-<B>.json`` (Chrome / Perfetto JSON with shapes, stacks and memory)."""

@@ -24,13 +24,19 @@ def previews_after(sample_interval: int, step: int) -> bool:
     return bool(sample_interval and step % sample_interval == 0)
 
 
+def fid_due(trainer_cfg, step: int) -> bool:
+    """Whether FID is computed after ``step`` (``trainer.fid_interval``, and after the last step; never at 0)."""
+    t = trainer_cfg
+    return bool(t.fid_interval) and (step % t.fid_interval == 0 or step == t.max_steps)
+
+
 def config_reads_after(cfg, step: int) -> bool:
     """Whether the run's config reads the state after ``step`` (1-based): a periodic save
     (``trainer.save_interval``), a preview (``log.sample_interval``), a validation loss
     (``trainer.val_interval``), the end of the run."""
     t = cfg.trainer
     return (step == t.max_steps or step % t.save_interval == 0 or previews_after(cfg.log.sample_interval, step)
-            or validation_due(t, step))
+            or validation_due(t, step) or fid_due(t, step))
 
 
 class StepHook:
@@ -41,6 +47,10 @@ class StepHook:
         """Whether this hook reads the model or its EMA after ``step`` (1-based), at a step number
         fixed by the config."""
         return False
+
+    def metrics(self, trainer) -> dict:
+        """Metrics this hook adds to the step just completed, before it is logged (e.g. FID); every rank calls it."""
+        return {}
 
     def after_step(self, trainer) -> None:
         pass

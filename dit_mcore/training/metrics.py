@@ -2,6 +2,7 @@
 ``metrics.jsonl`` (one JSON object per logged step)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import logging
@@ -24,10 +25,14 @@ class StepRate:
     def _reset(self) -> None:
         self.start, self.samples, self.tokens, self.flops = time.perf_counter(), 0.0, 0.0, 0.0
 
-    def restart(self) -> None:
-        """Start the next interval now: time spent since the last flush outside the steps (a validation) is
-        not counted."""
-        self._reset()
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (a validation, an FID: outside the steps) is left out of the interval's."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
 
     def add(self, samples: float, tokens: float, flops: float) -> None:
         self.samples, self.tokens, self.flops = self.samples + samples, self.tokens + tokens, self.flops + flops

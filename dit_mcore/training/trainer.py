@@ -424,6 +424,18 @@ class Trainer:
         return {name: torch.as_tensor(value, device=self.device) for name, value in losses.items()}
 
     # ------------------------------------------------------------------ loop
+    def _evaluate(self, rate: StepRate) -> dict:
+        """The step's evaluations: the validation loss at its interval, what hooks add (FID); not at a step where
+        a preemption was agreed (its checkpoint is written at once instead); their time is not the steps'."""
+        if self.signals.agreed is not None:
+            return {}
+        with rate.paused():
+            extra = (self.validation.metrics(self) if self.validation and validation_due(self.cfg.trainer, self.step)
+                     else {})
+            for hook in self.hooks:
+                extra.update(hook.metrics(self))
+        return extra
+
     def fit(self) -> list[dict]:
         """Train to ``trainer.max_steps``: a step, its metrics logged, the post-step hooks; at the end the
         hooks' last work (the final checkpoint, then an attached preview). Returns the steps' metrics."""
@@ -442,17 +454,12 @@ class Trainer:
                     history.append({"step": self.step, **metrics})
                     metrics = dict(metrics)
                     rate.add(metrics.pop("samples"), metrics.pop("tokens"), metrics["model_flops"])
-                    validate = (self.validation is not None and validation_due(cfg.trainer, self.step)
-                                and self.signals.agreed is None)  # (a preemption saves at once instead)
+                    extra = self._evaluate(rate)
+                    history[-1].update(extra)
                     log_now = (self.step % cfg.log.log_interval == 0 or self.step == cfg.trainer.max_steps
-                               or metrics["skipped"] or validate)  # a skipped step is always shown
-                    logged = {**metrics, **rate.flush(), **device_memory(self.device)} if log_now else None
-                    if validate:
-                        losses = self.validation.metrics(self)
-                        rate.restart()  # (the throughput counts training steps only)
-                        history[-1].update(losses)
-                        logged.update(losses)
-                    logger.step(self.step, logged)
+                               or metrics["skipped"] or bool(extra))  # a skipped step is always shown
+                    logger.step(self.step, {**metrics, **extra, **rate.flush(), **device_memory(self.device)}
+                                if log_now else None)
                     for hook in self.hooks:
                         hook.after_step(self)
             for hook in self.hooks:

@@ -276,6 +276,9 @@ def _trainer_rules(r: _Rules, t) -> None:
            "must be >= 0 (steps between validation losses; 0: none)")
     r.need(t.val_samples >= 1, "trainer.val_samples", t.val_samples, "must be >= 1 (validation samples)")
     r.need(t.val_levels >= 1, "trainer.val_levels", t.val_levels, "must be >= 1 (noise levels of the validation loss)")
+    r.need(t.fid_interval >= 0, "trainer.fid_interval", t.fid_interval, "must be >= 0 (steps between FIDs; 0: none)")
+    r.need(t.fid_samples >= 65, "trainer.fid_samples", t.fid_samples,
+           "must be >= 65 (FID on the digits network's 64 features needs a full-rank covariance)")
     try:
         parse_steps(t.profile_steps)
     except ValueError as e:
@@ -311,6 +314,9 @@ def run_problems(cfg, world_size: int) -> list[str]:
     _diffusion_rules(r, cfg.diffusion)
     _trainer_rules(r, cfg.trainer)
     _log_rules(r, cfg.log)
+    r.need(not cfg.trainer.fid_interval or (cfg.data.name == "digits" and not cfg.data.uses_energon),
+           "trainer.fid_interval", cfg.trainer.fid_interval, "FID during training compares with the built-in digits "
+           "only so far; set it to 0 and score checkpoints with python -m dit_mcore.evaluate --reference DIR")
     r.need(not (cfg.trainer.init_from and cfg.model.init_model_with_meta_device and cfg.parallel.fsdp != "none"),
            "trainer.init_from", cfg.trainer.init_from, "is not supported yet with model.init_model_with_meta_device "
            "under parallel.fsdp (the weights load before FSDP shards them); set model.init_model_with_meta_device=False")
