@@ -15,6 +15,7 @@ setup(
     # `kernels` and `recipes` would clash with PyPI packages of those names (Hugging Face's `kernels`).
     packages=find_packages(include=["dit_mcore*", "energon_data*"]) + ["dit_mcore.kernels", "dit_mcore.recipes"],
     package_dir={"dit_mcore.kernels": "kernels", "dit_mcore.recipes": "recipes"},
+    package_data={"dit_mcore.evaluate": ["digits_features.pt"]},  # the digits FID features' weights (76 KB)
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",
@@ -29,15 +30,15 @@ setup(
         "tqdm",
         "einops",
         "av",  # video decoding/encoding for the prepare tool (wheel ships FFmpeg)
+        "torchmetrics",  # FID (python -m dit_mcore.evaluate, trainer.fid_interval: the digits demo)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
         "fp8": ["torchao==0.18.0"],  # model.fp8: float8 training of the transformer linears
-        "test": ["pytest", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "torchmetrics",
-                 "wandb"],
+        "test": ["pytest", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "wandb"],
         "plot": ["matplotlib"],  # python -m dit_mcore.plot
-        "eval": ["torchmetrics"],  # python -m dit_mcore.evaluate (+ torch-fidelity for its Inception features)
+        "inception": ["torch-fidelity"],  # FID on InceptionV3 features (python -m dit_mcore.evaluate --features inception)
         "wandb": ["wandb"],  # log.wandb=true
         "bench": ["matplotlib", "diffusers"],  # benchmarks/throughput.py plots, the diffusers side by side
     },

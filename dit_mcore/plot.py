@@ -4,7 +4,7 @@ overlaid, one PNG per quantity (matplotlib), read from each run's ``metrics.json
 Written when a run logged the quantity: ``loss.png`` (training loss, and the validation losses of the trained
 weights and of the EMA), ``val_by_level.png`` (the validation loss at each noise level), ``grad_norm.png``,
 ``lr.png``, ``throughput.png`` (tokens/s per GPU), ``tflops.png``, ``mfu.png``, ``memory.png`` (peak GiB
-allocated per log interval, on GPUs).
+allocated per log interval, on GPUs), ``fid.png`` (``trainer.fid_interval``).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ PANELS = {  # file stem: (title, y label, keys, log scale where the values span 
     "tflops": ("Model TFLOPS per GPU", "TFLOPS", ("tflops_per_gpu",), False),
     "mfu": ("MFU", "MFU", ("mfu",), False),
     "memory": ("Peak memory allocated", "GiB", ("max_memory_gib",), False),
+    "fid": ("FID of the EMA's samples", "FID", ("eval/fid",), True),
 }
 LEVEL_PREFIX = "val/loss_t"
 

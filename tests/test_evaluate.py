@@ -11,7 +11,8 @@ from scipy import linalg
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.evaluate.cli import main, reference_images
-from dit_mcore.evaluate.features import digit_features, to_uint8
+from dit_mcore.evaluate.features import digit_features
+from dit_mcore.generate.grid import to_uint8
 from dit_mcore.evaluate.fid import fid
 from dit_mcore.training.config import DiffusionConfig, LogConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 from dit_mcore.training.data import digits_split
@@ -110,26 +111,41 @@ def test_bad_evaluation_requests_are_one_line(trained, tmp_path, capsys):
     assert "neither 'digits' nor a folder of images" in capsys.readouterr().err
 
 
+def _fid_run(run_dir) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(preset="tiny", input_size=8, in_channels=1, num_classes=10, class_dropout_prob=0.1,
+                          backend="local"),
+        data=DataConfig(name="digits", image_size=8, global_batch_size=32, micro_batch_size=16),
+        optim=OptimConfig(lr=1e-3, warmup_steps=1), diffusion=DiffusionConfig(objective="flow", sample_steps=2),
+        trainer=TrainerConfig(max_steps=4, save_interval=1000, fid_interval=2, fid_samples=70),
+        log=LogConfig(dir=str(run_dir), log_interval=3, sample_interval=0, progress_bar=False, tensorboard=False))
+
+
+def _fid_worker(rank, world, run_dir):
+    from dit_mcore.evaluate.during_training import FIDDuringTraining
+    from dit_mcore.training.trainer import pretrain
+    cfg = _fid_run(run_dir)
+    return [h["eval/fid"] for h in pretrain(cfg, hooks=[FIDDuringTraining(cfg)]) if "eval/fid" in h]
+
+
 def test_fid_during_training_is_logged_and_equals_the_commands(tmp_path):
     """trainer.fid_interval: FID of the EMA's samples at steps 2 and 4, in the history and metrics.jsonl; the last
     one equals the evaluate command's on the final checkpoint (the same items, seeds and sampler)."""
     from dit_mcore.evaluate.during_training import FIDDuringTraining
     from dit_mcore.training.trainer import pretrain
-    cfg = RunConfig(
-        model=ModelConfig(preset="tiny", input_size=8, in_channels=1, num_classes=10, class_dropout_prob=0.1,
-                          backend="local"),
-        data=DataConfig(name="digits", image_size=8, global_batch_size=32, micro_batch_size=32),
-        optim=OptimConfig(lr=1e-3, warmup_steps=1), diffusion=DiffusionConfig(objective="flow", sample_steps=2),
-        trainer=TrainerConfig(max_steps=4, save_interval=1000, fid_interval=2, fid_samples=70),
-        log=LogConfig(dir=str(tmp_path / "run"), log_interval=3, sample_interval=0, progress_bar=False,
-                      tensorboard=False))
+    cfg = _fid_run(tmp_path / "run")
     history = pretrain(cfg, hooks=[FIDDuringTraining(cfg)])
-    assert [h["step"] for h in history if "fid" in h] == [2, 4]
+    assert [h["step"] for h in history if "eval/fid" in h] == [2, 4]
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines if "fid" in line] == [2, 4]  # (step 2 logged for it: log_interval=3)
+    assert [line["step"] for line in lines if "eval/fid" in line] == [2, 4]  # (step 2 logged for it: log_interval=3)
     assert main(["--checkpoint", str(tmp_path / "run"), "--reference", "digits", "--num-samples", "70",
                  "--out", str(tmp_path / "fid.json")]) == 0
-    assert json.loads((tmp_path / "fid.json").read_text())["fid"] == pytest.approx(history[-1]["fid"], rel=1e-3)
+    assert json.loads((tmp_path / "fid.json").read_text())["fid"] == pytest.approx(history[-1]["eval/fid"], rel=1e-3)
+    # two data-parallel ranks: every rank samples, rank 0 scores alone (no collective of its own), the same number
+    from dist_utils import run_distributed
+    per_rank = run_distributed(_fid_worker, 2, str(tmp_path / "dp2"))
+    assert per_rank[0] == pytest.approx([h["eval/fid"] for h in history if "eval/fid" in h], rel=1e-4)
+    assert per_rank[1] == []
 
 
 def test_fid_during_training_is_refused_for_other_data(tmp_path):

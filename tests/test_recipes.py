@@ -82,7 +82,7 @@ def test_the_digits_demo_logs_its_validation_loss_and_fid_through_the_command_li
                   tmp_path)
     assert rc == 0, out[-3000:]
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["step"] == 2 and last["fid"] > 0 and last["val/ema_loss"] > 0, last
+    assert last["step"] == 2 and last["eval/fid"] > 0 and last["val/ema_loss"] > 0, last
     assert "validation loss every 500 steps: 128 samples (8 global batches)" in out
 
 

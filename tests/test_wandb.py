@@ -73,15 +73,30 @@ def test_an_offline_wandb_run_holds_the_config_the_metrics_and_the_previews(tmp_
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)
     rows = [row for f in files for row in history(f)]
-    losses = {row["_step"]: row["loss"] for row in rows if "loss" in row}
+    losses = {row["trainer/step"]: row["loss"] for row in rows if "loss" in row}  # (W&B's x axis: trainer/step)
     assert losses == {h["step"]: pytest.approx(h["loss"]) for h in first + second}
-    val = {row["_step"]: row["val/ema_loss"] for row in rows if "val/ema_loss" in row}
+    val = {row["trainer/step"]: row["val/ema_loss"] for row in rows if "val/ema_loss" in row}
     assert val == {2: pytest.approx(first[-1]["val/ema_loss"]), 4: pytest.approx(second[-1]["val/ema_loss"])}
-    images = {row["_step"]: row["samples/_type"] for row in rows if "samples/_type" in row}  # (an image's fields)
+    images = {row["trainer/step"]: row["samples/_type"] for row in rows if "samples/_type" in row}  # (its fields)
     assert images == {2: "image-file", 4: "image-file"}
     runs = [r.run for r in records(files[0]) if r.WhichOneof("record_type") == "run"]  # (the config: sent with the run)
     sent = {i.key: json.loads(i.value_json) for r in runs for i in r.config.update}
     assert sent["model"]["preset"] == "tiny" and sent["trainer"]["val_interval"] == 2
+    # a new run in the same folder (from step 0) is a new W&B run
+    import shutil
+    shutil.rmtree(run_dir / "checkpoints")
+    pretrain(_run(run_dir, 2))
+    assert (run_dir / "wandb_run_id").read_text().strip() != run_id
+
+
+def test_wandb_online_without_credentials_is_refused_before_training(tmp_path, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    with pytest.raises(ConfigError, match=r"log.wandb=True: no W&B credentials here \(WANDB_API_KEY, or `wandb login`\)"):
+        validate_run(_run(tmp_path, 2), 1)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    validate_run(_run(tmp_path, 2), 1)
 
 
 def test_wandb_without_the_package_is_one_line(tmp_path, monkeypatch):

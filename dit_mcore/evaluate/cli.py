@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -21,8 +22,9 @@ from typing import Optional
 import torch
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.evaluate.features import FEATURES, build_extractor, to_uint8
+from dit_mcore.evaluate.features import FEATURES, build_extractor
 from dit_mcore.evaluate.fid import fid, min_samples
+from dit_mcore.generate.grid import to_uint8
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -46,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def per_class(num_samples: int, classes: int) -> int:
+    """Images per class for ``num_samples`` (every class alike, rounded up)."""
+    return math.ceil(num_samples / classes)
+
+
 def reference_images(reference: str, size: tuple[int, int]) -> torch.Tensor:
     """uint8 ``[M, 3, H, W]`` real images at the samples' ``size``."""
     if reference == "digits":
@@ -60,16 +67,22 @@ def reference_images(reference: str, size: tuple[int, int]) -> torch.Tensor:
 
 
 def _read(path: Path, size: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """uint8 ``[3, H, W]``; with ``size``, centre-cropped to its aspect ratio, then resized to it."""
     from PIL import Image
     with Image.open(path) as im:
         im = im.convert("RGB")
         if size is not None and im.size != (size[1], size[0]):
+            w, h = im.size
+            cw, ch = min(w, round(h * size[1] / size[0])), min(h, round(w * size[0] / size[1]))
+            im = im.crop(((w - cw) // 2, (h - ch) // 2, (w - cw) // 2 + cw, (h - ch) // 2 + ch))
             im = im.resize((size[1], size[0]), Image.BICUBIC)
         return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.size[1], im.size[0], 3).permute(2, 0, 1)
 
 
 def evaluate(args: argparse.Namespace) -> dict:
     from dit_mcore.generate.job import GenerateRequest, generate
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("python -m dit_mcore.evaluate runs in one process (launch it with python, not torchrun)")
     from dit_mcore.training.weights import find_checkpoint, read_run
     features = args.features or ("digits" if args.reference == "digits" else "inception")
     if args.reference != "digits" and not Path(args.reference).is_dir():
@@ -85,11 +98,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     if args.num_samples < min_samples(extractor):
         raise ConfigError(f"--num-samples={args.num_samples}: FID on {extractor.num_features} {features} features "
                           f"needs at least {min_samples(extractor)}")
-    per_class = math.ceil(args.num_samples / classes)
+    each = per_class(args.num_samples, classes)
     with tempfile.TemporaryDirectory(prefix="dit_mcore_eval_") as tmp:
-        generate(GenerateRequest(checkpoint=str(path), labels=["all"], num_per_prompt=per_class, out=tmp,
+        generate(GenerateRequest(checkpoint=str(path), labels=["all"], num_per_prompt=each, out=tmp,
                                  weights=args.weights, steps=args.steps, cfg_scale=args.cfg_scale, sampler=args.sampler,
-                                 seed=args.seed, batch_size=args.batch_size, progress=False))
+                                 seed=args.seed, batch_size=args.batch_size, progress=False, dtype="fp32"))
         index = json.loads((Path(tmp) / "index.json").read_text())
         if any(e["file"].endswith(".gif") for e in index):
             raise ConfigError("--checkpoint: FID is computed for image models; this run generates clips")
@@ -98,7 +111,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     real = reference_images(args.reference, tuple(fake.shape[-2:]))
     value = fid(real, fake, extractor)
     return {"fid": value, "features": features, "feature_dim": int(extractor.num_features),
-            "num_samples": len(fake), "per_class": per_class, "reference": args.reference,
+            "num_samples": len(fake), "per_class": each, "reference": args.reference,
             "reference_samples": len(real), "checkpoint": str(path), "weights": args.weights,
             "steps": first["steps"], "sampler": first["sampler"], "cfg_scale": first["cfg_scale"], "seed": args.seed,
             "image_size": list(fake.shape[-2:])}

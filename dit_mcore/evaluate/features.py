@@ -2,8 +2,9 @@
 torchmetrics' ``FrechetInceptionDistance`` takes as ``feature``).
 
 - ``digits``: :class:`DigitFeatures`, a small CNN trained on the built-in digits' training scans (never the
-  held-out ones) to read their class, in a few seconds on first use, seeded (the same network every time); its
-  64 penultimate activations are the features. FID on the digits demo is then a real number on a CPU.
+  held-out ones) to read their class, shipped as ``digits_features.pt`` (fp16, 76 KB;
+  :func:`train_digit_features` made it, seeded, in seconds); its 64 pre-activation features. FID on the digits
+  demo is then a real number on a CPU, the same on every machine.
 - ``inception``: torchmetrics' InceptionV3 (2,048 pool features, the published FID's), which needs
   ``torch-fidelity`` and its weights: downloaded on first use where a network exists, else
   ``--inception-weights FILE``.
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dit_mcore.errors import ConfigError
+from dit_mcore.generate.grid import to_uint8
 
 log = logging.getLogger("dit_mcore.evaluate")
 
@@ -54,28 +57,46 @@ class DigitFeatures(nn.Module):
         return self.head(self(images)).argmax(-1)
 
 
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """Images in [-1, 1] as uint8 (what the extractors take)."""
-    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+WEIGHTS = Path(__file__).with_name("digits_features.pt")
+"""The shipped weights (fp16, 76 KB) of :func:`train_digit_features`'s network: FID numbers compare across
+machines only with the same features, and a network trained anew differs with the CPU and its thread count."""
 
 
-@functools.lru_cache(maxsize=1)
-def digit_features(seed: int = 0, epochs: int = 8) -> DigitFeatures:
-    """The digits feature network, trained (once per process, seconds on a CPU) on the 1,618 training scans."""
+def train_digit_features(seed: int = 0, epochs: int = 8) -> DigitFeatures:
+    """The digits feature network trained on the 1,618 training scans (seconds on a CPU; one thread). To refresh
+    the shipped weights: ``torch.save(half_state(train_digit_features()), WEIGHTS)``."""
     from dit_mcore.training.data import digits_split
     images, labels = digits_split(DIGITS_SIZE, held_out=False)
     x = to_uint8(images).expand(-1, 3, -1, -1)
+    threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):  # (the network trains on the CPU)
         torch.manual_seed(seed)
-        net = DigitFeatures()
-        opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-        g = torch.Generator().manual_seed(seed)
-        for _ in range(epochs):
-            for idx in torch.randperm(len(x), generator=g).split(64):
-                loss = F.cross_entropy(net.head(net(x[idx])), labels[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        torch.set_num_threads(1)
+        try:
+            net = DigitFeatures()
+            opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(epochs):
+                for idx in torch.randperm(len(x), generator=g).split(64):
+                    loss = F.cross_entropy(net.head(net(x[idx])), labels[idx])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        finally:
+            torch.set_num_threads(threads)
+    return net.eval().requires_grad_(False)
+
+
+def half_state(net: DigitFeatures) -> dict:
+    return {k: v.half() for k, v in net.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def digit_features() -> DigitFeatures:
+    """The digits feature network, from the shipped weights."""
+    net = DigitFeatures()
+    net.load_state_dict({k: v.float() for k, v in torch.load(WEIGHTS, map_location="cpu").items()})
     return net.eval().requires_grad_(False)
 
 

@@ -18,13 +18,15 @@ def fid(real: torch.Tensor, fake: torch.Tensor, extractor: nn.Module, *, batch_s
     try:
         from torchmetrics.image.fid import FrechetInceptionDistance
     except ModuleNotFoundError:
-        raise ConfigError("FID is computed by torchmetrics: pip install torchmetrics (or pip install -e '.[eval]')") from None
+        raise ConfigError("FID is computed by torchmetrics: pip install torchmetrics") from None
     need = min_samples(extractor)
     for name, images in (("--num-samples (generated images)", fake), ("the reference's images", real)):
         if len(images) < need:
             raise ConfigError(f"{name}: {len(images)} images; FID on {extractor.num_features} features needs at "
                               f"least {need} per set (a full-rank covariance)")
-    metric = FrechetInceptionDistance(feature=extractor, reset_real_features=False)
+    # (one process computes it: no sync over a process group the others are not in)
+    metric = FrechetInceptionDistance(feature=extractor, reset_real_features=False, sync_on_compute=False,
+                                      distributed_available_fn=lambda: False)
     with torch.no_grad():
         for images, is_real in ((real, True), (fake, False)):
             for part in images.split(batch_size):

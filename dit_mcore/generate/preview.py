@@ -13,6 +13,7 @@ otherwise as their first latent channel in grey (:func:`dit_mcore.generate.media
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -134,14 +135,22 @@ class Previews(StepHook):
             logger.image(trainer.step, "samples", path / "strip.png" if path.is_dir() else path)
 
 
+@contextlib.contextmanager
+def ema_forward(trainer):
+    """Inside, ``trainer``'s EMA weights as of its current step, callable over every pipeline stage (every rank
+    enters: the layout's collectives); what previews and FID during training sample with."""
+    trainer.ema_schedule.fold()  # (the hooks' steps are folded already; other callers' may not be)
+    # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
+    with torch.no_grad(), trainer.ema.placed(trainer.device) as shadow, forward_view(shadow):
+        yield PipelinedForward(shadow)
+
+
 def preview(trainer, assets: Optional[dict] = None) -> Optional[Path]:
     """Draw ``trainer``'s preview for its current step from its EMA weights (every rank calls it);
     ``assets``: where the dataset's decoder and text encoder are kept between calls."""
-    trainer.ema_schedule.fold()  # (the hook's steps are folded already; other callers' may not be)
     assets = {} if assets is None else assets
-    # trainer.ema_offload: the shadow samples on the GPU; Megatron-FSDP: called without its wrapper
-    with trainer.ema.placed(trainer.device) as shadow, forward_view(shadow):
-        return _draw(trainer, PipelinedForward(shadow), assets)
+    with ema_forward(trainer) as ema_model:
+        return _draw(trainer, ema_model, assets)
 
 
 def _asset(assets: dict, name: str, build: Callable):

@@ -43,6 +43,9 @@ class StepHook:
     """Runs after each training step (:meth:`after_step`) and at the end of the run (:meth:`at_end`), given
     the :class:`~dit_mcore.training.trainer.Trainer` (its ``step`` is the step just completed)."""
 
+    provides: frozenset = frozenset()
+    """The metric names :meth:`metrics` adds (the trainer warns when a configured one has no hook)."""
+
     def reads_after(self, step: int) -> bool:
         """Whether this hook reads the model or its EMA after ``step`` (1-based), at a step number
         fixed by the config."""

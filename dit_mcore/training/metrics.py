@@ -68,6 +68,8 @@ def format_line(step: int, max_steps: int, m: dict) -> str:
         line += f" | MFU {100 * m['mfu']:.1f}%"
     if "max_memory_gib" in m:
         line += f" | {m['max_memory_gib']:.1f} GiB"
+    if "eval/fid" in m:
+        line += f" | FID {m['eval/fid']:.3f}"
     if "val/loss" in m:
         line += f" | val {m['val/loss']:.4f} (EMA {m['val/ema_loss']:.4f})"
     if m.get("skipped"):
@@ -81,16 +83,16 @@ class MetricsLogger:
     dropped on open so each step appears once."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int, start_step: int,
-                 tensorboard: bool, progress_bar: bool, wandb_run=None):
-        """``wandb_run``: the run's config when ``log.wandb`` is on (:class:`~dit_mcore.training.wandb_sink.WandbSink`)."""
+                 tensorboard: bool, progress_bar: bool, wandb_config=None):
+        """``wandb_config``: the run's config when ``log.wandb`` is on (:class:`~dit_mcore.training.wandb_sink.WandbSink`)."""
         self.enabled, self.max_steps = enabled, max_steps
         self.writer = self.bar = self.wandb = None
         if not enabled:
             return
-        if wandb_run is not None:
-            from dit_mcore.training.wandb_sink import WandbSink
-            self.wandb = WandbSink(wandb_run, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if wandb_config is not None:
+            from dit_mcore.training.wandb_sink import WandbSink
+            self.wandb = WandbSink(wandb_config, run_dir, fresh=start_step == 0)
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
@@ -136,13 +138,15 @@ class MetricsLogger:
         if self.enabled and self.wandb is not None:
             self.wandb.image(step, name, path)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if not self.enabled:
             return
-        if self.wandb is not None:
-            self.wandb.close()
-        self.file.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.bar is not None:
-            self.bar.close()
+        try:
+            if self.wandb is not None:
+                self.wandb.close(failed)
+        finally:
+            self.file.close()
+            if self.writer is not None:
+                self.writer.close()
+            if self.bar is not None:
+                self.bar.close()

@@ -140,6 +140,10 @@ class Trainer:
 
         self.hooks = all_hooks = [StopOnDivergence(), StopOnPreemption(),
                                   Checkpoints(cfg.trainer.save_interval, cfg.trainer.max_steps), *hooks]
+        if cfg.trainer.fid_interval and not any("eval/fid" in h.provides for h in all_hooks) and dist.get_rank() == 0:
+            log.warning("trainer.fid_interval=%d without its hook: no FID is computed (the command line attaches it; "
+                        "from Python: pretrain(cfg, hooks=[dit_mcore.evaluate.during_training.FIDDuringTraining(cfg)]))",
+                        cfg.trainer.fid_interval)
         # (the schedule reads the hooks' list, not the trainer: a finished trainer is freed at once, with its
         # loader's threads and its process groups, without waiting for the cycle collector)
         self.ema_schedule = EMASchedule(self.ema, self.model, every=cfg.trainer.ema_every,
@@ -442,10 +446,10 @@ class Trainer:
         cfg, rank0 = self.cfg, dist.get_rank() == 0
         self.logger = logger = MetricsLogger(
             self.run_dir, enabled=rank0, max_steps=cfg.trainer.max_steps, start_step=self.step,
-            tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar, wandb_run=cfg if cfg.log.wandb else None)
+            tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar, wandb_config=cfg if cfg.log.wandb else None)
         rate = StepRate(dist.get_world_size(), peak_tflops(self.device, "bf16" if cfg.trainer.bf16 else "fp32",
                                                            cfg.trainer.peak_tflops))
-        history = []
+        history, failed = [], True
         try:
             with self.signals:
                 while self.step < cfg.trainer.max_steps:
@@ -464,12 +468,13 @@ class Trainer:
                         hook.after_step(self)
             for hook in self.hooks:
                 hook.at_end(self)
+            failed = False
         except DivergenceError:
             self.finish_saves()  # a save in flight holds weights from before the divergence
             raise
         finally:
             self.profiling.close()
-            logger.close()
+            logger.close(failed=failed)  # (W&B marks a run that raised, a preemption too, as failed)
             self.logger = None
         return history
 

@@ -300,6 +300,10 @@ def _log_rules(r: _Rules, g) -> None:
         import importlib.util
         r.need(importlib.util.find_spec("wandb") is not None, "log.wandb", g.wandb,
                "needs the wandb package: pip install wandb (or set log.wandb=False)")
+        if importlib.util.find_spec("wandb") is not None:
+            from dit_mcore.training.wandb_sink import credentials_problem
+            problem = credentials_problem()
+            r.need(not problem, "log.wandb", g.wandb, problem)
 
 
 def run_problems(cfg, world_size: int) -> list[str]:
