@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-PANELS = {  # file stem: (title, y label, keys, log scale where the values span a decade)
+PANELS = {  # file stem: (title, y label, keys, log scale where the values span over 5x)
     "loss": ("Loss", "loss", ("loss", "val/loss", "val/ema_loss"), True),
     "grad_norm": ("Gradient norm", "grad norm", ("grad_norm",), True),
     "lr": ("Learning rate", "lr", ("lr",), False),
@@ -71,6 +71,7 @@ def plot_runs(run_dirs: list, out: Path) -> dict[str, dict]:
         raise PlotError("python -m dit_mcore.plot needs matplotlib: pip install matplotlib "
                         "(or pip install -e '.[plot]')") from None
     matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
 
     runs = {label: read_metrics(d) for label, d in zip(_labels(run_dirs), run_dirs)}
@@ -94,8 +95,10 @@ def plot_runs(run_dirs: list, out: Path) -> dict[str, dict]:
         for name, (steps, values) in lines.items():
             ax.plot(steps, values, label=name, marker="o" if len(steps) < 20 else None, markersize=3)
         every = [v for _, values in lines.values() for v in values]
-        if log_scale and min(every) > 0 and max(every) > 10 * min(every):  # (a decade or more: else linear reads better)
+        if log_scale and min(every) > 0 and max(every) > 5 * min(every):  # (a wide range: else linear reads better)
             ax.set_yscale("log")
+            for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # (0.2, not 2x10^-1)
+                axis(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

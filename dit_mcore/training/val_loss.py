@@ -89,8 +89,8 @@ class ValidationSet:
                                                  micro_batch_size=micro_size, seed=cfg.trainer.seed, pad_multiple=pad)
         out = cls(batches, dp_rank=trainer.dp_rank, num_microbatches=per_rank, seed=cfg.trainer.seed)
         if dist.get_rank() == 0:
-            log.info("validation loss every %d steps: %d samples (%d global batches), %d noise levels %s",
-                     cfg.trainer.val_interval, out.num_samples, len(batches), len(levels),
+            log.info("validation loss every %d steps: %d samples (%d global batch%s), %d noise levels %s",
+                     cfg.trainer.val_interval, out.num_samples, len(batches), "es" * (len(batches) != 1), len(levels),
                      [float(f"{v:.4g}") for v in levels])
         return out
 
