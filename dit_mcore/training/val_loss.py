@@ -128,30 +128,28 @@ class Validation:
 
     @torch.no_grad()
     def _sums(self, trainer, chunks: list, dtype: torch.dtype) -> torch.Tensor:
-        """``[levels, 2]``: this replica's loss sums and sample counts per level (on the last pipeline stage)."""
-        config = chunks[0].config
-        saved, config.pipeline_dtype = config.pipeline_dtype, dtype  # (an fp32 EMA of a bf16 run sends fp32)
-        sums = torch.zeros(len(self.levels), 2, device=trainer.device)
-        try:
-            for k, level in enumerate(self.levels):
-                for micro in self.data.global_batches:
-                    sums[k] += self._global_batch(trainer, chunks, dtype, level, micro)
-        finally:
-            config.pipeline_dtype = saved
-        return sums
-
-    def _global_batch(self, trainer, chunks, dtype, level: float, micro) -> torch.Tensor:
-        micro = [(b.to(trainer.device), noise.to(trainer.device)) for b, noise in micro]
+        """``[levels, 2]``: this replica's loss sums and sample counts per level (on the last pipeline stage), from
+        one pass of megatron's schedule, forward only, over every level's micro-batches (one pipeline flush)."""
+        micro = [(b.to(trainer.device), noise.to(trainer.device)) for part in self.data.global_batches
+                 for b, noise in part]
+        work = [(level, batch, noise) for level in self.levels for batch, noise in micro]
 
         def forward_step(data_iterator, model):
-            batch, noise = next(data_iterator)
+            level, batch, noise = next(data_iterator)
             at = torch.full((batch.num_samples,), level, device=trainer.device)
             return trainer.forward_loss(model, batch, at, noise, trainer.labels_of(batch), dtype=dtype)
 
+        config = chunks[0].config
+        saved, config.pipeline_dtype = config.pipeline_dtype, dtype  # (an fp32 EMA of a bf16 run sends fp32)
         rows, seq = micro[0][0].tokens.shape[:2]
-        reduced = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks], model=chunks,
-            num_microbatches=len(micro), seq_length=trainer.model.token_shard.padded(seq), micro_batch_size=rows,
-            forward_only=True)
-        return torch.stack([r["loss"] for r in reduced]).sum(0) if reduced else torch.zeros(2, device=trainer.device)
-
+        try:
+            reduced = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=[iter(work) for _ in chunks], model=chunks,
+                num_microbatches=len(work), seq_length=trainer.model.token_shard.padded(seq), micro_batch_size=rows,
+                forward_only=True)
+        finally:
+            config.pipeline_dtype = saved
+        if not reduced:  # (not the last stage: its sums come by broadcast)
+            return torch.zeros(len(self.levels), 2, device=trainer.device)
+        # the last stage's store holds one pair per micro-batch, in the order they ran
+        return torch.stack([r["loss"] for r in reduced]).view(len(self.levels), len(micro), 2).sum(1)
