@@ -80,8 +80,12 @@ class InMemoryImageLoader(_GlobalBatchCounter):
         per_rank = self.global_batch_size // self.dp_size
         mine = order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         self.consumed_batches += 1
+        return self.micro_batches(mine)
+
+    def micro_batches(self, samples: torch.Tensor) -> list[MicroBatch]:
+        """The samples at ``samples`` (indices), in that order, as micro-batches of ``micro_batch_size``."""
         return [MicroBatch.dense(self.tokens[idx], self.grid, self.labels[idx], **self._text(idx))
-                for idx in mine.split(self.micro_batch_size)]
+                for idx in samples.split(self.micro_batch_size)]
 
     def _text(self, idx: torch.Tensor) -> dict:
         if self.texts is None:
@@ -239,19 +243,11 @@ def builtin_validation_batches(data: DataConfig, model_config, *, global_batches
         raise ConfigError(f"trainer.val_samples: the held-out split of data.name={data.name!r} has {len(images)} "
                           f"samples, fewer than one global batch (data.global_batch_size={g}); lower "
                           "data.global_batch_size or set trainer.val_interval=0")
-    tokens, grid = patchify(images[:global_batches * g], model_config.patch_size, patch_t)
-    out = []
-    for k in range(global_batches):
-        micro = []
-        for start in range(k * g, (k + 1) * g, micro_batch_size):
-            idx = torch.arange(start, start + micro_batch_size)
-            text = {}
-            if texts is not None:
-                text = dict(text_emb=torch.cat([texts[i] for i in idx.tolist()]),
-                            cu_seqlens_text=cumsum0([len(texts[i]) for i in idx.tolist()]))
-            micro.append(MicroBatch.dense(tokens[idx], grid, labels[idx], **text))
-        out.append(micro)
-    return out
+    n = global_batches * g
+    held_out = InMemoryImageLoader(images[:n], labels[:n], patch_size=model_config.patch_size, patch_size_t=patch_t,
+                                   texts=texts and texts[:n], global_batch_size=g, micro_batch_size=micro_batch_size,
+                                   dp_rank=0, dp_size=1, seed=seed)
+    return [held_out.micro_batches(torch.arange(k * g, (k + 1) * g)) for k in range(global_batches)]
 
 
 def build_builtin_source(data: DataConfig, model_config, *, dp_rank: int, dp_size: int, seed: int,
