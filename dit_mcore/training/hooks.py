@@ -14,7 +14,6 @@ import signal
 
 from dit_mcore.training.checkpoint import SaveFailed
 from dit_mcore.training.preemption import Preempted, requeue_if_slurm
-from dit_mcore.training.val_loss import validation_due
 
 log = logging.getLogger("dit_mcore.train")
 
@@ -24,16 +23,26 @@ def previews_after(sample_interval: int, step: int) -> bool:
     return bool(sample_interval and step % sample_interval == 0)
 
 
+def every(interval: int, step: int, max_steps: int) -> bool:
+    """Whether an ``interval``-step job (a validation loss, an FID) runs after ``step`` (1-based): every
+    ``interval`` steps and after the last one; never when ``interval`` is 0."""
+    return bool(interval) and (step % interval == 0 or step == max_steps)
+
+
+def validation_due(trainer_cfg, step: int) -> bool:
+    """``trainer.val_interval``'s steps."""
+    return every(trainer_cfg.val_interval, step, trainer_cfg.max_steps)
+
+
 def fid_due(trainer_cfg, step: int) -> bool:
-    """Whether FID is computed after ``step`` (``trainer.fid_interval``, and after the last step; never at 0)."""
-    t = trainer_cfg
-    return bool(t.fid_interval) and (step % t.fid_interval == 0 or step == t.max_steps)
+    """``trainer.fid_interval``'s steps."""
+    return every(trainer_cfg.fid_interval, step, trainer_cfg.max_steps)
 
 
 def config_reads_after(cfg, step: int) -> bool:
     """Whether the run's config reads the state after ``step`` (1-based): a periodic save
     (``trainer.save_interval``), a preview (``log.sample_interval``), a validation loss
-    (``trainer.val_interval``), the end of the run."""
+    (``trainer.val_interval``), an FID (``trainer.fid_interval``), the end of the run."""
     t = cfg.trainer
     return (step == t.max_steps or step % t.save_interval == 0 or previews_after(cfg.log.sample_interval, step)
             or validation_due(t, step) or fid_due(t, step))

@@ -40,7 +40,7 @@ from dit_mcore.training.divergence import DivergenceError, DivergenceGuard
 from dit_mcore.training.ema import EMASchedule
 from dit_mcore.training.init_from import InitialWeights, take_architecture
 from dit_mcore.training.hooks import (Checkpoints, StepHook, StopOnDivergence, StopOnPreemption,
-                                      config_reads_after)
+                                      config_reads_after, validation_due)
 from dit_mcore.training.metrics import MetricsLogger, StepRate, device_memory
 from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_schedule, per_sample_loss_scale,
                                      step_if_finite)
@@ -49,7 +49,7 @@ from dit_mcore.training.preemption import PreemptionSignals
 from dit_mcore.training.profiling import Profiling, enable_flight_recorder
 from dit_mcore.training.data_fit import data_fields, describe as describe_fit, fit_model_to_data
 from dit_mcore.training.validate import check_run_dir_writable, validate_run
-from dit_mcore.training.val_loss import Validation, validation_due
+from dit_mcore.training.val_loss import Validation
 from energon_data.lifetime import forked_children_exit_with_parent
 
 log = logging.getLogger("dit_mcore.train")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -30,13 +31,6 @@ from energon_data.batch import MicroBatch
 log = logging.getLogger("dit_mcore.train")
 
 NOISE_KEY = 0x7A11D  # validation noise streams apart from the training steps' (trainer.step_generator)
-
-
-def validation_due(trainer_cfg, step: int) -> bool:
-    """Whether the validation loss is computed after ``step`` (1-based): every ``trainer.val_interval``
-    steps and after the last one (never when the interval is 0)."""
-    t = trainer_cfg
-    return bool(t.val_interval) and (step % t.val_interval == 0 or step == t.max_steps)
 
 
 def sample_noise(batch: MicroBatch, seed: int, first: int) -> torch.Tensor:
