@@ -76,6 +76,9 @@ mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
+  # kernels/ and recipes/ are the packages dit_mcore.kernels and dit_mcore.recipes (setup.py's package_dir), which
+  # a PYTHONPATH alone does not map (links ignored by git)
+  ln -sfn ../kernels dit_mcore/kernels && ln -sfn ../recipes dit_mcore/recipes
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 # The 3B packed point: batch 2 where it fits (the H200's 139 GB: 110 GiB peak); on an 80 GB card batch 1 with the
@@ -199,7 +202,7 @@ case "$phase" in
       | grep -v -i warn | tee "$out/xl.txt" | tail -n 20 || true
     cp "$work"/*.jsonl "$out/" 2>/dev/null || true ;;
   current)  # each part writes straight under $out (a killed call keeps what finished)
-    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_ema.py \
       tests/kernels/test_planned_attention.py tests/test_stdit.py tests/test_flat_adam.py tests/test_split_main.py \
       -k "without_blocking or staged or in_bf16 or gradient_buffers or sharded_ema or kernel_steps_split \
           or split_and_join" 2>&1 | tee "$out/tests.txt" | tail -n 8 || true
@@ -207,8 +210,8 @@ case "$phase" in
     timeout 130 python3 benchmarks/host_overhead.py --warmup 3 --repeats 1 --out "$out/host_overhead.json" 2>&1 | tail -n 4 || true
     # the 3B at batch 1 was host-bound (the host queued a micro-batch in about the device's time): is it still, with
     # attention in the graph? Then cuDNN's attention against flash's; 10 timed steps hold exactly one EMA fold of 10
-    timeout 360 python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
-      --packed-lens 8192 --batches 1 --accumulation 4 --attention auto,sdpa_cudnn --compile 1 --dtype bf16 \
+    timeout "${T3B:-360}" python3 benchmarks/throughput.py --family llama --presets MovieGen-3B --image-sizes "" \
+      --packed-lens 8192 --batches 1 --accumulation 4 --attention "${ATTENTION:-auto,sdpa_cudnn}" --compile 1 --dtype bf16 \
       --moments bf16 --ema-offload 1 \
       --ema-every 10 --profile --host-profile --warmup 3 --steps 10 --out "$out/throughput_3b_b1_host.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 80 || true ;;

@@ -20,11 +20,11 @@ schedules for the flat step and the EMA fold on an H100: their Triton kernels an
     python benchmarks/optimizer_step.py --hidden 256 --ffn 1024 --layers 4   # CPU-sized
     python benchmarks/optimizer_step.py --traffic             # CPU: the H100 schedule of the flat step
 
-Then the EMA update over the same weights (the trainer's next per-parameter pass): eager, as on the
-CPU (a casting copy per bf16 parameter, then torch's foreach lerp: 18 bytes per parameter; the H200
-profile of the 3B step: the casts 10.7 ms in 260 unvectorized copy kernels, ~1.7 TB/s), against the
-compiled fold the trainer uses on CUDA (``dit_mcore.training.ema.fold_tensor``: 10), and the fold
-into host memory (``trainer.ema_offload``). On a GPU, last, what the offloaded fold's copies cost the
+Then the EMA update over the same weights (the trainer's next per-parameter pass): the trainer's fold
+(``dit_mcore.training.ema._lerp``: a casting copy per bf16 parameter, then torch's foreach lerp, in groups:
+18 bytes per parameter), against a fold compiled per tensor with dynamic shapes (:func:`fold_tensor`: 10
+bytes; the trainer's CUDA path until the H200 ran it at 66 GB/s, Inductor having tuned its kernel for the
+first call's size: ``results/h200_2026-11-29.md``), and the fold into host memory (``trainer.ema_offload``). On a GPU, last, what the offloaded fold's copies cost the
 compute stream: matmuls queued after them, the copies fenced at once against on their side stream.
 
 Each repeat times the candidates back to back (interleaved); prints median ms, the bytes per second
@@ -56,10 +56,15 @@ CANDIDATES = {"fused": ("fused", "fp32", "fp32", False), "flat": ("flat", "fp32"
               "flat_split": ("flat", "fp32", "fp32", True)}  # impl, moments, gradient buffers, split main weights
 
 
+def fold_tensor(shadow: torch.Tensor, param: torch.Tensor, weight: torch.Tensor) -> None:
+    """``shadow += weight * (param - shadow)``, the parameter read in its own dtype: compiled, one kernel
+    that reads a bf16 parameter and the fp32 shadow and writes the shadow (10 bytes per parameter)."""
+    shadow.lerp_(param.to(shadow.dtype), weight)
+
+
 def ema_fold_traffic(n: int = 1 << 20) -> list:
-    """The same for the EMA's compiled fold of a bf16 parameter of ``n`` elements into its fp32 shadow."""
+    """The same for a compiled EMA fold of a bf16 parameter of ``n`` elements into its fp32 shadow."""
     from fusion_traffic import TrafficRecorder
-    from dit_mcore.training.ema import fold_tensor
     recorder = TrafficRecorder()
     step = torch.compile(fold_tensor, backend=recorder.backend, fullgraph=True, dynamic=False)
     step(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.tensor(0.1))
@@ -121,22 +126,22 @@ def step(optimizer) -> None:
 
 
 def ema_side_by_side(module, args, device) -> dict:
-    """The EMA update over the same bf16 weights into an fp32 shadow: eager (a casting copy per
-    parameter, then torch's foreach lerp: 18 bytes per parameter) against the compiled fold (10);
+    """The EMA update over the same bf16 weights into an fp32 shadow: the trainer's (a casting copy per
+    parameter, then torch's foreach lerp, in groups: 18 bytes per parameter) against a compiled fold (10);
     and the fold into a shadow in host memory (``trainer.ema_offload``: the copy to pinned buffers and
     the host lerp, waited for), as nanoseconds per parameter, to size ``trainer.ema_every`` by. Each
     also gives the host's time to queue it (``host_ms_to_queue``): on a GPU, near the update's own
     time the update waits for the host (a call per tensor), well under it for the device."""
-    from dit_mcore.training.ema import compiled_fold
+    from dit_mcore.training.ema import _lerp
     from dit_mcore.training.host_fold import HostFold
     params = [p.detach() for p in module.parameters()]
     shadows = {name: [p.float() for p in params] for name in ("eager", "compiled")}
     shadows["host"] = [p.float().cpu() for p in params]
     host_fold = HostFold(params)
     weight = torch.tensor(1e-4, device=device)
-    step_fold = compiled_fold()
+    step_fold = torch.compile(fold_tensor, dynamic=True)
 
-    def compiled():  # as EMA.update calls it on CUDA: a call per tensor, flat
+    def compiled():  # a call per tensor, flat
         for s, p in zip(shadows["compiled"], params):
             step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)
 
@@ -144,7 +149,7 @@ def ema_side_by_side(module, args, device) -> dict:
         host_fold.start(shadows["host"], params, 1e-4)
         host_fold.wait()
 
-    candidates = {"eager": lambda: torch._foreach_lerp_(shadows["eager"], [p.float() for p in params], 1e-4),
+    candidates = {"eager": lambda: _lerp(shadows["eager"], params, 1e-4),
                   "compiled": compiled, "host": host}
     for fn in candidates.values():
         for _ in range(3):

@@ -8,28 +8,11 @@ import torch
 from dit_mcore.parallel.fsdp import publish_weights, sharded_parameters, to_shards
 from dit_mcore.training import ema_shards
 from dit_mcore.training.host_fold import HostFold
-from dit_mcore.kernels.host_copy import to_device
 
 
-def fold_tensor(shadow: torch.Tensor, param: torch.Tensor, weight: torch.Tensor) -> None:
-    """``shadow += weight * (param - shadow)``, the parameter read in its own dtype. Compiled
-    (:func:`compiled_fold`): one generated kernel that reads a bf16 parameter and the fp32 shadow and
-    writes the shadow (10 bytes per parameter); eagerly torch's lerp wants one dtype, so a bf16 model
-    pays a casting copy first (18 bytes in two kernels)."""
-    shadow.lerp_(param.to(shadow.dtype), weight)
-
-
-_compiled = None
-
-
-def compiled_fold():
-    """:func:`fold_tensor` compiled once per process for flat (1-D) tensors of any length: the graphs differ
-    only by dtype (and torch's specialisation of length 1), so a new model compiles nothing and no
-    process reaches dynamo's recompile limit (if one did, the call would run eagerly)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(fold_tensor, dynamic=True)
-    return _compiled
+FOLD_GROUP = 1 << 26
+"""Parameters per foreach lerp of a fold: the fp32 casts of one group (256 MiB at most, besides the largest
+tensor) are the fold's only temporary."""
 
 
 class EMA:
@@ -201,11 +184,8 @@ class EMA:
     @torch.no_grad()
     def fold(self, model: torch.nn.Module) -> None:
         """``shadow = d * shadow + (1 - d) * weights``, ``d`` the :attr:`unfolded_decay` of the steps
-        noted since the last fold (none noted: nothing to do), in fp32: on CUDA through the compiled
-        :func:`fold_tensor`, a call per tensor (the weight a device tensor, so the warm-up's changing
-        decay compiles nothing new; the H200 profile of the MovieGen-3B step had a casting copy per
-        parameter plus torch's foreach lerp here: ~21 ms), elsewhere one foreach lerp over the
-        parameters cast to fp32 (the CPU would compile again for each new model); with ``offload``
+        noted since the last fold (none noted: nothing to do), in fp32: torch's foreach lerp over the
+        parameters cast to fp32, in groups of :data:`FOLD_GROUP` (:func:`_lerp`); with ``offload``
         on the host, in a thread (:class:`~dit_mcore.training.host_fold.HostFold`: from the copies
         :meth:`stage` queued since the last write, else copied now, on a side stream; :meth:`fence`
         before anything writes the weights again); sharded, the same (on the device or offloaded)
@@ -229,14 +209,17 @@ class EMA:
 
 
 def _lerp(shadow: list[torch.Tensor], params: list[torch.Tensor], weight: float) -> None:
-    """``shadow += weight * (params - shadow)`` for fp32 ``shadow`` tensors: on CUDA the compiled
-    :func:`fold_tensor` per tensor, elsewhere one foreach lerp over the parameters cast to fp32."""
-    if shadow and shadow[0].is_cuda and all(t.is_contiguous() for t in (*shadow, *params)):
-        step_fold, weight = compiled_fold(), to_device(weight, shadow[0].device, torch.float32)
-        for s, p in zip(shadow, params):  # a call per tensor, flat (aliases without a view base,
-            step_fold(s.view(-1).detach(), p.view(-1).detach(), weight)  # which dynamo would guard on)
-    else:
-        torch._foreach_lerp_(shadow, [p.float() for p in params], weight)
+    """``shadow += weight * (params - shadow)`` for fp32 ``shadow`` tensors: torch's foreach lerp over the
+    parameters cast to fp32, a group of at most :data:`FOLD_GROUP` parameters at a time (18 bytes per bf16
+    parameter). A fold compiled per tensor (10 bytes) was the CUDA path until an H200 ran it at 66 GB/s inside the
+    trainer: DiT-XL/2's fold took 102 ms against foreach's 5 ms (``benchmarks/results/h200_2026-11-29.md``)."""
+    group, size = [], 0
+    for i, p in enumerate(params):
+        group.append(i)
+        size += p.numel()
+        if size >= FOLD_GROUP or i == len(params) - 1:
+            torch._foreach_lerp_([shadow[j] for j in group], [params[j].float() for j in group], weight)
+            group, size = [], 0
 
 
 class EMASchedule:
