@@ -337,6 +337,12 @@ def test_an_unconditional_model_generates_num_per_prompt_items(checkpoints, tmp_
     index = json.loads((tmp_path / "u" / "index.json").read_text())
     assert [e["index"] for e in index] == [0, 1, 2] and all("label" not in e and "prompt" not in e for e in index)
     assert torch.load(tmp_path / "u" / "latents.pt").shape == (3, 4, 8, 8)
+    # guidance needs a condition: an unconditional model with a null-class embedding still refuses a scale
+    from types import SimpleNamespace
+
+    from dit_mcore.generate.sampling import check_guidance
+    with pytest.raises(ConfigError, match="--cfg-scale 2.0: this model is unconditional"):
+        check_guidance(SimpleNamespace(text_dim=0, num_classes=0, use_cfg_embedding=True), 2.0)
 
 
 def test_overrides_are_the_generation_layout():

@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on a GPU for a bf16 run, else fp32")
     p.add_argument("--no-mp4", action="store_true", help="clips as GIFs only")
     p.add_argument("--save-latents", action="store_true", help="also write latents.pt (the latents in item order)")
+    p.add_argument("--cache", help="step caching: fora:N (attention/MLP outputs reused between every Nth evaluation), "
+                                   "teacache:T, fbcache:T (skip the layer stack while the first layer's input / "
+                                   "residual changes less than T) or static:PLAN.json (from the redundancy analysis)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="generated", help="output folder (default: generated)")
     p.add_argument("overrides", nargs="*", metavar="parallel.FIELD=VALUE", help="the generation layout")
@@ -80,7 +83,8 @@ def request_from_args(argv: Optional[list] = None) -> tuple[GenerateRequest, Gen
         preset=args.preset, out=args.out, step=args.step, weights=args.weights, labels=_split(args.labels),
         prompts=prompts, num_per_prompt=args.num_per_prompt, steps=args.steps, cfg_scale=args.cfg_scale,
         sampler=args.sampler, seed=args.seed, batch_size=args.batch_size, frames=args.frames, height=args.height,
-        width=args.width, dtype=args.dtype, mp4=not args.no_mp4, save_latents=args.save_latents, progress=not args.no_progress)
+        width=args.width, dtype=args.dtype, mp4=not args.no_mp4, save_latents=args.save_latents, cache=args.cache,
+        progress=not args.no_progress)
     return request, layout_from_overrides(args.overrides)
 
 

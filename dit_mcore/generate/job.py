@@ -6,6 +6,7 @@ its sampling defaults, the dataset's text encoder and latent decoder); the reque
 Every check that needs no model runs before the process groups and the model are built.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,6 +23,7 @@ from dit_mcore.errors import ConfigError
 from dit_mcore.diffusion import build_objective
 from dit_mcore.diffusion.samplers import SAMPLERS
 from dit_mcore.generate import checkpoint as source
+from dit_mcore.generate.cache import CachePolicy, StepCache, check_cache_layout, layer_flops, parse_cache
 from dit_mcore.generate.grid import to_uint8
 from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
 from dit_mcore.generate.imported import Imported
@@ -87,6 +89,9 @@ class GenerateRequest:
     """Clips: an MP4 beside each GIF."""
     save_latents: bool = False
     """Also write ``latents.pt``: the sampled latents ``[items, ...]`` in item order (float32)."""
+    cache: Optional[str] = None
+    """Step caching (:mod:`dit_mcore.generate.cache`): ``fora:N``, ``teacache:T``, ``fbcache:T`` or
+    ``static:PLAN.json``."""
     progress: bool = True
 
 
@@ -107,6 +112,7 @@ class Plan:
     dtype: torch.dtype
     encode: Optional[object] = None
     """The dataset's text encoder (text models)."""
+    cache: Optional[CachePolicy] = None
 
 
 def _world_size() -> int:
@@ -201,6 +207,8 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         raise ConfigError(f"--steps {steps}: a DDPM model samples at most its "
                           f"{objective.config.num_train_timesteps} training steps")
     cfg_scale = run.diffusion.cfg_scale if r.cfg_scale is None else r.cfg_scale
+    if r.cfg_scale is None and unconditional:  # the run's guidance scale has nothing to guide by
+        cfg_scale = 1.0
     check_guidance(model_config, cfg_scale)
     encode = None
     if model_config.text_dim:
@@ -220,6 +228,11 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
                     "channel 0 in grey", model_config.in_channels, run.data.path or "is built in and")
     world = world_size or _world_size()
     check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
+    cache = None
+    if r.cache:
+        cache = parse_cache(r.cache, evaluations=_evaluations(sampler, objective_name, steps),
+                            depth=model_config.num_layers)
+        check_cache_layout(parallel)
     parallel = parallel.staged()
     if parallel.patches() > 1:
         check_sampler(sampler)
@@ -229,7 +242,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         raise ConfigError(f"--dtype {dtype_name}: use fp32 or bf16")
     _check_out(Path(r.out))
     return Plan(request=r, parallel=parallel, path=path, imported=imported, run=run, items=items, shape=shape,
-                steps=steps, cfg_scale=cfg_scale, sampler=sampler, encode=encode,
+                steps=steps, cfg_scale=cfg_scale, sampler=sampler, encode=encode, cache=cache,
                 dtype=torch.bfloat16 if dtype_name == "bf16" else torch.float32)
 
 
@@ -286,6 +299,29 @@ def _evaluations(sampler: str, objective: str, steps: int) -> int:
     return steps
 
 
+def load_model(p: Plan, device) -> tuple:
+    """``(chunks, model_config)``: this rank's part of the plan's model under its layout, its weights
+    loaded (on every rank, or a one-line error raised on every rank)."""
+    problem = None
+    try:
+        if p.imported is not None:
+            model = ModelChunks([p.imported.load()]).to(device=device, dtype=p.dtype).eval()
+            model_config = model.config
+        else:
+            model, model_config = source.build_model(weights_model_config(p.run.model), p.parallel,
+                                                     dtype=p.dtype, device=device)
+            load_weights(model, p.path, weights=p.request.weights, run=p.run, model_config=model_config)
+    except ConfigError as e:
+        problem = e
+    _agree(problem, device)
+    return model, model_config
+
+
+def model_function(p: Plan, model, model_config):
+    """The family's ``image_model_fn`` over the model's pipeline: what the samplers call."""
+    return get_family(p.run.model.family).image_model_fn(PipelinedForward(model), model_config)
+
+
 def run_plan(p: Plan) -> dict:
     """Build the model for the layout, sample this rank's items and write them; returns the summary
     (on every rank). Process groups must be initialised (:func:`generate` does it)."""
@@ -298,21 +334,9 @@ def run_plan(p: Plan) -> dict:
                           "the run is still saving); pass --step")
     groups = sampling_groups(p.parallel)
     device = run_device()
-    problem = None
-    try:
-        if p.imported is not None:
-            model = ModelChunks([p.imported.load()]).to(device=device, dtype=p.dtype).eval()
-            model_config = model.config
-        else:
-            model, model_config = source.build_model(weights_model_config(p.run.model), p.parallel,
-                                                     dtype=p.dtype, device=device)
-            load_weights(model, p.path, weights=r.weights, run=p.run, model_config=model_config)
-    except ConfigError as e:
-        problem = e
-    _agree(problem, device)
-    family = get_family(p.run.model.family)
+    model, model_config = load_model(p, device)
     objective = build_objective(p.run.diffusion.objective)
-    model_fn = family.image_model_fn(PipelinedForward(model), model_config)
+    model_fn = model_function(p, model, model_config)
     encode = p.encode
     decoder = dataset_decoder(p.run.data.path) if groups.writes else None
     layout = layout_name(p.parallel, world)
@@ -323,7 +347,14 @@ def run_plan(p: Plan) -> dict:
     bar = tqdm(total=len(mine) * _evaluations(p.sampler, objective.name, p.steps), unit="eval",
                disable=not (r.progress and dist.get_rank() == 0), desc="generate", leave=False)
 
+    evaluations = _evaluations(p.sampler, objective.name, p.steps)
+    step_cache = StepCache(p.cache, model, evaluations) if p.cache is not None else None
+    calls = [0]
+
     def counted(*args, **kwargs):
+        if step_cache is not None:
+            step_cache.evaluation(calls[0])
+        calls[0] += 1
         out_ = model_fn(*args, **kwargs)
         bar.update(1)
         return out_
@@ -334,12 +365,19 @@ def run_plan(p: Plan) -> dict:
                                     p.parallel.pipefusion_warmup_steps)
         pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), warmup=warmup,
                                 on_evaluation=lambda: bar.update(1))
-    index, overview, latent_rows, start = [], [], [], time.perf_counter()
+    index, overview, latent_rows, start, flops_saved = [], [], [], time.perf_counter(), 0.0
     for batch in mine:
-        began = time.perf_counter()
-        latents = sample_items(counted, model_config, objective, batch, shape=p.shape, seed=r.seed, steps=p.steps,
-                               cfg_scale=p.cfg_scale, sampler=p.sampler, encode=encode, device=device,
-                               cfg_group=groups.cfg_group, pipefusion=pipefusion)
+        began, calls[0] = time.perf_counter(), 0
+        with step_cache.installed() if step_cache is not None else contextlib.nullcontext():
+            skipped = step_cache.stats.skipped if step_cache is not None else 0
+            if step_cache is not None:
+                step_cache.start()
+            latents = sample_items(counted, model_config, objective, batch, shape=p.shape, seed=r.seed, steps=p.steps,
+                                   cfg_scale=p.cfg_scale, sampler=p.sampler, encode=encode, device=device,
+                                   cfg_group=groups.cfg_group, pipefusion=pipefusion)
+        if step_cache is not None:
+            flops_saved += (step_cache.stats.skipped - skipped) * layer_flops(
+                model_config, p.shape, [it.prompt for it in batch], encode, guided=p.cfg_scale != 1.0)
         seconds = (time.perf_counter() - began) / len(batch)
         if not groups.writes:
             continue
@@ -351,7 +389,8 @@ def run_plan(p: Plan) -> dict:
             entry = {"index": item.index, **condition,
                      "seed": r.seed, "noise_seed": item_seed(r.seed, item.index), "file": files[0], "files": files,
                      "steps": p.steps, "sampler": p.sampler, "cfg_scale": p.cfg_scale, "weights": r.weights,
-                     "checkpoint": str(p.path), "layout": layout, "seconds": round(seconds, 4)}
+                     "checkpoint": str(p.path), "layout": layout, "seconds": round(seconds, 4),
+                     **({"cache": r.cache} if r.cache else {})}
             index.append(entry)
             if len(overview) < MAX_OVERVIEW:
                 overview.append((item.index, to_uint8(px)))
@@ -364,6 +403,8 @@ def run_plan(p: Plan) -> dict:
     dist.gather_object((index, overview, latent_rows) if groups.writes else ([], [], []), gathered, dst=0)
     summary = {"items": len(p.items), "seconds": round(seconds, 3), "items_per_s": round(len(p.items) / seconds, 4),
                "layout": layout, "world_size": world, "out": str(out)}
+    if step_cache is not None:
+        summary["cache"] = {"policy": r.cache, **step_cache.stats.as_dict(), "flops_saved": flops_saved}
     if dist.get_rank() == 0:
         index = sorted((e for part, _, _ in gathered for e in part), key=lambda e: e["index"])
         pictures = [px for _, px in sorted((x for _, part, _ in gathered for x in part), key=lambda x: x[0])]
@@ -380,6 +421,10 @@ def run_plan(p: Plan) -> dict:
                       upscale=max(1, 128 // max(stacked.shape[-1], stacked.shape[-2])))
         print(f"generated {summary['items']} items in {summary['seconds']:.1f} s ({summary['items_per_s']:.3g} items/s) "
               f"on {layout}{f' ({world} processes)' if world > 1 else ''} -> {out}", flush=True)
+        if step_cache is not None:
+            c = summary["cache"]
+            print(f"cache {r.cache}: {c['skipped']} of {c['layer_evaluations']} layer evaluations served from the cache "
+                  f"({c['skipped_fraction']:.1%}; {c['flops_saved'] / 1e9:.3g} GFLOPs saved on this rank)", flush=True)
     return summary
 
 

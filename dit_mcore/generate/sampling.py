@@ -79,6 +79,9 @@ def conditioning(items: Sequence[Item], model_config, encode: Optional[TextEncod
 
 def check_guidance(model_config, cfg_scale: float) -> None:
     """Guidance needs the unconditional model: a null class or the null text."""
+    if cfg_scale != 1.0 and not model_config.text_dim and not model_config.num_classes:
+        raise ConfigError(f"--cfg-scale {cfg_scale}: this model is unconditional, so there is nothing to guide by; "
+                          "use --cfg-scale 1")
     if cfg_scale != 1.0 and not model_config.text_dim and not model_config.use_cfg_embedding:
         raise ConfigError(f"--cfg-scale {cfg_scale}: this model has no null class (trained with "
                           "model.class_dropout_prob=0), so it cannot be guided; use --cfg-scale 1")

@@ -130,6 +130,12 @@ class DiTLayer(TransformerLayer):
             mlp_out = recompute(out if bias is None else out + bias)
         return conditioning.gated_add(hidden_states, gate_m, mlp_out)
 
+    def attention_input(self, hidden_states: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """What this layer's self-attention reads, ``modulate(norm(x))`` with its first shift and scale
+        (TeaCache's indicator, :mod:`dit_mcore.generate.cache`)."""
+        shift, scale = self.adaLN_modulation(conditioning)[:2]
+        return conditioning.modulate(self.norm(hidden_states), shift, scale)
+
     def _attend(self, attention, hidden_states, conditioning: Conditioning, shift, scale, gate, **kwargs):
         """``x + gate * attention(modulate(norm(x)))`` (self- or cross-attention)."""
         normed, recompute = self._modulated_norm(hidden_states, conditioning, shift, scale)

@@ -1,0 +1,133 @@
+"""Step caching's speed against quality on a trained checkpoint, every policy side by side with the uncached
+sampler of the same noise (the peer).
+
+Per point (a policy and its setting): the layer evaluations served from the cache and the speed-up in them
+(``1 / (1 - skipped)``), the FLOPs saved (``dit_mcore.models.flops``), the wall-time speed-up over the uncached run
+(median of ``--repeats``), PSNR of the 8-bit images against the uncached ones, and the independent digit reader's
+agreement with the requested class (``dit_mcore.training.clip_check``). Static plans are derived by the
+redundancy analysis on *other* seeds than the ones measured (``--calibration-seeds``), at each ``--budgets``.
+Writes ``benchmarks/results/cache_tradeoff_<device>.json`` and a Pareto plot beside it.
+
+    python benchmarks/cache_tradeoff.py --checkpoint runs/digits            # the digits demo, ~10 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from results_io import device_name, write_result  # noqa: E402
+
+POLICIES = ["fora:2", "fora:3", "fora:4", "teacache:0.05", "teacache:0.1", "teacache:0.2", "teacache:0.4",
+            "fbcache:0.02", "fbcache:0.05", "fbcache:0.1", "fbcache:0.2"]
+
+
+def _pixels(folder: Path) -> dict:
+    from dit_mcore.training.clip_check import load_png
+    index = json.loads((folder / "index.json").read_text())
+    return {e["index"]: load_png(folder / e["file"]).numpy() for e in index}
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def run_point(args, out: Path, cache) -> dict:
+    from dit_mcore.generate.job import GenerateRequest, generate
+    from dit_mcore.training.clip_check import check_images
+    seconds = []
+    for _ in range(args.repeats):
+        summary = generate(GenerateRequest(checkpoint=args.checkpoint, out=str(out), labels=["all"],
+                                           num_per_prompt=args.num_per_prompt, steps=args.steps, seed=args.seed,
+                                           batch_size=args.batch_size, progress=False, cache=cache))
+        seconds.append(summary["seconds"])
+    checks = check_images(out)
+    point = {"policy": cache or "none", "seconds": statistics.median(seconds),
+             "agreement": sum(c.ok for c in checks) / len(checks), "items": len(checks)}
+    if cache:
+        point.update({k: summary["cache"][k] for k in ("layer_evaluations", "skipped", "skipped_fraction", "flops_saved")})
+        point["layer_speedup"] = 1 / (1 - point["skipped_fraction"])
+    return point
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--num-per-prompt", type=int, default=10, help="items per class")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibration-seeds", default="100,101", help="the analysis's seeds for the static plans")
+    ap.add_argument("--budgets", default="0.3,0.5,0.6,0.7,0.8", help="static plans: fractions of layer evaluations reused")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--batch-size", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    from dit_mcore.analysis.redundancy import AnalysisRequest, analyse
+    from dit_mcore.analysis.cache_plan import derive_plan
+    work = Path(tempfile.mkdtemp(prefix="cache_tradeoff_"))
+    analysis = analyse(AnalysisRequest(checkpoint=args.checkpoint, out=str(work / "analysis"), labels=["all"],
+                                       seeds=[int(s) for s in args.calibration_seeds.split(",")], steps=[args.steps]))
+    rel = np.array(analysis["runs"][0]["rel_l1"]["residual"], dtype=np.float64)  # [S, I, B, L, E-1]
+    changes = np.nanmean(rel, axis=(0, 1, 2))
+    plans = []
+    for budget in (float(b) for b in args.budgets.split(",")):
+        plan = derive_plan(changes, budget)
+        path = work / f"plan_{budget}.json"
+        path.write_text(json.dumps(plan))
+        plans.append(f"static:{path}")
+    reference = run_point(args, work / "none", None)
+    ref_pixels = _pixels(work / "none")
+    points = [reference]
+    for i, cache in enumerate([p for p in args.policies.split(",") if p] + plans):
+        folder = work / f"point_{i}"
+        point = run_point(args, folder, cache)
+        pixels = _pixels(folder)
+        point["psnr_db"] = statistics.median(psnr(pixels[k], ref_pixels[k]) for k in ref_pixels)
+        point["wall_speedup"] = reference["seconds"] / point["seconds"]
+        if cache.startswith("static:"):
+            point["policy"] = f"static (budget {json.loads(Path(cache[7:]).read_text())['budget']})"
+        points.append(point)
+        print(f"{point['policy']:24s} layers x{point['layer_speedup']:.2f}  wall x{point['wall_speedup']:.2f}  "
+              f"PSNR {point['psnr_db']:.1f} dB  reader {point['agreement']:.3f} (uncached {reference['agreement']:.3f})",
+              flush=True)
+    result = {"device": device_name(), "checkpoint": args.checkpoint, "steps": args.steps, "seed": args.seed,
+              "items": reference["items"], "calibration_seeds": args.calibration_seeds,
+              "command": "python benchmarks/cache_tradeoff.py " + " ".join(sys.argv[1:]),
+              "analysis_stability": analysis["stability"]["per_run"], "points": points}
+    path = write_result("cache_tradeoff", result, args.out)
+    plot(points, path.with_suffix(".png"))
+    print(f"wrote {path}")
+
+
+def plot(points: list, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for family, marker in (("fora", "o"), ("teacache", "s"), ("fbcache", "^"), ("static", "D")):
+        chosen = [p for p in points if p["policy"].startswith(family)]
+        if chosen:
+            x = [p["layer_speedup"] for p in chosen]
+            left.plot(x, [100 * p["agreement"] for p in chosen], marker, label=family)
+            right.plot(x, [p["psnr_db"] for p in chosen], marker, label=family)
+    left.axhline(100 * points[0]["agreement"], color="grey", ls="--", label="uncached")
+    left.set_xlabel("speed-up in layer evaluations")
+    left.set_ylabel("digit reader agreement (%)")
+    right.set_xlabel("speed-up in layer evaluations")
+    right.set_ylabel("PSNR against uncached (dB, median)")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Probes on a model's transformer layers: how much each layer's activations change from one model
+evaluation to the next, as sums that add up over items, tokens and (later) ranks.
+
+For every evaluation after the first, every layer and every batch row, and for each probed activation
+``A`` (the layer's input, its output, its residual contribution ``output - input``, its self-attention's
+output -- the spatial one in an ST-DiT --, the ST-DiT's temporal attention's output, and its MLP's
+output), the probe keeps in float64, over the row's tokens and channels: ``sum|A_t - A_{t-1}|``,
+``sum|A_{t-1}|``, ``sum A_t A_{t-1}``, ``sum A_t^2`` and ``sum A_{t-1}^2``. The relative L1 change
+(``sum|A_t - A_{t-1}| / sum|A_{t-1}|``) and the cosine similarity follow from them (:func:`rel_l1`,
+:func:`cosine`); as sums of parts they reduce over sequence shards with one all-reduce. Two indicators
+of the cheap dynamic cache policies are probed too: ``teacache``, the first layer's modulated input
+(what its self-attention reads, as TeaCache uses), and ``fbcache``, the first layer's residual
+(First-Block-Cache's).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+SUMS = ("abs_diff", "abs_prev", "dot", "sq", "sq_prev")
+"""The five float64 sums kept per row, in this order."""
+
+KEYS = ("input", "output", "residual", "attention", "temporal", "mlp")
+"""The activations probed per layer (``temporal`` in an ST-DiT only)."""
+
+
+def row_sums(now: torch.Tensor, prev: torch.Tensor, batch_dim: int = 1) -> torch.Tensor:
+    """``[rows, 5]`` float64 :data:`SUMS` of two activations, one row per index of ``batch_dim``."""
+    a = now.detach().double().movedim(batch_dim, 0).flatten(1)
+    b = prev.detach().double().movedim(batch_dim, 0).flatten(1)
+    return torch.stack([(a - b).abs().sum(1), b.abs().sum(1), (a * b).sum(1), (a * a).sum(1), (b * b).sum(1)], 1)
+
+
+def rel_l1(sums: torch.Tensor) -> torch.Tensor:
+    """``sum|A_t - A_{t-1}| / sum|A_{t-1}|`` from :data:`SUMS` (last dim)."""
+    return sums[..., 0] / sums[..., 1]
+
+
+def cosine(sums: torch.Tensor) -> torch.Tensor:
+    """``<A_t, A_{t-1}> / (|A_t| |A_{t-1}|)`` from :data:`SUMS` (last dim)."""
+    return sums[..., 2] / (sums[..., 3] * sums[..., 4]).sqrt()
+
+
+def _first(output):
+    """A module's output tensor (megatron's attention and MLP return ``(out, bias)``)."""
+    if isinstance(output, tuple):
+        out, bias = output[0], output[1] if len(output) > 1 else None
+        return out if bias is None else out + bias
+    return output
+
+
+class StepProbe:
+    """Forward hooks on every DiT layer of ``model`` (any module tree holding them). Between
+    :meth:`start` and :meth:`stop` every forward pass is one evaluation; :attr:`evaluations` holds, per
+    evaluation after the first, ``{name: [rows, 5] sums}`` with names ``"<layer>.<key>"`` (the layer's
+    global index from 0) and ``"teacache"``/``"fbcache"``. A call of :meth:`start` forgets the previous
+    activations, so nothing crosses sampler runs."""
+
+    def __init__(self, model: torch.nn.Module):
+        from dit_mcore.models.dit.layer import DiTLayer
+        self.layers = [m for m in model.modules() if isinstance(m, DiTLayer)]
+        if not self.layers:
+            raise ValueError("no DiT layers in this model: the redundancy probe reads dit_mcore's DiTLayer")
+        self.evaluations: list[dict[str, torch.Tensor]] = []
+        self.timesteps: list[float] = []
+        self._prev: dict[str, torch.Tensor] = {}
+        self._now: Optional[dict[str, torch.Tensor]] = None
+        self._handles = []
+
+    @property
+    def depth(self) -> int:
+        return max(layer.layer_number for layer in self.layers)
+
+    def _record(self, name: str, value: torch.Tensor) -> None:
+        if self._now is None:
+            return
+        prev = self._prev.get(name)
+        if prev is not None and prev.shape == value.shape:
+            self._now[name] = row_sums(value, prev).cpu()
+        self._prev[name] = value.detach().clone()
+
+    def start(self) -> "StepProbe":
+        self.evaluations, self.timesteps, self._prev = [], [], {}
+        for layer in self.layers:
+            i = layer.layer_number - 1
+            self._handles.append(layer.register_forward_hook(
+                lambda mod, args, out, i=i: self._on_layer(i, args[0], out)))
+            for key, sub in (("attention", layer.self_attention), ("temporal", layer.temporal_attention),
+                             ("mlp", layer.mlp)):
+                if sub is not None:
+                    self._handles.append(sub.register_forward_hook(
+                        lambda mod, args, out, name=f"{i}.{key}": self._record(name, _first(out))))
+            if i == 0:
+                self._handles.append(layer.self_attention.register_forward_pre_hook(
+                    lambda mod, args, kwargs: self._record("teacache", args[0] if args else kwargs["hidden_states"]),
+                    with_kwargs=True))
+        return self
+
+    def _on_layer(self, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._record(f"{i}.input", x)
+        self._record(f"{i}.output", y)
+        self._record(f"{i}.residual", y - x)
+        if i == 0:
+            self._record("fbcache", y - x)
+
+    def evaluation(self, timestep: torch.Tensor) -> None:
+        """Call before each model evaluation: closes the previous one's record."""
+        self._close()
+        self._now = {}
+        self.timesteps.append(float(timestep.flatten()[0]))
+
+    def _close(self) -> None:
+        if self._now:  # (the first evaluation has nothing to compare with)
+            self.evaluations.append(self._now)
+        self._now = None
+
+    def stop(self) -> list[dict[str, torch.Tensor]]:
+        self._close()
+        for h in self._handles:
+            h.remove()
+        self._handles, self._prev = [], {}
+        return self.evaluations

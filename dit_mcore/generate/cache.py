@@ -1,0 +1,262 @@
+"""Step caching in the sampler (``--cache POLICY``): reuse what the previous model evaluations computed
+instead of running every layer at every evaluation.
+
+- ``fora:N`` (FORA, arXiv 2407.01425): every layer's attention and MLP outputs are computed at
+  evaluations ``0, N, 2N, ...`` and the last, and reused in between; the adaLN modulation, norms and
+  gates are recomputed at every evaluation, so the reused outputs are gated by the current timestep.
+- ``teacache:T`` (TeaCache, arXiv 2411.19108): the relative L1 change of the first layer's modulated
+  input (what its self-attention reads) from the previous evaluation is accumulated; while the sum stays
+  under ``T`` the whole layer stack is skipped and its cached residual (output - input at the last
+  computed evaluation) is added instead; at or over ``T`` the stack runs and the sum restarts. No
+  rescaling polynomial (TeaCache fits one per model; not yet derived from the analysis).
+- ``fbcache:T`` (First-Block-Cache): the first layer always runs; when its residual differs from the
+  one of the last computed evaluation by a relative L1 under ``T``, the other layers are skipped and
+  their cached residual added.
+- ``static:PLAN.json``: ``{"evaluations": E, "layers": L, "compute": [[layer, ...] per evaluation]}``
+  names the layers each evaluation runs; any other layer adds its own residual of the last evaluation
+  that ran it. ``python -m dit_mcore.analysis.redundancy --derive-plan`` writes one from the analysis.
+
+The first and the last evaluation always run every layer; a decision covers the whole batch (under
+classifier-free guidance both halves, whose cached tensors stay separate rows). A cache lives for one
+sampler call: nothing crosses items, batches or calls. One process (or items-parallel ranks) for now.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dit_mcore.errors import ConfigError
+
+POLICIES = ("fora", "teacache", "fbcache", "static")
+
+
+@dataclass
+class CachePolicy:
+    kind: str
+    threshold: float = 0.0
+    """teacache / fbcache: the change under which evaluations are skipped."""
+    interval: int = 1
+    """fora: recompute every ``interval`` evaluations."""
+    plan: Optional[list[set]] = None
+    """static: the layers each evaluation computes."""
+    text: str = ""
+
+    def computes(self, evaluation: int, layer: int) -> bool:
+        return self.plan is None or layer in self.plan[evaluation]
+
+
+def parse_cache(text: str, *, evaluations: int, depth: int) -> CachePolicy:
+    """``--cache`` checked against the sampler's ``evaluations`` and the model's ``depth`` (one line per
+    problem, naming the argument)."""
+    kind, sep, value = text.partition(":")
+    if kind not in POLICIES:
+        raise ConfigError(f"--cache {text}: unknown policy {kind!r}; use fora:N, teacache:T, fbcache:T or static:PLAN.json")
+    if not sep or not value:
+        raise ConfigError(f"--cache {text}: give the policy's value, e.g. {kind}:{ {'fora': '2', 'static': 'plan.json'}.get(kind, '0.1')}")
+    if kind == "fora":
+        try:
+            interval = int(value)
+        except ValueError:
+            interval = 0
+        if interval < 1:
+            raise ConfigError(f"--cache {text}: FORA's interval must be an integer >= 1 (1: no reuse)")
+        return CachePolicy(kind, interval=interval, text=text)
+    if kind in ("teacache", "fbcache"):
+        try:
+            threshold = float(value)
+        except ValueError:
+            threshold = -1.0
+        if not threshold >= 0:
+            raise ConfigError(f"--cache {text}: the threshold must be a number >= 0 (0: no reuse)")
+        return CachePolicy(kind, threshold=threshold, text=text)
+    try:
+        plan = json.loads(Path(value).read_text())
+        compute = [set(int(i) for i in row) for row in plan["compute"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--cache {text}: not a readable plan ({e}); write one with "
+                          "python -m dit_mcore.analysis.redundancy --derive-plan") from None
+    if plan.get("layers") != depth or any(not 0 <= i < depth for row in compute for i in row):
+        raise ConfigError(f"--cache {text}: the plan is for a model of {plan.get('layers')} layers, this one has {depth}")
+    if len(compute) != evaluations:
+        raise ConfigError(f"--cache {text}: the plan covers {len(compute)} model evaluations, this sampler runs "
+                          f"{evaluations}; derive it with the same --steps and --sampler")
+    return CachePolicy(kind, plan=compute, text=text)
+
+
+def check_cache_layout(parallel) -> None:
+    """Caching runs in one process, or with the ranks sharing the items, for now: a decision skipped on
+    one rank of a sharded model would skip its collectives there and hang the others."""
+    sharded = {"parallel.cfg_parallel": parallel.cfg_parallel,
+               "parallel.tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+               "parallel.context_parallel_size": parallel.context_parallel_size,
+               "parallel.pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+               "parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches}
+    used = [f"{k}={v}" for k, v in sharded.items() if (v or 1) > 1]
+    if used:
+        raise ConfigError(f"--cache with {', '.join(used)}: caching runs in one process or with the ranks sharing "
+                          "the items for now; drop the layout or the cache")
+
+
+def layer_flops(model_config, shape, prompts, encode, *, guided: bool) -> float:
+    """Forward FLOPs of one layer for one model evaluation of a batch (:func:`~dit_mcore.models.flops.dit_flops`:
+    projections, attention and MLP; both halves under guidance)."""
+    from dit_mcore.models.flops import dit_flops
+    p, pt = model_config.patch_size, getattr(model_config, "patch_size_t", 1) or 1
+    frames = shape[1] // pt if len(shape) == 4 else 1
+    tokens = frames * (shape[-2] // p) * (shape[-1] // p)
+    rows = len(prompts) * (2 if guided else 1)
+    context = None
+    if model_config.text_dim:
+        lengths = [int(t.shape[0]) for t in encode([x or "" for x in prompts])]
+        context = (lengths + [0] * len(lengths)) if guided else lengths  # the null text: no tokens
+        context = [max(1, n) for n in context]
+    f = dit_flops(model_config, [tokens] * rows, context_lens=context, frames=[frames] * rows)
+    return (f.linear + f.mlp + f.attention) / model_config.num_layers
+
+
+def _rel_l1(now: torch.Tensor, prev: torch.Tensor) -> float:
+    return float((now - prev).abs().double().sum() / prev.abs().double().sum().clamp_min(1e-30))
+
+
+@dataclass
+class CacheStats:
+    layer_evaluations: int = 0
+    """Layers x evaluations the sampler asked for."""
+    skipped: int = 0
+    """Of those, the ones served from the cache (for FORA: layers whose attention and MLP were reused)."""
+    evaluations_skipped: list = field(default_factory=list)
+
+    def as_dict(self, layer_flops: float = 0.0) -> dict:
+        return {"layer_evaluations": self.layer_evaluations, "skipped": self.skipped,
+                "skipped_fraction": self.skipped / max(1, self.layer_evaluations),
+                "flops_saved": self.skipped * layer_flops}
+
+
+class StepCache:
+    """A :class:`CachePolicy` on the DiT layers of ``model`` (one process's whole model): :meth:`installed`
+    patches their forwards for the duration, :meth:`start` begins a sampler call, :meth:`evaluation`
+    precedes each model evaluation (index from 0 of ``evaluations``)."""
+
+    def __init__(self, policy: CachePolicy, model: torch.nn.Module, evaluations: int):
+        from dit_mcore.models.dit.layer import DiTLayer
+        self.policy, self.evaluations = policy, evaluations
+        self.layers = sorted((m for m in model.modules() if isinstance(m, DiTLayer)), key=lambda m: m.layer_number)
+        if [m.layer_number for m in self.layers] != list(range(1, len(self.layers) + 1)):
+            raise ConfigError("--cache: this process does not hold every layer of the model (a pipeline layout); "
+                              "caching runs in one process or items-parallel for now")
+        self.stats = CacheStats()
+        self.start()
+
+    def start(self) -> None:
+        self.index = -1
+        self.store: dict = {}
+        self.accumulated, self.skip = 0.0, False
+
+    def evaluation(self, index: int) -> None:
+        self.index = index
+        self.stats.layer_evaluations += len(self.layers)
+        self.forced = index == 0 or index == self.evaluations - 1
+
+    @contextlib.contextmanager
+    def installed(self):
+        patched = []
+
+        def patch(module, forward):
+            patched.append(module)
+            module.forward = forward
+
+        kind = self.policy.kind
+        for i, layer in enumerate(self.layers):
+            original = layer.forward
+            if kind == "static":
+                patch(layer, self._static(i, original))
+            elif kind in ("teacache", "fbcache"):
+                patch(layer, self._stack(i, original))
+            else:
+                reused = [getattr(layer, n) for n in ("self_attention", "temporal_attention", "cross_attention", "mlp")]
+                for j, sub in enumerate(m for m in reused if m is not None and hasattr(m, "forward")
+                                        and type(m).__name__ != "IdentityOp"):
+                    patch(sub, self._fora(f"{i}.{j}", sub.forward))
+                patch(layer, self._fora_count(original))
+        try:
+            yield self
+        finally:
+            for module in patched:
+                del module.forward  # back to the class's
+
+    # --- static plans: per layer, its own residual
+    def _static(self, i: int, forward):
+        def run(hidden, cond, **kwargs):
+            if self.forced or self.policy.computes(self.index, i) or i not in self.store:
+                out = forward(hidden, cond, **kwargs)
+                self.store[i] = out - hidden
+                return out
+            self.stats.skipped += 1
+            return hidden + self.store[i]
+        return run
+
+    # --- TeaCache and First-Block-Cache: the stack's residual, decided at the first layer
+    def _stack(self, i: int, forward):
+        last, tea = len(self.layers) - 1, self.policy.kind == "teacache"
+
+        def run(hidden, cond, **kwargs):
+            if i == 0:
+                self.store["input"] = hidden
+                if tea:
+                    modulated = self.layers[0].attention_input(hidden, cond)
+                    prev = self.store.get("modulated")
+                    self.store["modulated"] = modulated
+                    if prev is not None and prev.shape == modulated.shape:
+                        self.accumulated += _rel_l1(modulated, prev)
+                    self.skip = not self.forced and "residual" in self.store and \
+                        self.accumulated < self.policy.threshold
+                    if self.skip:
+                        self.stats.skipped += len(self.layers)
+                        return hidden + self.store["residual"]
+                    self.accumulated = 0.0
+                    out = forward(hidden, cond, **kwargs)
+                else:  # First-Block-Cache: the first layer runs, its residual decides
+                    out = forward(hidden, cond, **kwargs)
+                    first = out - hidden
+                    prev = self.store.get("first")
+                    self.skip = not self.forced and prev is not None and "residual" in self.store and \
+                        _rel_l1(first, prev) < self.policy.threshold
+                    if self.skip:
+                        self.stats.skipped += len(self.layers) - 1
+                        return out + self.store["residual"]
+                    self.store["first"], self.store["after_first"] = first, out
+                if last == 0:
+                    self.store["residual"] = out - hidden
+                return out
+            if self.skip:
+                return hidden
+            out = forward(hidden, cond, **kwargs)
+            if i == last:
+                self.store["residual"] = out - (self.store["input"] if tea else self.store["after_first"])
+            return out
+        return run
+
+    # --- FORA: attention and MLP outputs reused between refreshes
+    def _refresh(self) -> bool:
+        return self.forced or self.index % self.policy.interval == 0
+
+    def _fora(self, key: str, forward):
+        def run(*args, **kwargs):
+            if self._refresh() or key not in self.store:
+                out = forward(*args, **kwargs)
+                self.store[key] = out
+                return out
+            return self.store[key]
+        return run
+
+    def _fora_count(self, forward):
+        def run(hidden, cond, **kwargs):
+            if not self._refresh():
+                self.stats.skipped += 1
+            return forward(hidden, cond, **kwargs)
+        return run
