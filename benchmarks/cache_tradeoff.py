@@ -36,8 +36,9 @@ def _pixels(folder: Path) -> dict:
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """dB of 8-bit images in [0, 1]; identical images count as 99 dB (JSON has no infinity)."""
     mse = float(((a - b) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+    return 99.0 if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 def run_point(args, out: Path, cache) -> dict:
@@ -47,10 +48,10 @@ def run_point(args, out: Path, cache) -> dict:
     for _ in range(args.repeats):
         summary = generate(GenerateRequest(checkpoint=args.checkpoint, out=str(out), labels=["all"],
                                            num_per_prompt=args.num_per_prompt, steps=args.steps, seed=args.seed,
-                                           batch_size=args.batch_size, progress=False, cache=cache))
-        seconds.append(summary["seconds"])
+                                           batch_size=args.batch_size, progress=False, mp4=False, cache=cache))
+        seconds.append(summary["sampling_seconds"])  # the sampler alone: no decoding or file writing
     checks = check_images(out)
-    point = {"policy": cache or "none", "seconds": statistics.median(seconds),
+    point = {"policy": cache or "none", "sampling_seconds": statistics.median(seconds),
              "agreement": sum(c.ok for c in checks) / len(checks), "items": len(checks)}
     if cache:
         point.update({k: summary["cache"][k] for k in ("layer_evaluations", "skipped", "skipped_fraction", "flops_saved")})
@@ -72,18 +73,24 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     from dit_mcore.analysis.redundancy import AnalysisRequest, analyse
-    from dit_mcore.analysis.cache_plan import derive_plan
+    from dit_mcore.analysis.cache_plan import KINDS, derive_plan
+    from dit_mcore.errors import ConfigError
     work = Path(tempfile.mkdtemp(prefix="cache_tradeoff_"))
     analysis = analyse(AnalysisRequest(checkpoint=args.checkpoint, out=str(work / "analysis"), labels=["all"],
                                        seeds=[int(s) for s in args.calibration_seeds.split(",")], steps=[args.steps]))
     rel = np.array(analysis["runs"][0]["rel_l1"]["residual"], dtype=np.float64)  # [S, I, B, L, E-1]
     changes = np.nanmean(rel, axis=(0, 1, 2))
     plans = []
-    for budget in (float(b) for b in args.budgets.split(",")):
-        plan = derive_plan(changes, budget)
-        path = work / f"plan_{budget}.json"
-        path.write_text(json.dumps(plan))
-        plans.append(f"static:{path}")
+    for kind in KINDS:
+        for budget in (float(b) for b in args.budgets.split(",")):
+            try:
+                plan = {**derive_plan(changes, budget, kind), "steps": args.steps}
+            except ConfigError as e:
+                print(f"skipped: {e}")
+                continue
+            path = work / f"plan_{kind}_{budget}.json"
+            path.write_text(json.dumps(plan))
+            plans.append(f"static:{path}")
     reference = run_point(args, work / "none", None)
     ref_pixels = _pixels(work / "none")
     points = [reference]
@@ -92,9 +99,10 @@ def main() -> None:
         point = run_point(args, folder, cache)
         pixels = _pixels(folder)
         point["psnr_db"] = statistics.median(psnr(pixels[k], ref_pixels[k]) for k in ref_pixels)
-        point["wall_speedup"] = reference["seconds"] / point["seconds"]
+        point["wall_speedup"] = reference["sampling_seconds"] / point["sampling_seconds"]
         if cache.startswith("static:"):
-            point["policy"] = f"static (budget {json.loads(Path(cache[7:]).read_text())['budget']})"
+            plan = json.loads(Path(cache[7:]).read_text())
+            point["policy"] = f"static {plan['kind']} (budget {plan['budget']})"
         points.append(point)
         print(f"{point['policy']:24s} layers x{point['layer_speedup']:.2f}  wall x{point['wall_speedup']:.2f}  "
               f"PSNR {point['psnr_db']:.1f} dB  reader {point['agreement']:.3f} (uncached {reference['agreement']:.3f})",
@@ -113,7 +121,8 @@ def plot(points: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for family, marker in (("fora", "o"), ("teacache", "s"), ("fbcache", "^"), ("static", "D")):
+    for family, marker in (("fora", "o"), ("teacache", "s"), ("fbcache", "^"), ("static layers", "D"),
+                           ("static evaluations", "v")):
         chosen = [p for p in points if p["policy"].startswith(family)]
         if chosen:
             x = [p["layer_speedup"] for p in chosen]

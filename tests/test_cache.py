@@ -141,6 +141,13 @@ def test_fora_reuses_attention_and_mlp_outputs_between_refreshes(run_dir, tmp_pa
     assert summary["cache"]["skipped"] == 4 * (STEPS - refreshes)
 
 
+def test_nothing_crosses_batches(run_dir, tmp_path):
+    """Items sampled one per batch equal the same items in one batch (the cache starts afresh each call)."""
+    together, _ = _generate(run_dir, tmp_path / "one", cache="fora:2", batch_size=3)
+    apart, _ = _generate(run_dir, tmp_path / "three", cache="fora:2", batch_size=1)
+    torch.testing.assert_close(apart, together, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_cache_arguments_get_one_line_naming_the_argument(run_dir, tmp_path):
     def error(cache, **kwargs):
         with pytest.raises(ConfigError) as e:
@@ -155,6 +162,9 @@ def test_bad_cache_arguments_get_one_line_naming_the_argument(run_dir, tmp_path)
     assert "a model of 8 layers, this one has 4" in error(_plan(tmp_path / "deep.json", [[0]] * STEPS, layers=8))
     assert "covers 3 model evaluations, this sampler runs 6" in error(_plan(tmp_path / "short.json", [[0]] * 3))
     assert "not a readable plan" in error(f"static:{tmp_path / 'missing.json'}")
+    heun = tmp_path / "heun.json"
+    heun.write_text(json.dumps({"evaluations": STEPS, "layers": 4, "compute": [[0]] * STEPS, "sampler": "heun"}))
+    assert "derived for --sampler heun, this run uses --sampler euler" in error(f"static:{heun}")
     from dit_mcore.generate.job import plan
     from dit_mcore.generate.layout import GenerateParallel
     with pytest.raises(ConfigError, match="--cache with parallel.cfg_parallel=2: caching runs in one process"):

@@ -171,6 +171,17 @@ def test_a_derived_plan_recomputes_a_layer_when_its_measured_change_adds_up_and_
     assert counts[1] >= counts[0] and counts[1] >= counts[2]
     with pytest.raises(Exception, match="at most 0.750 can be reused"):
         derive_plan(changes, 0.8)
+    # whole evaluations: every layer runs or none, from the change averaged over layers
+    whole = derive_plan(changes, 0.5, kind="evaluations")
+    assert all(c in ([], [0, 1, 2]) for c in whole["compute"]) and whole["reused"] >= 0.5
+    # an exactly zero residual (0/0: NaN) is no change; a change without bound is always recomputed
+    quiet = changes.copy()
+    quiet[0] = np.nan
+    assert np.isfinite(derive_plan(quiet, 0.5)["threshold"])
+    loud = changes.copy()
+    loud[:, :] = np.inf
+    with pytest.raises(Exception, match="allow reusing at most 0.000"):
+        derive_plan(loud, 0.5)
 
 
 def test_the_analysis_derives_a_plan_the_generate_command_runs(runs, tmp_path):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dit_mcore.analysis import report
-from dit_mcore.analysis.cache_plan import derive_plan
+from dit_mcore.analysis.cache_plan import KINDS, derive_plan
 from dit_mcore.analysis.probe import KEYS, StepProbe, cosine, rel_l1
 from dit_mcore.analysis.stability import map_difference, curve_correlation, stability
 from dit_mcore.errors import ConfigError
@@ -60,6 +60,8 @@ class AnalysisRequest:
     """Also write ``plan.json``, a static cache plan (:mod:`dit_mcore.analysis.cache_plan`) for the one run."""
     budget: float = 0.5
     """With ``derive_plan``: the fraction of layer evaluations the plan reuses."""
+    plan_kind: str = "layers"
+    """With ``derive_plan``: "layers" (each layer its own schedule) or "evaluations" (whole evaluations)."""
 
 
 def _generate_request(r: AnalysisRequest, steps, sampler):
@@ -93,6 +95,8 @@ def plans(r: AnalysisRequest) -> list:
             out.append(p)
     if r.derive_plan and len(out) != 1:
         raise ConfigError("--derive-plan: a plan is for one sampler and one step count; give one --steps and one --samplers")
+    if r.derive_plan and r.plan_kind not in KINDS:
+        raise ConfigError(f"--plan-kind {r.plan_kind}: use one of {', '.join(KINDS)}")
     if r.derive_plan and not 0.0 < r.budget < 1.0:
         raise ConfigError(f"--budget {r.budget}: give the fraction of layer evaluations to reuse, between 0 and 1")
     names = [f"{p.sampler}_{p.steps}" for p in out]
@@ -237,7 +241,7 @@ def analyse(r: AnalysisRequest) -> dict:
     if r.derive_plan:
         run = runs[0]
         changes = np.nanmean(run["rel"]["residual"], axis=(0, 1, 2)).T  # [layers, E-1], both branches
-        plan = {**derive_plan(changes, r.budget), "checkpoint": result["checkpoint"], "sampler": run["sampler"],
+        plan = {**derive_plan(changes, r.budget, r.plan_kind), "checkpoint": result["checkpoint"], "sampler": run["sampler"],
                 "steps": run["steps"]}
         (out / "plan.json").write_text(json.dumps(plan, indent=1))
         result["plan"] = {k: plan[k] for k in ("reused", "threshold", "budget")}
@@ -302,6 +306,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also write plan.json, a static cache plan for generate --cache static:PLAN.json")
     ap.add_argument("--budget", type=float, default=0.5, help="with --derive-plan: the fraction of layer "
                                                               "evaluations to reuse (default 0.5)")
+    ap.add_argument("--plan-kind", default="layers", help="with --derive-plan: layers (each layer its own schedule, "
+                                                          "default) or evaluations (whole evaluations reused)")
     a = ap.parse_args(argv)
     try:
         prompts = a.prompts
@@ -317,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             samplers=[s.strip() for s in a.samplers.split(",") if s.strip()] if a.samplers else None,
             cfg_scale=a.cfg_scale, frames=a.frames, height=a.height, width=a.width, batch_size=a.batch_size,
             num_per_prompt=a.num_per_prompt,
-            compare=a.compare, derive_plan=a.derive_plan, budget=a.budget)
+            compare=a.compare, derive_plan=a.derive_plan, budget=a.budget, plan_kind=a.plan_kind)
         analyse(request)
     except ConfigError as e:
         print(f"redundancy: error: {e}", file=sys.stderr)

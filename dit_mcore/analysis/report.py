@@ -24,13 +24,16 @@ def heatmap(path: Path, run: dict, model: str) -> None:
     maps = {k: np.nanmean(run["rel"][k][:, :, 0], axis=(0, 1)).T for k in keys}  # [layers, E-1]
     values = np.concatenate([m[np.isfinite(m) & (m > 0)].ravel() for m in maps.values()])
     norm = LogNorm(vmin=values.min(), vmax=max(values.max(), values.min() * 1.001)) if values.size else None
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys) + 1.2, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys) + 1.2, 3.8), squeeze=False,
+                             constrained_layout=True)
     for ax, k in zip(axes[0], keys):
         image = ax.imshow(maps[k], aspect="auto", origin="lower", norm=norm, cmap="viridis",
                           extent=(0.5, maps[k].shape[1] + 0.5, -0.5, maps[k].shape[0] - 0.5))
         ax.set_title(k)
-        ax.set_xlabel("evaluation (change from the previous)")
+        layers = maps[k].shape[0]
+        ax.set_yticks(range(0, layers, max(1, layers // 8)))
     axes[0][0].set_ylabel("layer")
+    fig.supxlabel("evaluation (its change from the previous one)", fontsize=9)
     bar = fig.colorbar(image, ax=axes[0].tolist())
     bar.set_label("relative L1 change (log scale)")
     fig.suptitle(f"{model}: {run['sampler']}, {run['steps']} steps (conditional, mean over seeds and items)", fontsize=9)

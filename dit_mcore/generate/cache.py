@@ -50,9 +50,10 @@ class CachePolicy:
         return self.plan is None or layer in self.plan[evaluation]
 
 
-def parse_cache(text: str, *, evaluations: int, depth: int) -> CachePolicy:
-    """``--cache`` checked against the sampler's ``evaluations`` and the model's ``depth`` (one line per
-    problem, naming the argument)."""
+def parse_cache(text: str, *, evaluations: int, depth: int, sampler: Optional[str] = None,
+                steps: Optional[int] = None) -> CachePolicy:
+    """``--cache`` checked against the sampler's ``evaluations`` (and, for a plan that records them, its
+    ``sampler`` and ``steps``) and the model's ``depth`` (one line per problem, naming the argument)."""
     kind, sep, value = text.partition(":")
     if kind not in POLICIES:
         raise ConfigError(f"--cache {text}: unknown policy {kind!r}; use fora:N, teacache:T, fbcache:T or static:PLAN.json")
@@ -80,8 +81,14 @@ def parse_cache(text: str, *, evaluations: int, depth: int) -> CachePolicy:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--cache {text}: not a readable plan ({e}); write one with "
                           "python -m dit_mcore.analysis.redundancy --derive-plan") from None
-    if plan.get("layers") != depth or any(not 0 <= i < depth for row in compute for i in row):
+    if plan.get("layers") != depth:
         raise ConfigError(f"--cache {text}: the plan is for a model of {plan.get('layers')} layers, this one has {depth}")
+    if any(not 0 <= i < depth for row in compute for i in row):
+        raise ConfigError(f"--cache {text}: the plan names a layer outside 0..{depth - 1}")
+    for name, want in (("sampler", sampler), ("steps", steps)):
+        if want is not None and plan.get(name, want) != want:
+            raise ConfigError(f"--cache {text}: the plan was derived for --{name} {plan[name]}, this run uses "
+                              f"--{name} {want}; derive it with the same --steps and --sampler")
     if len(compute) != evaluations:
         raise ConfigError(f"--cache {text}: the plan covers {len(compute)} model evaluations, this sampler runs "
                           f"{evaluations}; derive it with the same --steps and --sampler")
@@ -95,7 +102,8 @@ def check_cache_layout(parallel) -> None:
                "parallel.tensor_model_parallel_size": parallel.tensor_model_parallel_size,
                "parallel.context_parallel_size": parallel.context_parallel_size,
                "parallel.pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
-               "parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches}
+               "parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches,
+               "parallel.expert_tensor_parallel_size": getattr(parallel, "expert_tensor_parallel_size", 1)}
     used = [f"{k}={v}" for k, v in sharded.items() if (v or 1) > 1]
     if used:
         raise ConfigError(f"--cache with {', '.join(used)}: caching runs in one process or with the ranks sharing "
@@ -120,7 +128,8 @@ def layer_flops(model_config, shape, prompts, encode, *, guided: bool) -> float:
 
 
 def _rel_l1(now: torch.Tensor, prev: torch.Tensor) -> float:
-    return float((now - prev).abs().double().sum() / prev.abs().double().sum().clamp_min(1e-30))
+    """``sum|now - prev| / sum|prev|``, summed in float64 (a host read: the decision is the host's)."""
+    return float((now - prev).abs().sum(dtype=torch.float64) / prev.abs().sum(dtype=torch.float64).clamp_min(1e-30))
 
 
 @dataclass
@@ -164,30 +173,33 @@ class StepCache:
 
     @contextlib.contextmanager
     def installed(self):
-        patched = []
+        patched = []  # (module, the instance's own forward before, if any)
 
         def patch(module, forward):
-            patched.append(module)
+            patched.append((module, module.__dict__.get("forward")))
             module.forward = forward
 
         kind = self.policy.kind
-        for i, layer in enumerate(self.layers):
-            original = layer.forward
-            if kind == "static":
-                patch(layer, self._static(i, original))
-            elif kind in ("teacache", "fbcache"):
-                patch(layer, self._stack(i, original))
-            else:
-                reused = [getattr(layer, n) for n in ("self_attention", "temporal_attention", "cross_attention", "mlp")]
-                for j, sub in enumerate(m for m in reused if m is not None and hasattr(m, "forward")
-                                        and type(m).__name__ != "IdentityOp"):
-                    patch(sub, self._fora(f"{i}.{j}", sub.forward))
-                patch(layer, self._fora_count(original))
         try:
+            for i, layer in enumerate(self.layers):
+                original = layer.forward
+                if kind == "static":
+                    patch(layer, self._static(i, original))
+                elif kind in ("teacache", "fbcache"):
+                    patch(layer, self._stack(i, original))
+                else:
+                    reused = [getattr(layer, n) for n in ("self_attention", "temporal_attention", "cross_attention", "mlp")]
+                    for j, sub in enumerate(m for m in reused if m is not None and hasattr(m, "forward")
+                                            and type(m).__name__ != "IdentityOp"):
+                        patch(sub, self._fora(f"{i}.{j}", sub.forward))
+                    patch(layer, self._fora_count(original))
             yield self
         finally:
-            for module in patched:
-                del module.forward  # back to the class's
+            for module, before in reversed(patched):
+                if before is None:
+                    del module.forward  # back to the class's
+                else:
+                    module.forward = before
 
     # --- static plans: per layer, its own residual
     def _static(self, i: int, forward):
@@ -224,13 +236,13 @@ class StepCache:
                     out = forward(hidden, cond, **kwargs)
                     first = out - hidden
                     prev = self.store.get("first")
-                    self.skip = not self.forced and prev is not None and "residual" in self.store and \
+                    self.skip = not self.forced and last > 0 and prev is not None and "residual" in self.store and \
                         _rel_l1(first, prev) < self.policy.threshold
                     if self.skip:
                         self.stats.skipped += len(self.layers) - 1
                         return out + self.store["residual"]
                     self.store["first"], self.store["after_first"] = first, out
-                if last == 0:
+                if last == 0 and tea:  # (one layer: First-Block-Cache has nothing after it to skip)
                     self.store["residual"] = out - hidden
                 return out
             if self.skip:

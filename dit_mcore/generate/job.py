@@ -231,7 +231,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     cache = None
     if r.cache:
         cache = parse_cache(r.cache, evaluations=_evaluations(sampler, objective_name, steps),
-                            depth=model_config.num_layers)
+                            depth=model_config.num_layers, sampler=sampler, steps=steps)
         check_cache_layout(parallel)
     parallel = parallel.staged()
     if parallel.patches() > 1:
@@ -365,7 +365,7 @@ def run_plan(p: Plan) -> dict:
                                     p.parallel.pipefusion_warmup_steps)
         pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), warmup=warmup,
                                 on_evaluation=lambda: bar.update(1))
-    index, overview, latent_rows, start, flops_saved = [], [], [], time.perf_counter(), 0.0
+    index, overview, latent_rows, start, flops_saved, sampling = [], [], [], time.perf_counter(), 0.0, 0.0
     for batch in mine:
         began, calls[0] = time.perf_counter(), 0
         with step_cache.installed() if step_cache is not None else contextlib.nullcontext():
@@ -375,6 +375,9 @@ def run_plan(p: Plan) -> dict:
             latents = sample_items(counted, model_config, objective, batch, shape=p.shape, seed=r.seed, steps=p.steps,
                                    cfg_scale=p.cfg_scale, sampler=p.sampler, encode=encode, device=device,
                                    cfg_group=groups.cfg_group, pipefusion=pipefusion)
+            if latents.is_cuda:
+                torch.cuda.synchronize()
+        sampling += time.perf_counter() - began
         if step_cache is not None:
             flops_saved += (step_cache.stats.skipped - skipped) * layer_flops(
                 model_config, p.shape, [it.prompt for it in batch], encode, guided=p.cfg_scale != 1.0)
@@ -402,9 +405,10 @@ def run_plan(p: Plan) -> dict:
     gathered = [None] * world if dist.get_rank() == 0 else None  # (to rank 0 only: pixels as uint8)
     dist.gather_object((index, overview, latent_rows) if groups.writes else ([], [], []), gathered, dst=0)
     summary = {"items": len(p.items), "seconds": round(seconds, 3), "items_per_s": round(len(p.items) / seconds, 4),
-               "layout": layout, "world_size": world, "out": str(out)}
+               "layout": layout, "world_size": world, "out": str(out), "sampling_seconds": round(sampling, 4)}
     if step_cache is not None:
-        summary["cache"] = {"policy": r.cache, **step_cache.stats.as_dict(), "flops_saved": flops_saved}
+        summary["cache"] = {"policy": r.cache, **step_cache.stats.as_dict(), "flops_saved": flops_saved,
+                            "rank": dist.get_rank()}  # (rank 0's items under items-parallel)
     if dist.get_rank() == 0:
         index = sorted((e for part, _, _ in gathered for e in part), key=lambda e: e["index"])
         pictures = [px for _, px in sorted((x for _, part, _ in gathered for x in part), key=lambda x: x[0])]
@@ -424,7 +428,7 @@ def run_plan(p: Plan) -> dict:
         if step_cache is not None:
             c = summary["cache"]
             print(f"cache {r.cache}: {c['skipped']} of {c['layer_evaluations']} layer evaluations served from the cache "
-                  f"({c['skipped_fraction']:.1%}; {c['flops_saved'] / 1e9:.3g} GFLOPs saved on this rank)", flush=True)
+                  f"({c['skipped_fraction']:.1%}; {c['flops_saved'] / 1e9:.3g} GFLOPs saved; rank 0's items)", flush=True)
     return summary
 
 
