@@ -87,7 +87,7 @@ def test_a_static_plan_runs_exactly_the_layers_it_names(run_dir, tmp_path, monke
 def _scripted(monkeypatch, changes):
     """``_rel_l1`` returns ``changes`` in turn: the indicator as the policy sees it."""
     seq = iter(changes)
-    monkeypatch.setattr(cache_module, "_rel_l1", lambda now, prev: next(seq))
+    monkeypatch.setattr(cache_module, "_rel_l1", lambda now, prev, groups=(): next(seq))
 
 
 @pytest.mark.parametrize("kind", ["teacache", "fbcache"])
@@ -167,6 +167,9 @@ def test_bad_cache_arguments_get_one_line_naming_the_argument(run_dir, tmp_path)
     assert "derived for --sampler heun, this run uses --sampler euler" in error(f"static:{heun}")
     from dit_mcore.generate.job import plan
     from dit_mcore.generate.layout import GenerateParallel
-    with pytest.raises(ConfigError, match="--cache with parallel.cfg_parallel=2: caching runs in one process"):
-        plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="fora:2", cfg_scale=2.0),
-             GenerateParallel(cfg_parallel=2), world_size=2)
+    with pytest.raises(ConfigError, match="--cache teacache:0.1 with parallel.pipeline_model_parallel_size=2: not"):
+        plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="teacache:0.1"),
+             GenerateParallel(pipeline_model_parallel_size=2), world_size=2)
+    with pytest.raises(ConfigError, match="--cache fora:2 with parallel.pipefusion=2: not supported yet"):
+        plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="fora:2"),
+             GenerateParallel(pipefusion=2), world_size=2)

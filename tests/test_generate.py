@@ -80,8 +80,8 @@ def _run_cases(rank, world, cases):
         generate(_request(ckpt, out, case, **kwargs), GenerateParallel(**layout))
 
 
-def _reference(checkpoints, tmp_path, case, **kwargs) -> torch.Tensor:
-    out = tmp_path / f"one_{case}"
+def _reference(checkpoints, tmp_path, case, out_name=None, **kwargs) -> torch.Tensor:
+    out = tmp_path / f"one_{out_name or case}"
     generate(_request(checkpoints[case.split("_")[0]], out, case, **kwargs))
     return torch.load(out / "latents.pt")
 
@@ -101,7 +101,30 @@ LAYOUTS_2 = {
     "dit_pf2_sync": {"pipefusion": 2, "pipefusion_warmup_steps": STEPS},
     "dit_pf2": {"pipefusion": 2},
     "xattn_pf2x4": {"pipefusion": 2, "pipefusion_patches": 4},
+    # step caching: the ranks sharing a batch take one decision (TeaCache, First-Block-Cache), or none
+    "dit_cfg2_tea": {"cfg_parallel": 2},
+    "dit_cp2_a2a_fb": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
+    "xattn_tp2_sp_tea": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "dit_pp2_fora": {"pipeline_model_parallel_size": 2},
 }
+CACHES = {"tea": {"cache": "teacache", "steps": 6}, "fb": {"cache": "fbcache", "steps": 6},
+          "fora": {"cache": "fora:2", "steps": 6}}
+"""The cache cases' generation settings (by the case name's last part); TeaCache's and First-Block-Cache's
+thresholds are chosen in one process (:func:`_deciding`)."""
+
+
+def _deciding(checkpoints, tmp_path, name, kwargs) -> dict:
+    """``kwargs`` with a threshold at which the one-process run both reuses and computes in the middle
+    evaluations (a random model's changes are large), so the ranks' agreement decides something."""
+    if ":" in kwargs["cache"]:
+        return kwargs
+    for threshold in (0.25, 0.5, 1, 2, 4, 8, 16, 32):
+        out = tmp_path / f"threshold_{name}_{threshold}"
+        summary = generate(_request(checkpoints[name.split("_")[0]], out, name,
+                                    **{**kwargs, "cache": f"{kwargs['cache']}:{threshold}"}))
+        if 0 < summary["cache"]["skipped"] < summary["cache"]["layer_evaluations"] * (kwargs["steps"] - 2) / kwargs["steps"]:
+            return {**kwargs, "cache": f"{kwargs['cache']}:{threshold}"}
+    raise AssertionError(f"{name}: no threshold both reuses and computes")
 LAYOUTS_4 = {
     "dit_cfg2_cp2_a2a": {"cfg_parallel": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},
     "dit_cfg2_items2_bs1": {"cfg_parallel": 2},
@@ -162,15 +185,21 @@ def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_
     (the 4-rank CFG x items case also with one item per batch: noise is per item, not per batch; so
     is the DDPM sampler's fresh noise at every step, with the items shared over 4 ranks). PipeFusion
     with one warm-up step: :func:`_check_displaced`."""
-    cases = [(checkpoints[name.split("_")[0]], tmp_path / name, name, {"batch_size": 1} if name.endswith("bs1") else {},
-              layout) for name, layout in layouts.items()]
+    cases = [(checkpoints[name.split("_")[0]], tmp_path / name, name,
+              {"batch_size": 1} if name.endswith("bs1") else CACHES.get(name.split("_")[-1], {}), layout)
+             for name, layout in layouts.items()]
+    cases = [(c, o, n, _deciding(checkpoints, tmp_path, n, k) if "cache" in k else k, lay) for c, o, n, k, lay in cases]
     run_distributed(_run_cases, world, cases)
     references = {}
-    for _, out, name, _, layout in cases:
-        family = name.split("_")[0]
-        if family not in references:
-            references[family] = _reference(checkpoints, tmp_path, family)
-        got, want = torch.load(out / "latents.pt"), references[family]
+    for _, out, name, kwargs, layout in cases:
+        family, cache = name.split("_")[0], kwargs.get("cache")
+        if (family, cache) not in references:
+            references[family, cache] = _reference(checkpoints, tmp_path, family,
+                                                   **({**kwargs, "out_name": name} if cache else {}))
+            if cache:  # the cache changed the latents (it reused something), in one process as under the layout
+                uncached = _reference(checkpoints, tmp_path, family, steps=kwargs["steps"], out_name=f"{name}_off")
+                assert (references[family, cache] - uncached).abs().max() > 1e-4, name
+        got, want = torch.load(out / "latents.pt"), references[family, cache]
         assert got.shape == want.shape
         if _displaced(layout):
             _check_displaced(checkpoints, tmp_path, name, layout, got, want)
@@ -180,8 +209,8 @@ def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_
         index = json.loads((out / "index.json").read_text())
         assert [e["index"] for e in index] == list(range(len(want)))
         assert all(e["layout"] != "1 process" for e in index)
-    if "imported" in references:  # diffusers weights brought in as a checkpoint sample as they do directly
-        torch.testing.assert_close(references["imported"], _reference(checkpoints, tmp_path, "diffusers"))
+    if ("imported", None) in references:  # diffusers weights brought in as a checkpoint sample as they do directly
+        torch.testing.assert_close(references["imported", None], _reference(checkpoints, tmp_path, "diffusers"))
 
 
 def _error(argv, capsys) -> str:

@@ -163,21 +163,21 @@ def test_a_derived_plan_recomputes_a_layer_when_its_measured_change_adds_up_and_
     changes = np.array([[0.01] * 7, [0.2] * 7, [0.01, 0.01, 0.5, 0.01, 0.01, 0.01, 0.01]])  # 3 layers, 8 evaluations
     # layer 0 reaches 0.025 every third change, layer 1 at every change, layer 2 at its jump and 3 changes later
     assert schedule(changes, 0.025) == [[0, 1, 2], [1], [1], [0, 1, 2], [1], [1], [0, 1, 2], [0, 1, 2]]
-    plan = derive_plan(changes, 0.5)
+    plan = derive_plan(changes, 0.5, kind="layers")
     assert plan["reused"] >= 0.5 and plan["evaluations"] == 8 and plan["layers"] == 3
     assert all(0 in c and 1 in c and 2 in c for c in (plan["compute"][0], plan["compute"][-1]))
     # the fast-changing layer is recomputed at least as often as the calm ones
     counts = [sum(layer in c for c in plan["compute"]) for layer in range(3)]
     assert counts[1] >= counts[0] and counts[1] >= counts[2]
     with pytest.raises(Exception, match="at most 0.750 can be reused"):
-        derive_plan(changes, 0.8)
+        derive_plan(changes, 0.8, kind="layers")
     # whole evaluations: every layer runs or none, from the change averaged over layers
     whole = derive_plan(changes, 0.5, kind="evaluations")
     assert all(c in ([], [0, 1, 2]) for c in whole["compute"]) and whole["reused"] >= 0.5
     # an exactly zero residual (0/0: NaN) is no change; a change without bound is always recomputed
     quiet = changes.copy()
     quiet[0] = np.nan
-    assert np.isfinite(derive_plan(quiet, 0.5)["threshold"])
+    assert np.isfinite(derive_plan(quiet, 0.5, kind="layers")["threshold"])
     loud = changes.copy()
     loud[:, :] = np.inf
     with pytest.raises(Exception, match="allow reusing at most 0.000"):
@@ -194,3 +194,44 @@ def test_the_analysis_derives_a_plan_the_generate_command_runs(runs, tmp_path):
                                        cfg_scale=2.0, progress=False, cache=f"static:{tmp_path / 'a' / 'plan.json'}"))
     assert summary["cache"]["skipped_fraction"] == pytest.approx(plan["reused"])
     assert "## Static cache plan" in (tmp_path / "a" / "summary.md").read_text()
+
+
+LAYOUTS = {"dit_cfg2": {"cfg_parallel": 2}, "dit_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+           "dit_cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"}, "dit_pp2": {"pipeline_model_parallel_size": 2},
+           "stdit_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"}}
+
+
+def _request(runs, name, out, parallel=None) -> AnalysisRequest:
+    family = name.split("_")[0]
+    what = dict(labels=["1", "4", "7"]) if family == "dit" else dict(prompts=["a 1 moving left", "a 6 moving up"])
+    return AnalysisRequest(checkpoint=runs[family], out=str(out), seeds=[0, 1], steps=[4], cfg_scale=2.0,
+                           parallel=parallel, **what)
+
+
+def _analyse_layouts(rank, world, runs, root):
+    from dit_mcore.generate.layout import GenerateParallel
+    for name, layout in LAYOUTS.items():
+        analyse(_request(runs, name, root / name, GenerateParallel(**layout)))
+
+
+def test_under_a_layout_of_one_replica_the_numbers_equal_one_process(runs, tmp_path):
+    """CFG-parallel, tensor + sequence parallel, ring attention and pipeline stages on the DiT, Ulysses on
+    the ST-DiT, at 2 ranks: every relative L1 and cosine (and the indicators) equal the one-process run's."""
+    from dist_utils import run_distributed
+    run_distributed(_analyse_layouts, 2, runs, tmp_path)
+    references = {}
+    for name in LAYOUTS:
+        family = name.split("_")[0]
+        if family not in references:
+            references[family] = analyse(_request(runs, name, tmp_path / f"one_{family}"))["runs"][0]
+        want = references[family]
+        got = json.loads((tmp_path / name / "redundancy.json").read_text())["runs"][0]
+        assert set(got["rel_l1"]) == set(want["rel_l1"]), name
+        for metric in ("rel_l1", "cosine"):
+            for key in want[metric]:
+                a = np.array(got[metric][key], dtype=np.float64)
+                b = np.array(want[metric][key], dtype=np.float64)
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6, err_msg=f"{name} {metric} {key}")
+        for key in want["indicators"]:
+            np.testing.assert_allclose(np.array(got["indicators"][key]["rel_l1"], dtype=np.float64),
+                                       np.array(want["indicators"][key]["rel_l1"], dtype=np.float64), rtol=2e-4)

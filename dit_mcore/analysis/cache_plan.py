@@ -40,7 +40,7 @@ def reused(compute: list[list[int]], layers: int) -> float:
 KINDS = ("layers", "evaluations")
 
 
-def derive_plan(changes: np.ndarray, budget: float, kind: str = "layers") -> dict:
+def derive_plan(changes: np.ndarray, budget: float, kind: str = "evaluations") -> dict:
     """The plan reusing at least ``budget`` of the layer evaluations with the smallest ``tau`` (at most
     what reusing every evaluation but the first and last allows); ``kind``: per layer or whole evaluations."""
     if kind not in KINDS:

@@ -18,7 +18,13 @@ instead of running every layer at every evaluation.
 
 The first and the last evaluation always run every layer; a decision covers the whole batch (under
 classifier-free guidance both halves, whose cached tensors stay separate rows). A cache lives for one
-sampler call: nothing crosses items, batches or calls. One process (or items-parallel ranks) for now.
+sampler call: nothing crosses items, batches or calls.
+
+Layouts: the ranks that sample the same items (tensor, context/sequence and CFG-parallel) take the same
+decision, from the indicator's two sums added over them (the one-process decision: a ratio of sums over every
+token and both guidance halves); FORA and static plans decide nothing at run time and run under pipeline
+stages too (each stage caching its own layers). TeaCache and First-Block-Cache under pipeline stages, and any
+cache under PipeFusion, are refused.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from dit_mcore.errors import ConfigError
 
@@ -95,19 +102,16 @@ def parse_cache(text: str, *, evaluations: int, depth: int, sampler: Optional[st
     return CachePolicy(kind, plan=compute, text=text)
 
 
-def check_cache_layout(parallel) -> None:
-    """Caching runs in one process, or with the ranks sharing the items, for now: a decision skipped on
-    one rank of a sharded model would skip its collectives there and hang the others."""
-    sharded = {"parallel.cfg_parallel": parallel.cfg_parallel,
-               "parallel.tensor_model_parallel_size": parallel.tensor_model_parallel_size,
-               "parallel.context_parallel_size": parallel.context_parallel_size,
-               "parallel.pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
-               "parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches,
-               "parallel.expert_tensor_parallel_size": getattr(parallel, "expert_tensor_parallel_size", 1)}
-    used = [f"{k}={v}" for k, v in sharded.items() if (v or 1) > 1]
+def check_cache_layout(parallel, policy: CachePolicy) -> None:
+    """The layouts a policy runs under (the module's docstring)."""
+    refused = {"parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches}
+    if policy.kind in ("teacache", "fbcache"):  # the first stage's decision would have to reach the others
+        refused["parallel.pipeline_model_parallel_size"] = parallel.pipeline_model_parallel_size
+    used = [f"{k}={v}" for k, v in refused.items() if (v or 1) > 1]
     if used:
-        raise ConfigError(f"--cache with {', '.join(used)}: caching runs in one process or with the ranks sharing "
-                          "the items for now; drop the layout or the cache")
+        raise ConfigError(f"--cache {policy.text} with {', '.join(used)}: not supported yet (PipeFusion's displaced "
+                          "patches, and run-time decisions across pipeline stages); use tensor, sequence or "
+                          "CFG-parallel, or fora:N / static plans under pipeline stages")
 
 
 def layer_flops(model_config, shape, prompts, encode, *, guided: bool) -> float:
@@ -127,9 +131,13 @@ def layer_flops(model_config, shape, prompts, encode, *, guided: bool) -> float:
     return (f.linear + f.mlp + f.attention) / model_config.num_layers
 
 
-def _rel_l1(now: torch.Tensor, prev: torch.Tensor) -> float:
-    """``sum|now - prev| / sum|prev|``, summed in float64 (a host read: the decision is the host's)."""
-    return float((now - prev).abs().sum(dtype=torch.float64) / prev.abs().sum(dtype=torch.float64).clamp_min(1e-30))
+def _rel_l1(now: torch.Tensor, prev: torch.Tensor, groups=()) -> float:
+    """``sum|now - prev| / sum|prev|``, summed in float64 over this rank's part and then over ``groups``
+    (the ranks holding the rest of the batch's tokens or rows); a host read: the decision is the host's."""
+    sums = torch.stack([(now - prev).abs().sum(dtype=torch.float64), prev.abs().sum(dtype=torch.float64)])
+    for group in groups:
+        dist.all_reduce(sums, group=group)
+    return float(sums[0] / sums[1].clamp_min(1e-30))
 
 
 @dataclass
@@ -151,13 +159,15 @@ class StepCache:
     patches their forwards for the duration, :meth:`start` begins a sampler call, :meth:`evaluation`
     precedes each model evaluation (index from 0 of ``evaluations``)."""
 
-    def __init__(self, policy: CachePolicy, model: torch.nn.Module, evaluations: int):
+    def __init__(self, policy: CachePolicy, model: torch.nn.Module, evaluations: int, groups=()):
+        """``groups``: the process groups over which the ranks sampling the same items hold the rest of a batch
+        (tensor, context and CFG-parallel), over which run-time decisions are agreed."""
         from dit_mcore.models.dit.layer import DiTLayer
-        self.policy, self.evaluations = policy, evaluations
+        self.policy, self.evaluations, self.groups = policy, evaluations, tuple(groups)
         self.layers = sorted((m for m in model.modules() if isinstance(m, DiTLayer)), key=lambda m: m.layer_number)
-        if [m.layer_number for m in self.layers] != list(range(1, len(self.layers) + 1)):
-            raise ConfigError("--cache: this process does not hold every layer of the model (a pipeline layout); "
-                              "caching runs in one process or items-parallel for now")
+        whole = [m.layer_number for m in self.layers] == list(range(1, len(self.layers) + 1))
+        if policy.kind in ("teacache", "fbcache") and not whole:
+            raise ConfigError(f"--cache {policy.text}: this process does not hold every layer (pipeline stages)")
         self.stats = CacheStats()
         self.start()
 
@@ -181,7 +191,8 @@ class StepCache:
 
         kind = self.policy.kind
         try:
-            for i, layer in enumerate(self.layers):
+            for layer in self.layers:
+                i = layer.layer_number - 1  # the global index (a static plan's; pipeline stages hold a range)
                 original = layer.forward
                 if kind == "static":
                     patch(layer, self._static(i, original))
@@ -224,7 +235,7 @@ class StepCache:
                     prev = self.store.get("modulated")
                     self.store["modulated"] = modulated
                     if prev is not None and prev.shape == modulated.shape:
-                        self.accumulated += _rel_l1(modulated, prev)
+                        self.accumulated += _rel_l1(modulated, prev, self.groups)
                     self.skip = not self.forced and "residual" in self.store and \
                         self.accumulated < self.policy.threshold
                     if self.skip:
@@ -237,7 +248,7 @@ class StepCache:
                     first = out - hidden
                     prev = self.store.get("first")
                     self.skip = not self.forced and last > 0 and prev is not None and "residual" in self.store and \
-                        _rel_l1(first, prev) < self.policy.threshold
+                        _rel_l1(first, prev, self.groups) < self.policy.threshold
                     if self.skip:
                         self.stats.skipped += len(self.layers) - 1
                         return out + self.store["residual"]

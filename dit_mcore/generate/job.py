@@ -232,7 +232,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     if r.cache:
         cache = parse_cache(r.cache, evaluations=_evaluations(sampler, objective_name, steps),
                             depth=model_config.num_layers, sampler=sampler, steps=steps)
-        check_cache_layout(parallel)
+        check_cache_layout(parallel, cache)
     parallel = parallel.staged()
     if parallel.patches() > 1:
         check_sampler(sampler)
@@ -322,6 +322,16 @@ def model_function(p: Plan, model, model_config):
     return get_family(p.run.model.family).image_model_fn(PipelinedForward(model), model_config)
 
 
+def decision_groups(groups) -> list:
+    """The groups over which the ranks sampling the same items hold the rest of a batch: tensor and context
+    parallel (tokens; under tensor parallel without sequence parallel each holds them all, which a ratio of sums
+    does not mind) and the CFG pair (the other half)."""
+    from megatron.core import parallel_state
+    out = [g for g in (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group())
+           if dist.get_world_size(g) > 1]
+    return out + ([groups.cfg_group] if groups.cfg_group is not None else [])
+
+
 def run_plan(p: Plan) -> dict:
     """Build the model for the layout, sample this rank's items and write them; returns the summary
     (on every rank). Process groups must be initialised (:func:`generate` does it)."""
@@ -348,7 +358,9 @@ def run_plan(p: Plan) -> dict:
                disable=not (r.progress and dist.get_rank() == 0), desc="generate", leave=False)
 
     evaluations = _evaluations(p.sampler, objective.name, p.steps)
-    step_cache = StepCache(p.cache, model, evaluations) if p.cache is not None else None
+    step_cache = None
+    if p.cache is not None:
+        step_cache = StepCache(p.cache, model, evaluations, groups=decision_groups(groups))
     calls = [0]
 
     def counted(*args, **kwargs):
@@ -407,8 +419,14 @@ def run_plan(p: Plan) -> dict:
     summary = {"items": len(p.items), "seconds": round(seconds, 3), "items_per_s": round(len(p.items) / seconds, 4),
                "layout": layout, "world_size": world, "out": str(out), "sampling_seconds": round(sampling, 4)}
     if step_cache is not None:
-        summary["cache"] = {"policy": r.cache, **step_cache.stats.as_dict(), "flops_saved": flops_saved,
-                            "rank": dist.get_rank()}  # (rank 0's items under items-parallel)
+        from megatron.core import parallel_state
+        counts = torch.tensor([step_cache.stats.skipped, step_cache.stats.layer_evaluations, flops_saved],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())  # each stage its layers
+        skipped, layer_evaluations, flops_saved = counts.tolist()
+        step_cache.stats.skipped, step_cache.stats.layer_evaluations = int(skipped), int(layer_evaluations)
+        # rank 0's items (items-parallel); FLOPs of the whole model replica, both guidance halves
+        summary["cache"] = {"policy": r.cache, **step_cache.stats.as_dict(), "flops_saved": flops_saved}
     if dist.get_rank() == 0:
         index = sorted((e for part, _, _ in gathered for e in part), key=lambda e: e["index"])
         pictures = [px for _, px in sorted((x for _, part, _ in gathered for x in part), key=lambda x: x[0])]
