@@ -123,11 +123,13 @@ def plot(points: list, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for family, marker in (("fora", "o"), ("teacache", "s"), ("fbcache", "^"), ("static layers", "D"),
                            ("static evaluations", "v")):
-        chosen = [p for p in points if p["policy"].startswith(family)]
+        chosen = sorted((p for p in points if p["policy"].startswith(family)), key=lambda p: p["layer_speedup"])
         if chosen:
             x = [p["layer_speedup"] for p in chosen]
-            left.plot(x, [100 * p["agreement"] for p in chosen], marker, label=family)
-            right.plot(x, [p["psnr_db"] for p in chosen], marker, label=family)
+            left.plot(x, [100 * p["agreement"] for p in chosen], marker + "-", label=family, alpha=0.8)
+            differ = [p for p in chosen if p["psnr_db"] < 99]  # (identical images: nothing reused)
+            right.plot([p["layer_speedup"] for p in differ], [p["psnr_db"] for p in differ], marker + "-",
+                       label=family, alpha=0.8)
     left.axhline(100 * points[0]["agreement"], color="grey", ls="--", label="uncached")
     left.set_xlabel("speed-up in layer evaluations")
     left.set_ylabel("digit reader agreement (%)")
