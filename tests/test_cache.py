@@ -173,3 +173,27 @@ def test_bad_cache_arguments_get_one_line_naming_the_argument(run_dir, tmp_path)
     with pytest.raises(ConfigError, match="--cache fora:2 with parallel.pipefusion=2: not supported yet"):
         plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="fora:2"),
              GenerateParallel(pipefusion=2), world_size=2)
+
+
+def test_teacache_accumulates_the_change_rescaled_by_the_models_fit(run_dir, tmp_path, monkeypatch):
+    """``teacache:T:FIT.json``: the identity polynomial is the unscaled policy bit for bit; ``2x`` decides as the
+    unscaled policy at ``T / 2`` (scripted indicator); a fit for another depth is refused."""
+    identity = tmp_path / "identity.json"
+    identity.write_text(json.dumps({"coefficients": [0, 0, 0, 1, 0], "layers": 4}))
+    plain, _ = _generate(run_dir, tmp_path / "plain", cache="teacache:2")
+    fitted, _ = _generate(run_dir, tmp_path / "fitted", cache=f"teacache:2:{identity}")
+    assert torch.equal(plain, fitted)
+    double = tmp_path / "double.json"
+    double.write_text(json.dumps({"coefficients": [2.0, 0.0], "layers": 4}))
+    changes = [0.03, 0.03, 0.03, 0.03, 0.0]
+    _scripted(monkeypatch, changes)
+    _, doubled = _generate(run_dir, tmp_path / "doubled", cache=f"teacache:0.1:{double}")
+    _scripted(monkeypatch, changes)
+    _, halved = _generate(run_dir, tmp_path / "halved", cache="teacache:0.05")
+    assert doubled["cache"]["skipped"] == halved["cache"]["skipped"] > 0  # 0.06 skip, 0.12 run, 0.06 skip ...
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps({"coefficients": [1.0, 0.0], "layers": 8}))
+    with pytest.raises(ConfigError, match="the fit is for a model of 8 layers, this one has 4"):
+        _generate(run_dir, tmp_path / "bad", cache=f"teacache:0.1:{deep}")
+    with pytest.raises(ConfigError, match="only TeaCache takes a rescaling fit"):
+        _generate(run_dir, tmp_path / "bad", cache=f"fbcache:0.1:{deep}")

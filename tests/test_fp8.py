@@ -125,9 +125,11 @@ def test_float8_training_tracks_full_precision(tmp_path):
 
 def test_compiled_float8_layers_train_as_eager(tmp_path, monkeypatch):
     """Speed needs the casts fused (``model.compile``): the compiled FP8 layers give the eager losses."""
-    # A GPU trains in bf16, where fusing the casts rounds differently (seen on an H200: 8e-4 relative);
-    # a broken float8 path moves the loss by far more.
-    rtol = 4e-3 if torch.cuda.is_available() else 1e-5
+    # A GPU trains in bf16, where fusing the casts rounds differently (seen on an H200: 8e-4 relative); on a CPU
+    # the compiled kernels' last bits depend on its vector ISA, and float8's rounding amplifies them (an AVX-512
+    # machine: 6e-4 at the third step; AVX2 ones agreed to 1e-5). Float8 against full precision moves the loss
+    # by ~1e-2 (test_float8_training_tracks_full_precision), a broken float8 path by far more.
+    rtol = 4e-3 if torch.cuda.is_available() else 2e-3
     compiled = _fit(tmp_path / "compiled", 3, fp8="rowwise", compile=True)
     # Eager in the GELU's traced (sigmoid) form too: the same function, but float8's rounding of the
     # MLP's hidden activations would turn the forms' last-bit differences into loss differences.

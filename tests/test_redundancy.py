@@ -235,3 +235,16 @@ def test_under_a_layout_of_one_replica_the_numbers_equal_one_process(runs, tmp_p
         for key in want["indicators"]:
             np.testing.assert_allclose(np.array(got["indicators"][key]["rel_l1"], dtype=np.float64),
                                        np.array(want["indicators"][key]["rel_l1"], dtype=np.float64), rtol=2e-4)
+
+
+def test_the_teacache_fit_is_numpys_polyfit_of_the_output_change_on_the_indicator(runs, tmp_path):
+    result = analyse(AnalysisRequest(checkpoint=runs["dit"], out=str(tmp_path), labels=["1", "4", "7"], seeds=[0, 1],
+                                     steps=[6], cfg_scale=2.0))
+    run = result["runs"][0]
+    x = np.array(run["indicators"]["teacache"]["rel_l1"], dtype=np.float64).ravel()
+    y = np.array(run["indicators"]["model_output"]["rel_l1"], dtype=np.float64).ravel()
+    fit = json.loads((tmp_path / "teacache_fit.json").read_text())
+    assert fit["points"] == x.size == 3 * 2 * 2 * 5 and fit["layers"] == 4
+    # (the JSON's numbers carry 6 digits: compare the fitted curves, which a degree-4 fit's coefficients amplify)
+    np.testing.assert_allclose(np.polyval(fit["coefficients"], x), np.polyval(np.polyfit(x, y, 4), x), rtol=1e-4)
+    assert "## TeaCache's rescaling" in (tmp_path / "summary.md").read_text()

@@ -10,7 +10,7 @@ output), the probe keeps in float64, over the row's tokens and channels: ``sum|A
 :func:`cosine`); as sums of parts they reduce over sequence shards with one all-reduce. Two indicators
 of the cheap dynamic cache policies are probed too: ``teacache``, the first layer's modulated input
 (what its self-attention reads, as TeaCache uses), and ``fbcache``, the first layer's residual
-(First-Block-Cache's).
+(First-Block-Cache's); and ``model_output``, the model's output (:meth:`StepProbe.output`).
 """
 from __future__ import annotations
 
@@ -72,12 +72,12 @@ class StepProbe:
     def depth(self) -> int:
         return max(layer.layer_number for layer in self.layers)
 
-    def _record(self, name: str, value: torch.Tensor) -> None:
+    def _record(self, name: str, value: torch.Tensor, batch_dim: int = 1) -> None:
         if self._now is None:
             return
         prev = self._prev.get(name)
         if prev is not None and prev.shape == value.shape:
-            self._now[name] = row_sums(value, prev).cpu()
+            self._now[name] = row_sums(value, prev, batch_dim).cpu()
         self._prev[name] = value.detach().clone()
 
     def start(self) -> "StepProbe":
@@ -103,6 +103,12 @@ class StepProbe:
         self._record(f"{i}.residual", y - x)
         if i == 0:
             self._record("fbcache", y - x)
+
+    def output(self, out) -> None:
+        """Call with each evaluation's model output ``[rows, ...]`` (``model_output``: what TeaCache's
+        rescaling polynomial predicts from its indicator)."""
+        if isinstance(out, torch.Tensor):
+            self._record("model_output", out, batch_dim=0)
 
     def evaluation(self, timestep: torch.Tensor) -> None:
         """Call before each model evaluation: closes the previous one's record."""

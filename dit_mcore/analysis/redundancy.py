@@ -171,7 +171,9 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> di
 
     def probed(x, timestep, **kwargs):
         probe.evaluation(timestep)
-        return model_fn(x, timestep, **kwargs)
+        out = model_fn(x, timestep, **kwargs)
+        probe.output(out)
+        return out
 
     for seed in seeds:
         per_item = []
@@ -193,7 +195,7 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> di
             # -> [items, branches, E-1, layers, 5]
             sums = {k: torch.stack([v[:, :, b] for b in branches]).permute(3, 0, 1, 2, 4) for k, v in sums.items()}
             ind = {k: torch.stack([torch.stack([e[k] for e in evaluations])[:, b] for b in branches]).permute(2, 0, 1, 3)
-                   for k in ("teacache", "fbcache")}  # [items, branches, E-1, 5]
+                   for k in ("teacache", "fbcache", "model_output") if k in evaluations[0]}  # [items, branches, E-1, 5]
             per_item.append((sums, ind))
         per_seed.append(({k: torch.cat([s[k] for s, _ in per_item]) for k in per_item[0][0]},
                          {k: torch.cat([i[k] for _, i in per_item]) for k in per_item[0][1]}))
@@ -281,7 +283,11 @@ def analyse(r: AnalysisRequest) -> dict:
         return result
     out = Path(r.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "redundancy.json").write_text(json.dumps(result))
+    fit = teacache_fit(runs)
+    if fit is not None:
+        fit = {**fit, "layers": result["layers"], "checkpoint": result["checkpoint"]}
+        (out / "teacache_fit.json").write_text(json.dumps(fit, indent=1))
+        result["teacache_fit"] = {k: fit[k] for k in ("coefficients", "points", "r2")}
     if r.derive_plan:
         run = runs[0]
         changes = np.nanmean(run["rel"]["residual"], axis=(0, 1, 2)).T  # [layers, E-1], both branches
@@ -292,10 +298,36 @@ def analyse(r: AnalysisRequest) -> dict:
         print(f"a static cache plan reusing {plan['reused']:.1%} of the layer evaluations -> {out}/plan.json "
               f"(python -m dit_mcore.generate ... --steps {run['steps']} --sampler {run['sampler']} "
               f"--cache static:{out}/plan.json)", flush=True)
+    (out / "redundancy.json").write_text(json.dumps(_finite(result)))
     report.write(out, result, runs)
     print(f"analysed {len(runs)} run(s) x {len(r.seeds)} seed(s) x {len(first.items)} item(s) of "
           f"{result['family']} ({result['layers']} layers) -> {out}/summary.md", flush=True)
     return result
+
+
+def teacache_fit(runs: list[dict], degree: int = 4) -> Optional[dict]:
+    """TeaCache's per-model rescaling: the model output's relative L1 change as a polynomial of the first
+    layer's modulated input's (``np.polyfit``, ``degree``), over every item, seed, branch and change into an
+    evaluation at a new time of every run; None without enough points (or no output probed)."""
+    xs, ys = [], []
+    for run in runs:
+        if "model_output" not in run["ind_rel"]:
+            continue
+        cols = [e - 1 for e in run["moved"]]
+        xs.append(run["ind_rel"]["teacache"][..., cols].ravel())
+        ys.append(run["ind_rel"]["model_output"][..., cols].ravel())
+    if not xs:
+        return None
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if x.size <= degree or np.ptp(x) == 0:
+        return None
+    coefficients = np.polyfit(x, y, degree)
+    residual = y - np.polyval(coefficients, x)
+    r2 = 1.0 - float((residual ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-300))
+    return {"coefficients": coefficients.tolist(), "degree": degree, "points": int(x.size), "r2": r2,
+            "fit": "the model output's relative L1 change on the first layer's modulated input's (TeaCache)"}
 
 
 def compare(runs: list[dict], other: dict, where: str) -> dict:

@@ -111,6 +111,12 @@ def summary(result: dict, runs: list[dict]) -> str:
                   "| run | curve correlation | map correlation | mean abs log10 difference |", "|---|---|---|---|"]
         lines += [f"| {name} | {_f(e['curve_correlation'])} | {_f(e['map']['correlation'])} | "
                   f"{_f(e['map']['mean_abs_log10_difference'])} |" for name, e in c["runs"].items()]
+    if "teacache_fit" in result:
+        t = result["teacache_fit"]
+        lines += ["", "## TeaCache's rescaling", "", f"`teacache_fit.json`: the model output's change as a degree-"
+                  f"{len(t['coefficients']) - 1} polynomial of the first layer's modulated input's, over {t['points']} "
+                  f"changes (R² {t['r2']:.3f}); use it with `--cache teacache:T:teacache_fit.json` (T then bounds "
+                  "the predicted change of the output)."]
     if "plan" in result:
         pl = result["plan"]
         lines += ["", "## Static cache plan", "", f"`plan.json` reuses {pl['reused']:.1%} of the layer evaluations "

@@ -7,8 +7,10 @@ instead of running every layer at every evaluation.
 - ``teacache:T`` (TeaCache, arXiv 2411.19108): the relative L1 change of the first layer's modulated
   input (what its self-attention reads) from the previous evaluation is accumulated; while the sum stays
   under ``T`` the whole layer stack is skipped and its cached residual (output - input at the last
-  computed evaluation) is added instead; at or over ``T`` the stack runs and the sum restarts. No
-  rescaling polynomial (TeaCache fits one per model; not yet derived from the analysis).
+  computed evaluation) is added instead; at or over ``T`` the stack runs and the sum restarts.
+  ``teacache:T:FIT.json`` accumulates the change rescaled by the model's own polynomial (TeaCache's
+  per-model fit of the output's change on the indicator's), which ``python -m dit_mcore.analysis.redundancy``
+  writes as ``teacache_fit.json``.
 - ``fbcache:T`` (First-Block-Cache): the first layer always runs; when its residual differs from the
   one of the last computed evaluation by a relative L1 under ``T``, the other layers are skipped and
   their cached residual added.
@@ -51,7 +53,14 @@ class CachePolicy:
     """fora: recompute every ``interval`` evaluations."""
     plan: Optional[list[set]] = None
     """static: the layers each evaluation computes."""
+    coefficients: Optional[list[float]] = None
+    """teacache: the rescaling polynomial's coefficients, highest power first (None: the change as measured)."""
     text: str = ""
+
+    def rescaled(self, change: float) -> float:
+        if self.coefficients is None:
+            return change
+        return max(0.0, sum(c * change ** k for k, c in enumerate(reversed(self.coefficients))))
 
     def computes(self, evaluation: int, layer: int) -> bool:
         return self.plan is None or layer in self.plan[evaluation]
@@ -75,13 +84,27 @@ def parse_cache(text: str, *, evaluations: int, depth: int, sampler: Optional[st
             raise ConfigError(f"--cache {text}: FORA's interval must be an integer >= 1 (1: no reuse)")
         return CachePolicy(kind, interval=interval, text=text)
     if kind in ("teacache", "fbcache"):
+        value, _, fit = value.partition(":")
         try:
             threshold = float(value)
         except ValueError:
             threshold = -1.0
         if not threshold >= 0:
             raise ConfigError(f"--cache {text}: the threshold must be a number >= 0 (0: no reuse)")
-        return CachePolicy(kind, threshold=threshold, text=text)
+        coefficients = None
+        if fit:
+            if kind != "teacache":
+                raise ConfigError(f"--cache {text}: only TeaCache takes a rescaling fit (teacache:T:FIT.json)")
+            try:
+                record = json.loads(Path(fit).read_text())
+                coefficients = [float(c) for c in record["coefficients"]]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"--cache {text}: not a readable fit ({e}); the redundancy analysis writes "
+                                  "teacache_fit.json") from None
+            if record.get("layers", depth) != depth:
+                raise ConfigError(f"--cache {text}: the fit is for a model of {record['layers']} layers, this one "
+                                  f"has {depth}")
+        return CachePolicy(kind, threshold=threshold, coefficients=coefficients, text=text)
     try:
         plan = json.loads(Path(value).read_text())
         compute = [set(int(i) for i in row) for row in plan["compute"]]
@@ -235,7 +258,7 @@ class StepCache:
                     prev = self.store.get("modulated")
                     self.store["modulated"] = modulated
                     if prev is not None and prev.shape == modulated.shape:
-                        self.accumulated += _rel_l1(modulated, prev, self.groups)
+                        self.accumulated += self.policy.rescaled(_rel_l1(modulated, prev, self.groups))
                     self.skip = not self.forced and "residual" in self.store and \
                         self.accumulated < self.policy.threshold
                     if self.skip:
