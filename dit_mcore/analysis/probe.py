@@ -68,10 +68,6 @@ class StepProbe:
         self._now: Optional[dict[str, torch.Tensor]] = None
         self._handles = []
 
-    @property
-    def depth(self) -> int:
-        return max(layer.layer_number for layer in self.layers)
-
     def _record(self, name: str, value: torch.Tensor, batch_dim: int = 1) -> None:
         if self._now is None:
             return

@@ -387,15 +387,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="parallel.FIELD=VALUE",
                     help="the generation layout of one model replica (under torchrun)")
     a = ap.parse_args(argv)
+    from dit_mcore.generate.cli import read_prompt_file
     from dit_mcore.generate.job import layout_from_overrides
     from dit_mcore.parallel.initialize import destroy_distributed
     try:
-        prompts = a.prompts
-        if a.prompt_file:
-            try:
-                prompts = [line.strip() for line in Path(a.prompt_file).read_text().splitlines() if line.strip()]
-            except OSError as e:
-                raise ConfigError(f"--prompt-file {a.prompt_file}: cannot read it ({e.strerror or e})") from None
+        prompts = read_prompt_file(a.prompt_file) if a.prompt_file else a.prompts
         request = AnalysisRequest(
             checkpoint=a.checkpoint, out=a.out, step=a.step, weights=a.weights,
             labels=a.labels.split(",") if a.labels else None, prompts=prompts, seeds=_ints("--seeds", a.seeds),

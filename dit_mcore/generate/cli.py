@@ -68,16 +68,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_prompt_file(name: str) -> list[str]:
+    """``--prompt-file``: one prompt per non-empty line (one line naming the argument if there is none)."""
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"--prompt-file {path}: no such file; give a text file with one prompt per line")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompt-file {path}: holds no prompt (one per line)")
+    return prompts
+
+
 def request_from_args(argv: Optional[list] = None) -> tuple[GenerateRequest, GenerateParallel]:
     args = parser().parse_args(argv)
-    prompts = args.prompts
-    if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise ConfigError(f"--prompt-file {path}: no such file; give a text file with one prompt per line")
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ConfigError(f"--prompt-file {path}: holds no prompt (one per line)")
+    prompts = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompts
     request = GenerateRequest(
         checkpoint=args.checkpoint, diffusers=args.diffusers, facebookresearch=args.facebookresearch,
         preset=args.preset, out=args.out, step=args.step, weights=args.weights, labels=_split(args.labels),
