@@ -4,7 +4,7 @@ runs down the layer order of ``docs/README.md``, and no set of modules imports i
 The layers, bottom first (a module may import its own layer and the ones below):
 
     dit_mcore.errors -> kernels, energon_data -> dit_mcore.diffusion -> dit_mcore.models
-    -> dit_mcore.parallel -> dit_mcore.training -> dit_mcore.generate, dit_mcore.convert
+    -> dit_mcore.parallel -> dit_mcore.training -> dit_mcore.generate, dit_mcore.convert, dit_mcore.plan
     -> dit_mcore.evaluate, dit_mcore.plot, dit_mcore.analysis -> recipes
 
 (``kernels/`` and ``recipes/`` install as ``dit_mcore.kernels`` and ``dit_mcore.recipes``.)
@@ -30,7 +30,7 @@ LAYERS = (
     ("dit_mcore.models",),
     ("dit_mcore.parallel",),
     ("dit_mcore.training",),
-    ("dit_mcore.generate", "dit_mcore.convert"),
+    ("dit_mcore.generate", "dit_mcore.convert", "dit_mcore.plan"),
     ("dit_mcore.evaluate", "dit_mcore.plot", "dit_mcore.analysis"),  # (evaluation and analysis generate)
     ("dit_mcore.recipes",),
 )

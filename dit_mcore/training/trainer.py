@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -25,12 +24,10 @@ from dit_mcore.diffusion import build_objective, drop_labels
 from dit_mcore.errors import ConfigError
 from dit_mcore.kernels.host_copy import to_device
 from dit_mcore.kernels.planned_attention import forget_plans
-from dit_mcore.models.adapter import prediction, to_model_layout
 from dit_mcore.models.flops import peak_tflops
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models import specs
-from dit_mcore.models.text import TextContext
 from dit_mcore.parallel import tp_comm_overlap
 from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
 from dit_mcore.training import checkpoint as ckpt
@@ -46,6 +43,7 @@ from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_sche
                                      step_if_finite)
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
+from dit_mcore.training.step_loss import StepLoss, counted
 from dit_mcore.training.profiling import Profiling, enable_flight_recorder
 from dit_mcore.training.data_fit import data_fields, describe as describe_fit, fit_model_to_data
 from dit_mcore.training.validate import check_run_dir_writable, validate_run
@@ -115,6 +113,7 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = cfg.data.num_microbatches(self.dp_size)
         self.objective = build_objective(cfg.diffusion.objective)
+        self.step_loss = StepLoss(self.model_config, self.objective, self.compute_dtype, cfg.model.family)
         if self.model_config.num_moe_experts:
             reset_moe_state()
         if cfg.parallel.tp_comm_overlap:  # TE's userbuffers, before the first forward
@@ -288,54 +287,9 @@ class Trainer:
         n = batch.num_samples
         level = self.objective.sample_level(n, generator=g, device=self.device)
         noise = torch.randn(batch.tokens.shape, generator=g, device=self.device)
-        labels = drop_labels(self.labels_of(batch), mc.class_dropout_prob, mc.num_classes, generator=g)
+        labels = drop_labels(self.step_loss.labels_of(batch), mc.class_dropout_prob, mc.num_classes, generator=g)
         keep = torch.rand(n, generator=g, device=self.device) >= mc.text_dropout_prob if mc.text_dim else None
-        return self.forward_loss(model, batch, level, noise, labels, text_keep=keep)  # (keep: CFG's null text)
-
-    def labels_of(self, batch) -> torch.Tensor:
-        """The batch's class labels, the null class where a sample has none."""
-        return torch.where(batch.labels >= 0, batch.labels, torch.full_like(batch.labels, self.model_config.num_classes))
-
-    def forward_loss(self, model, batch, level: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor, *,
-                     text_keep: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None):
-        """``model``'s output on ``batch`` noised with ``noise`` at ``level`` (one per sample), and the loss
-        function megatron's schedule calls on it (:meth:`_loss`); ``text_keep``: the samples whose text is
-        kept (else the null text); ``dtype``: of the model's input (default: the run's compute dtype)."""
-        mc = self.model_config
-        if batch.tokens.shape[-1] != mc.patch_dim:
-            raise ConfigError(f"data tokens have {batch.tokens.shape[-1]} values but the model expects "
-                              f"in_channels x patch volume = {mc.patch_dim}; set model.in_channels / patch sizes "
-                              "to match the data")
-        text = None
-        if mc.text_dim:
-            if not batch.has_text:
-                raise ConfigError(f"model.family={self.cfg.model.family} is conditioned on text but the data has "
-                                  "none; use a prepared energon dataset (it carries text embeddings)")
-            text = TextContext.from_batch(batch, text_keep)
-        x0 = batch.tokens.float()
-        sample_of = batch.token_to_sample.clamp(min=0)
-        inputs = self.objective.prepare(x0.flatten(0, 1), noise.flatten(0, 1), level[sample_of])
-        x_in = to_model_layout(inputs.model_input.view_as(x0).to(dtype or self.compute_dtype))
-        out = model(x_in, self.objective.timestep(level), labels, batch=batch, context=text)
-        return out, partial(self._loss, inputs, batch)
-
-    def _loss(self, inputs, batch, output):
-        """(sum of per-sample losses, sample count, logged pair). The gradient is divided by the
-        global sample count through the loss scale (:meth:`_weigh_samples`), so every sample weighs
-        the same whatever its micro-batch, pack or rank; megatron's schedule, in its per-token mode
-        (``calculate_per_token_loss``: no division by the micro-batch count, a sum over DP), sums the
-        counts, which :func:`optim.finalize_grads` then leaves unused. Context-parallel ranks other
-        than the first report a count of 0 (they compute the same loss); the logged pair always
-        carries the real count."""
-        pred = prediction(output, self.model_config).reshape(-1, self.model_config.patch_dim)
-        real = batch.token_to_sample >= 0
-        per_token = self.objective.loss(pred, inputs).mean(-1) * real
-        n, sample_of = batch.num_samples, batch.token_to_sample.clamp(min=0)
-        sums = per_token.new_zeros(n).index_add_(0, sample_of, per_token)
-        counts = per_token.new_zeros(n).index_add_(0, sample_of, real.float())
-        loss_sum = (sums / counts.clamp(min=1)).sum()
-        count = loss_sum.new_full((), self._counted(n), dtype=torch.int)  # a fill kernel: no host-to-device copy
-        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), loss_sum.new_full((), float(n))])}
+        return self.step_loss.forward(model, batch, level, noise, labels, text_keep=keep)  # (keep: CFG's null text)
 
     def train_step(self) -> dict:
         """One optimizer step, top to bottom: zero the gradients; the global batch's micro-batches forward
@@ -401,17 +355,10 @@ class Trainer:
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         return totals
 
-    @staticmethod
-    def _counted(samples: int) -> int:
-        """Samples this rank counts: every context-parallel rank computes the same loss on the
-        gathered output (each one's gradients cover its own tokens), and the counts are summed over
-        DP x CP, so only the first CP rank counts them."""
-        return samples if parallel_state.get_context_parallel_rank() == 0 else 0
-
     def _weigh_samples(self, microbatches) -> None:
         """Every sample weighs 1 / the global batch's sample count, on the device: each stage holds
         its replica's micro-batches, so no stage waits for the last one's count."""
-        samples = to_device([float(self._counted(sum(b.num_samples for b in microbatches)))], self.device)
+        samples = to_device([float(counted(sum(b.num_samples for b in microbatches)))], self.device)
         dist.all_reduce(samples, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.sample_weight.copy_(1.0 / samples.clamp(min=1.0)[0])
 

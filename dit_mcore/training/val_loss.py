@@ -131,7 +131,7 @@ class Validation:
         def forward_step(data_iterator, model):
             level, batch, noise = next(data_iterator)
             at = torch.full((batch.num_samples,), level, device=trainer.device)
-            return trainer.forward_loss(model, batch, at, noise, trainer.labels_of(batch), dtype=dtype)
+            return trainer.step_loss.forward(model, batch, at, noise, trainer.step_loss.labels_of(batch), dtype=dtype)
 
         config = chunks[0].config
         saved, config.pipeline_dtype = config.pipeline_dtype, dtype  # (an fp32 EMA of a bf16 run sends fp32)
