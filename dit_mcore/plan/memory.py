@@ -2,7 +2,7 @@
 per-parameter state counted from this rank's share of the model (:func:`training.parallelize.state_budget`,
 the count the trainer itself checks against the device), plus the activations of the micro-batches
 a pipeline stage keeps in flight, from a symbolic trace of the run's own code
-(:mod:`dit_mcore.plan.activations`), plus what FSDP gathers and the device's fixed workspace.
+(:mod:`dit_mcore.plan.trace`), plus what FSDP gathers and the device's fixed workspace.
 
 Checked against a real step's live memory on CPU (``tests/test_plan_memory.py``): the state to the
 byte, the whole peak within 10%.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from megatron.core import parallel_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dit_mcore.plan.activations import _run_parts, activation_profile, fake_chunks
+from dit_mcore.plan.trace import _run_parts, fake_chunks, forget_cached_tables, layer_profile
 from dit_mcore.plan.world import traced_world
 from dit_mcore.training.memory import GiB, StateBudget
 from dit_mcore.training.parallelize import shards_ema, state_budget
@@ -85,19 +85,51 @@ def predict_memory(cfg, world_size: int, batches, *, workspace: float = 0.0, on_
     micro-batches are ``batches`` (one or several of this data-parallel rank's, before the layout splits
     their tokens: the peak is the worst one's).
     ``on_gpu``: the optimizer the trainer picks on a GPU (``optim.adam_impl=auto``: the flat AdamW)."""
-    cfg = copy.deepcopy(cfg)
-    if on_gpu and cfg.optim.adam_impl == "auto":
-        cfg.optim.adam_impl = "flat"
+    cfg = gpu_optimizer(cfg) if on_gpu else cfg
     with traced_world(cfg.parallel, world_size):
         shapes = {_shape(b): b for b in (batches if isinstance(batches, (list, tuple)) else [batches])}
-        profiles = [activation_profile(cfg, b) for b in shapes.values()]
+        profiles = [layer_profile(cfg, b) for b in shapes.values()]
+        model = RankModel.build(cfg)
+        return rank_memory(cfg, profiles, model, workspace)
+
+
+def gpu_optimizer(cfg):
+    """``cfg`` with the AdamW the trainer picks on a GPU (``optim.adam_impl=auto``: the flat one)."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.optim.adam_impl == "auto":
+        cfg.optim.adam_impl = "flat"
+    return cfg
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """This rank's share of the whole model, built on fake tensors (its parameters' sizes are what count)."""
+
+    config: object
+    chunks: object
+    layer_bytes: float
+    """The largest layer's weights, whole."""
+
+    @classmethod
+    def build(cls, cfg) -> "RankModel":
+        """In the layout's (traced) world."""
         model_config = _run_parts(cfg, cfg_layers(cfg))[0]
-        with FakeTensorMode():
-            chunks = fake_chunks(cfg, model_config)
-            state = state_budget(cfg, chunks, model_config, shards_ema(cfg, chunks))
-            per_layer = max((sum(p.numel() * p.element_size() for p in layer.parameters())
-                             for chunk in chunks for layer in chunk.layers), default=0)
-        dp = parallel_state.get_data_parallel_world_size()
+        try:
+            with FakeTensorMode():
+                chunks = fake_chunks(cfg, model_config)
+        finally:
+            forget_cached_tables()
+        layer = max((sum(p.numel() * p.element_size() for p in layer.parameters())
+                     for chunk in chunks for layer in chunk.layers), default=0)
+        return cls(model_config, chunks, layer)
+
+
+def rank_memory(cfg, profiles: list, model: RankModel, workspace: float = 0.0) -> MemoryPrediction:
+    """Rank 0's peak from the traced micro-batches' ``profiles`` (the worst counts) and its ``model``,
+    inside the layout's traced world (which sets the data-parallel sizes that shard the state)."""
+    with FakeTensorMode():
+        state = state_budget(cfg, model.chunks, model.config, shards_ema(cfg, model.chunks))
+    dp = parallel_state.get_data_parallel_world_size()
     layers = stage_layers(cfg)
     p = cfg.parallel
     flight = in_flight(p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1,
@@ -105,6 +137,5 @@ def predict_memory(cfg, world_size: int, batches, *, workspace: float = 0.0, on_
     activations = max(profile.in_flight(layers, flight) for profile in profiles)
     # FSDP: the whole weights of the layer being computed (measured on CPU: one layer's worth over the
     # step's activations; a GPU's prefetch of the next layer is not yet measured)
-    gathered = per_layer if p.fsdp != "none" else 0.0
+    gathered = model.layer_bytes if p.fsdp != "none" else 0.0
     return MemoryPrediction(state, activations, gathered, workspace, int(round(flight)), layers)
-

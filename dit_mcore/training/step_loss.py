@@ -1,6 +1,6 @@
 """What one micro-batch computes in training: the noisy input for the objective, the model's output,
 and the loss megatron's schedule calls on it. The trainer, the validation loss and the planner's
-memory trace (:mod:`dit_mcore.plan.activations`) all run this one piece of code."""
+trace (:mod:`dit_mcore.plan.trace`) all run this one piece of code."""
 from __future__ import annotations
 
 from functools import partial

@@ -1,0 +1,167 @@
+"""``python -m dit_mcore.plan``: the layouts of a run on a cluster, predicted and ranked.
+
+    python -m dit_mcore.plan --family dit_xattn --preset DiT-XAttn-7B --seq 8192 --text-len 256 \\
+        --global-batch 256 --gpus 256 --gpu H100-80GB [--top 5] [--json layouts.jsonl] [--emit]
+    python -m dit_mcore.plan ... --explain "tp=2,recompute=full"    # one layout, part by part
+
+Model fields the preset does not fix go as ``model.<field>=<value>`` (e.g. ``model.num_layers=28``).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import sys
+import tempfile
+
+import torch
+
+from dit_mcore.errors import ConfigError
+from dit_mcore.plan.gpus import GPUS, gpu as gpu_entry
+from dit_mcore.plan.search import Layout, Planner, accepted
+from dit_mcore.training.memory import GiB
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m dit_mcore.plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="dit", help="model family (dit, dit_xattn, llama, stdit)")
+    ap.add_argument("--preset", default="DiT-XL/2", help="a preset of the family")
+    ap.add_argument("--seq", type=int, required=True, help="tokens per sample (a packed sequence's length)")
+    ap.add_argument("--frames", type=int, default=1, help="latent frames per sample (the token grid's t)")
+    ap.add_argument("--text-len", type=int, default=256, help="text tokens per sample (text families)")
+    ap.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu", default="H100-80GB", help=f"one of {sorted(GPUS)}")
+    ap.add_argument("--gpu-memory-gib", type=float, help="override the table's memory")
+    ap.add_argument("--peak-tflops", type=float, help="override the table's dense bf16 peak")
+    ap.add_argument("--nvlink-gbs", type=float, help="override the intra-node bandwidth (GB/s per direction)")
+    ap.add_argument("--network-gbs", type=float, help="override the inter-node bandwidth (GB/s per direction per GPU)")
+    ap.add_argument("--fp32", action="store_true", help="plan an fp32 run (default: bf16)")
+    ap.add_argument("--top", type=int, default=5, help="layouts to print")
+    ap.add_argument("--json", metavar="FILE", help="write every evaluated layout, one JSON object per line")
+    ap.add_argument("--emit", action="store_true", help="print the best layout as recipe overrides")
+    ap.add_argument("--explain", metavar="LAYOUT", help="break one layout down (e.g. 'tp=2,cp=4,recompute=full')")
+    ap.add_argument("overrides", nargs="*", help="model.<field>=<value>")
+    return ap.parse_args(argv)
+
+
+def run_config(args):
+    """The run to plan: the model, mock data of the given shape, the default optimizer, bf16."""
+    from dit_mcore.models.registry import get_family
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
+                                           RunConfig, TrainerConfig)
+    model = ModelConfig(family=args.family, preset=args.preset)
+    if args.family not in ("dit", "dit_xattn", "llama", "stdit") or args.preset not in get_family(args.family).presets():
+        raise ConfigError(f"--family {args.family} --preset {args.preset}: unknown; see --help of "
+                          "recipes/pretrain_xl.py for the families and their presets")
+    for item in args.overrides:
+        key, sep, raw = item.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section != "model" or not hasattr(model, name):
+            raise ConfigError(f"{item}: give model.<field>=<value> with a field of ModelConfig")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        setattr(model, name, value)
+    if args.seq < 1 or args.seq % args.frames:
+        raise ConfigError(f"--seq {args.seq} must be a positive multiple of --frames {args.frames}")
+    built = model.build(ParallelConfig())
+    side = math.isqrt(args.seq // args.frames)
+    if side * side != args.seq // args.frames:
+        raise ConfigError(f"--seq {args.seq} / --frames {args.frames} = {args.seq // args.frames} tokens per frame "
+                          "is not a square grid; give a square number of tokens per frame")
+    model.input_size = side * built.patch_size  # (the families compute positions from the grid: no length limit)
+    return RunConfig(model=model,
+                     data=DataConfig(name="mock", image_size=model.input_size, global_batch_size=args.global_batch,
+                                     micro_batch_size=1),
+                     optim=OptimConfig(), diffusion=DiffusionConfig(objective="flow"),
+                     trainer=TrainerConfig(bf16=not args.fp32),
+                     log=LogConfig(dir=tempfile.mkdtemp(prefix="dit_plan_"), tensorboard=False, progress_bar=False),
+                     parallel=ParallelConfig()), side
+
+
+def batch_maker(cfg, side: int, frames: int, text_len: int):
+    """One data-parallel rank's micro-batch of ``micro`` samples of the planned shape (values do not matter)."""
+    from energon_data.batch import MicroBatch, cumsum0
+    from dit_mcore.parallel.config import ParallelConfig
+    mc = cfg.model.build(ParallelConfig())
+
+    def make(micro: int):
+        extra = {}
+        if mc.text_dim:
+            extra = dict(text_emb=torch.zeros(micro * text_len, mc.text_dim), cu_seqlens_text=cumsum0([text_len] * micro))
+        return MicroBatch.dense(torch.zeros(micro, frames * side * side, mc.patch_dim), (frames, side, side),
+                                torch.zeros(micro, dtype=torch.long), **extra)
+    return make
+
+
+def _row(e, world: int) -> str:
+    m, s = e.memory, e.step
+    return (f"{e.layout.describe(world):<44} {'yes' if e.fits else 'NO ':>4} {m.total / GiB:7.1f} "
+            f"{s.total:8.3f} {s.compute:7.3f} {s.exposed_comm:7.3f} {s.bubble:7.3f} {e.tflops_per_gpu:7.1f} "
+            f"{e.mfu:6.1%} {e.tokens_per_s_per_gpu:9.0f}")
+
+
+HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'step s':>8} {'compute':>7} {'comm':>7} {'bubble':>7} "
+          f"{'TFLOPS':>7} {'MFU':>6} {'tok/s/GPU':>9}")
+
+
+def explain(planner: Planner, layout: Layout, world: int) -> str:
+    e = planner.evaluate(layout)
+    m, s = e.memory, e.step
+    lines = [HEADER, _row(e, world), "", "memory per GPU (GiB): " + ", ".join(f"{k} {v}" for k, v in m.parts_gib().items()),
+             f"  {m.stage_layers} layers on the first stage, {m.microbatches_in_flight} micro-batch(es) in flight; "
+             f"the device holds {planner.gpu.memory_gib:.1f} GiB: "
+             + (f"{planner.gpu.memory_gib - m.total / GiB:.1f} GiB left" if e.fits else
+                f"short by {m.total / GiB - planner.gpu.memory_gib:.1f} GiB"),
+             f"step (s): compute {s.compute:.4f}, exposed communication {s.exposed_comm:.4f}, bubble {s.bubble:.4f}, "
+             f"optimizer and EMA {s.optimizer:.4f}",
+             f"  rates from {planner.gpu.rates.source}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
+                           nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs)
+        cfg, side = run_config(args)
+        if args.gpus < 1 or args.gpus_per_node < 1:
+            raise ConfigError("--gpus and --gpus-per-node must be >= 1")
+        planner = Planner(cfg, args.gpus, device, args.gpus_per_node,
+                          batch_maker(cfg, side, args.frames, args.text_len))
+        if args.explain:
+            layout = Layout.parse(args.explain)
+            problem = accepted(cfg, layout, args.gpus)
+            if problem:
+                raise ConfigError(f"--explain {args.explain!r}: the layout check refuses it: {problem}")
+            print(explain(planner, layout, args.gpus))
+            return 0
+        done, refused = planner.plan()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            for e in done:
+                f.write(json.dumps(e.record(args.gpus)) + "\n")
+    fitting = [e for e in done if e.fits]
+    print(f"{len(done)} layouts evaluated ({refused} refused by the layout check), {len(fitting)} fit "
+          f"{device.name} ({device.memory_gib:.1f} GiB); rates: {device.rates.source}")
+    print(HEADER)
+    for e in (fitting or done)[:args.top]:
+        print(_row(e, args.gpus))
+    if not fitting:
+        smallest = min(done, key=lambda e: e.memory.total) if done else None
+        print(f"error: no layout fits {args.gpus} x {device.name}"
+              + (f"; the smallest needs {smallest.memory.total / GiB:.1f} GiB per GPU ({smallest.layout.describe(args.gpus)}): "
+                 "use more GPUs, a larger device, or a shorter sequence" if smallest else ""), file=sys.stderr)
+        return 1
+    if args.emit:
+        print(" ".join(f"{k}={v}" for k, v in fitting[0].layout.overrides().items()))
+    return 0

@@ -1,0 +1,91 @@
+"""A training step's time on one rank from the trace's work and the device's measured rates: the
+stage's micro-batches (matrix products, attention and the other kernels' traffic at the rates of
+:class:`~dit_mcore.plan.gpus.Rates`), the collectives inside them (the trace's own, over NVLink or the
+network by where megatron's rank order puts each group), the data-parallel reductions and gathers
+(overlapped as far as the run's settings overlap them), the pipeline bubble, and the optimizer and EMA.
+
+A first model: its rates come from one DiT-XL/2 profile per GPU, and it has not yet been held against a
+multi-GPU run (``docs/planning.md`` says how far it is off on the points it was not fitted to)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dit_mcore.plan.gpus import GB, GPU
+from dit_mcore.plan.trace import MicroBatchTrace
+
+_BUS = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0,
+        "broadcast": lambda n: 1.0}
+ADAM_BYTES = 30  # per stepped element: fp32 main and moments read and written, gradient read, bf16 weight written
+EMA_BYTES = 10   # per element: the fp32 shadow read and written, the bf16 weight read
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on the slowest (first) pipeline stage, by part."""
+
+    compute: float
+    """The kernels of this stage's micro-batches."""
+    exposed_comm: float
+    """Communication no computation hides."""
+    bubble: float
+    """Pipeline fill and drain."""
+    optimizer: float
+    """AdamW and the EMA fold."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+
+
+def seconds(kind: str, group: int, nbytes: float, gbs: float) -> float:
+    """One collective's time: the bytes a rank puts on the wire over a link of ``gbs`` GB/s per direction."""
+    return _BUS[kind](group) * nbytes / (gbs * GB) if group > 1 else 0.0
+
+
+def link(span: int, gpu: GPU, gpus_per_node: int) -> float:
+    """The bandwidth of a group spanning ``span`` consecutive ranks (megatron's order: TP fastest, then
+    CP, then data/expert parallel, then pipeline)."""
+    return gpu.nvlink_gbs if span <= gpus_per_node else gpu.network_gbs
+
+
+def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, gpus_per_node: int,
+              world: int, grad_bytes: float, weight_bytes: float, stepped_elements: float, ema_elements: float,
+              distributed_optimizer: bool) -> StepTime:
+    """The step of a rank whose every micro-batch costs ``micro`` (its stage's layers), ``microbatches`` per
+    step; ``grad_bytes`` / ``weight_bytes``: its gradient buffer and weights (what data parallelism
+    reduces and gathers); ``stepped_elements``: the main weights its optimizer steps; ``ema_elements``:
+    the EMA it folds (0: offloaded)."""
+    p, r = parallel, gpu.rates
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
+    dp = world // (tp * cp * pp)
+    attention = micro.attention_flops / (r.attention_tflops * 1e12)
+    kernels = micro.gemm_flops / (r.gemm_tflops * 1e12) + attention + micro.memory_bytes / (r.memory_gbs * GB)
+    exposed = 0.0
+    for kind, group, nbytes in micro.comm:
+        if kind == "p2p" or (kind == "all_to_all" and group == cp and cp > 1 and not p.expert_model_parallel_size > 1):
+            span = tp * cp
+        elif kind in ("all_gather", "reduce_scatter", "all_reduce") and group == tp:
+            span = tp
+        elif kind == "all_to_all":  # experts' tokens over the expert-parallel group
+            span = tp * cp * group
+        else:
+            span = tp * cp
+        t = seconds(kind, group, nbytes, link(span, gpu, gpus_per_node))
+        exposed += max(0.0, t - attention) if kind == "p2p" else t  # (ring attention overlaps its exchange)
+    per_micro = kernels + exposed
+    # data parallel over DP x CP: gradients reduced (scattered under the distributed optimizer or FSDP), weights gathered
+    replicas = dp * cp
+    dp_gbs = link(tp * cp * dp, gpu, gpus_per_node)
+    fsdp = p.fsdp != "none"
+    reduce = seconds("reduce_scatter" if distributed_optimizer or fsdp else "all_reduce", replicas, grad_bytes, dp_gbs)
+    gather = seconds("all_gather", replicas, weight_bytes, dp_gbs) if distributed_optimizer or fsdp else 0.0
+    if fsdp:  # every micro-batch gathers the weights twice (forward, backward) and scatters the gradients
+        comm = microbatches * (2 * gather + reduce)
+        dp_exposed = max(0.0, comm - microbatches * kernels)
+    else:  # overlapped with the last micro-batch's backward (~2/3 of it) and the next forward (~1/3)
+        dp_exposed = (max(0.0, reduce - 2 * kernels / 3) if p.overlap_grad_reduce else reduce) \
+            + (max(0.0, gather - kernels / 3) if p.overlap_param_gather else gather)
+    bubble = (pp - 1) / (p.virtual_pipeline_model_parallel_size or 1) * per_micro if pp > 1 else 0.0
+    optimizer = (ADAM_BYTES * stepped_elements + EMA_BYTES * ema_elements) / (r.memory_gbs * GB)
+    return StepTime(microbatches * kernels, microbatches * exposed + dp_exposed, bubble, optimizer)

@@ -1,0 +1,184 @@
+"""A training micro-batch traced, not a hand formula: the run's own model and training micro-batch
+(:class:`dit_mcore.training.step_loss.StepLoss`) run forward and backward under ``FakeTensorMode``, where
+nothing is allocated and no arithmetic is done, while :class:`LiveMemory` follows every storage autograd
+and the kernels create and free, and :class:`OpCosts` adds up each operator's FLOPs, memory traffic
+and collectives. Two traces, one and two layers deep,
+give what the parts outside the layer stack hold and what each layer adds, for the run's recompute
+mode, attention kernel, packing and dtype; any depth is then a sum. Whatever the code saves for
+backward (adaLN's normalised inputs, gated branches, the text keys and values, an ST-DiT's second
+attention, an MoE's routing) is counted because it is saved, not because a formula lists it.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from dit_mcore.diffusion import build_objective, drop_labels
+from dit_mcore.models.moe import reset_moe_state
+from dit_mcore.models.registry import get_family
+from dit_mcore.parallel.pipeline import ModelChunks
+from dit_mcore.plan.live_memory import LiveMemory
+from dit_mcore.plan.op_costs import OpCosts
+from dit_mcore.training.step_loss import StepLoss
+
+
+@dataclass(frozen=True)
+class MicroBatchTrace:
+    """What one micro-batch's forward and backward cost its rank, beyond the run's per-parameter state."""
+
+    saved: float
+    """Bytes live once its forward is done: what autograd keeps for the backward, and the loss."""
+    peak: float
+    """The most bytes live at once through its forward and backward, alone in flight."""
+    gemm_flops: float = 0.0
+    """Matrix products, forward, backward and recomputed (:class:`OpCosts`)."""
+    attention_flops: float = 0.0
+    memory_bytes: float = 0.0
+    """Read and written by every other operator."""
+    comm: tuple = ()
+    """``((collective, group size, bytes), ...)`` sent inside the micro-batch (TP/SP, CP, EP)."""
+
+    def __add__(self, other: "MicroBatchTrace") -> "MicroBatchTrace":
+        comm = dict(((k, g), b) for k, g, b in self.comm)
+        for k, g, b in other.comm:
+            comm[k, g] = comm.get((k, g), 0.0) + b
+        return MicroBatchTrace(self.saved + other.saved, self.peak + other.peak, self.gemm_flops + other.gemm_flops,
+                               self.attention_flops + other.attention_flops, self.memory_bytes + other.memory_bytes,
+                               tuple((k, g, b) for (k, g), b in sorted(comm.items())))
+
+    def __mul__(self, x: float) -> "MicroBatchTrace":
+        return MicroBatchTrace(self.saved * x, self.peak * x, self.gemm_flops * x, self.attention_flops * x,
+                               self.memory_bytes * x, tuple((k, g, b * x) for k, g, b in self.comm))
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """A micro-batch as ``outside + layers x per_layer``: the embeddings, conditioning, final layer,
+    inputs and loss (``outside``), and what each layer of the stack adds (``per_layer``)."""
+
+    outside: MicroBatchTrace
+    per_layer: MicroBatchTrace
+
+    def at(self, layers: int) -> MicroBatchTrace:
+        return self.outside + self.per_layer * layers
+
+    def __mul__(self, samples: float) -> "LayerProfile":
+        return LayerProfile(self.outside * samples, self.per_layer * samples)
+
+    def in_flight(self, layers: int, microbatches: float) -> float:
+        """The peak bytes of ``microbatches`` micro-batches in flight on ``layers`` layers (a pipeline
+        stage under 1F1B holds several forwards' saved tensors while the oldest runs its backward)."""
+        one = self.at(layers)
+        return (microbatches - 1) * one.saved + one.peak
+
+
+def _run_parts(cfg, num_layers: int) -> tuple:
+    """The model config of ``cfg`` made ``num_layers`` deep, its objective and compute dtype."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model.num_layers = num_layers
+    model_config = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
+    if model_config.num_moe_experts:  # balanced routing, in static shapes (see balanced_experts)
+        model_config.moe_expert_capacity_factor, model_config.moe_pad_expert_input_to_capacity = 1.0, True
+    return model_config, build_objective(cfg.diffusion.objective), torch.bfloat16 if cfg.trainer.bf16 else torch.float32
+
+
+def fake_chunks(cfg, model_config) -> ModelChunks:
+    """This rank's chunks of the run's model for ``model_config``, built under the caller's
+    ``FakeTensorMode`` in the compute dtype."""
+    family = get_family(cfg.model.family)
+    with torch.device("cpu"):
+        chunks = ModelChunks.build(lambda **stage: family.build(model_config, backend=cfg.model.backend, **stage),
+                                   model_config.virtual_pipeline_model_parallel_size, seed=0)
+    dtype = torch.bfloat16 if cfg.trainer.bf16 else torch.float32
+    for p in chunks.parameters():
+        p.data = p.data.to(dtype)  # (ModelChunks.of_family's cast, which cannot swap fake parameters)
+    return chunks
+
+
+class _RealHostTensors(TorchDispatchMode):
+    """Operators on real tensors alone (the batch's host-side grids and offsets, which the model reads as
+    integers) run for real, and so do factories of small integer tensors (counts and offsets, such as
+    megatron's tokens per expert); everything that touches a fake tensor, and every other factory,
+    stays fake."""
+
+    SMALL = 1 << 16
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not tensors and isinstance(out, torch.Tensor) and not out.is_floating_point() and out.numel() <= self.SMALL:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return out
+
+
+def forget_cached_tables() -> None:
+    """Empty every ``functools.lru_cache`` of the project's, its kernels' and megatron's modules: the
+    tables they keep (positions, rotary frequencies, attention plans) were built from fake tensors
+    during a trace, and a real run after it must not find them."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("dit_mcore", "energon_data", "megatron.core")):
+            continue
+        for value in list(vars(module).values()):
+            for fn in (value, *vars(value).values()) if isinstance(value, type) else (value,):
+                if isinstance(fn, functools._lru_cache_wrapper):
+                    fn.cache_clear()
+
+
+def trace_microbatch(cfg, batch, *, num_layers: int) -> MicroBatchTrace:
+    """One training micro-batch of ``batch`` through this rank's part of the run ``cfg``'s model (the tables
+    its modules cache are built from fake tensors: :func:`forget_cached_tables` before a real run),
+    ``num_layers`` deep in all, traced (in megatron's parallel state of the layout, e.g.
+    :func:`dit_mcore.plan.world.traced_world`); on a pipeline stage before the last, the backward
+    starts from the gradient the next stage would send. Gradients go where megatron DDP's hooks put them
+    (a buffer that is part of the state), so each parameter's ``.grad`` is dropped once accumulated."""
+    model_config, objective, dtype = _run_parts(cfg, num_layers)
+    step = StepLoss(model_config, objective, dtype, cfg.model.family)
+    reset_moe_state()  # (megatron's router-loss tracker is sized by the last model's depth)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = fake_chunks(cfg, model_config)[0]
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            with _RealHostTensors(), OpCosts() as costs, LiveMemory() as live:
+                n, g = batch.num_samples, torch.Generator().manual_seed(0)
+                level = objective.sample_level(n, generator=g)
+                noise = torch.randn(batch.tokens.shape, generator=g)
+                labels = drop_labels(step.labels_of(batch), model_config.class_dropout_prob, model_config.num_classes,
+                                     generator=g)
+                keep = torch.rand(n, generator=g) >= model_config.text_dropout_prob if model_config.text_dim else None
+                out, loss_fn = step.forward(model, batch, level, noise, labels, text_keep=keep)
+                # the last stage's loss, or the gradient a later pipeline stage sends back
+                loss, grad = (loss_fn(out)[0], None) if model.post_process else (out, torch.ones_like(out))
+                del out, level, noise, labels, keep
+                saved = live.live
+                loss.backward(grad)
+    finally:
+        reset_moe_state()  # (the tracker holds fake tensors now)
+    return MicroBatchTrace(saved, live.peak, costs.gemm_flops, costs.attention_flops, costs.memory_bytes,
+                           tuple((k, g, b) for (k, g), b in sorted(costs.comm.items())))
+
+
+def layer_profile(cfg, batch) -> LayerProfile:
+    """The run ``cfg``'s cost per micro-batch like ``batch`` on this rank's pipeline stage, from traces
+    one and two layers per stage deep."""
+    stages = cfg.parallel.pipeline_model_parallel_size
+    try:  # a step after the first: the model's cached tables (positions, plans) are built already
+        trace_microbatch(cfg, batch, num_layers=stages)
+        one, two = (trace_microbatch(cfg, batch, num_layers=n * stages) for n in (1, 2))
+    finally:
+        forget_cached_tables()
+    per_layer = two + one * -1
+    return LayerProfile(one + per_layer * -1, per_layer)

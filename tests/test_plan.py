@@ -1,0 +1,136 @@
+"""The layout planner (dit_mcore.plan): the collectives its trace counts against the analytic volumes,
+its shortcuts (one sample's trace, no pipeline stages) against the whole micro-batch's trace, and the
+command: every layout it prints passes the layout check, the best one's overrides train, bad input
+gets one line."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_env import single_process_world
+from test_parallel_layouts import layout_run
+from test_recipes import resolve
+from dit_mcore.parallel.layout import check_layout
+from dit_mcore.plan import cli
+from dit_mcore.plan.gpus import gpu
+from dit_mcore.plan.memory import predict_memory
+from dit_mcore.plan.search import Layout, Planner
+from dit_mcore.plan.step_time import _BUS
+from dit_mcore.plan.trace import trace_microbatch
+from dit_mcore.plan.world import traced_world
+from dit_mcore.recipes.pretrain_xl import pretrain_tiny
+from energon_data.batch import MicroBatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from attention_comm import CommBenchConfig, analytic  # noqa: E402
+
+ROWS, SEQ = 4, 16  # a dense micro-batch of 4 samples of 4x4 tokens
+
+
+def _batch(rows=ROWS):
+    return MicroBatch.dense(torch.zeros(rows, SEQ, 16), (1, 4, 4), torch.arange(rows))
+
+
+def _per_layer_wire_bytes(cfg, world=2) -> float:
+    with traced_world(cfg.parallel, world):
+        one, two = (trace_microbatch(cfg, _batch(), num_layers=n) for n in (1, 2))
+    return sum(_BUS[kind](n) * b for kind, n, b in (two + one * -1).comm)
+
+
+@pytest.mark.parametrize("method", ["tp_sp", "p2p", "a2a"])
+def test_the_traced_collectives_are_the_analytic_volumes(tmp_path, method):
+    """Per layer and micro-batch, what a rank puts on the wire (fp32): TP2 + SP, 4 all-gathers and
+    reduce-scatters forward and 6 backward of a ``[tokens, hidden]`` activation (benchmarks/parallel_step.py);
+    CP2, the ring's and Ulysses' volumes of benchmarks/attention_comm.py."""
+    parallel = dict(tensor_model_parallel_size=2, sequence_parallel=True) if method == "tp_sp" else \
+        dict(context_parallel_size=2, cp_comm_type=method)
+    cfg = layout_run(tmp_path, "dense", **parallel)
+    traced = _per_layer_wire_bytes(cfg)
+    h = cfg.model.hidden_size
+    if method == "tp_sp":
+        want = 10 * (2 - 1) / 2 * ROWS * SEQ * h * 4
+    else:
+        heads = cfg.model.num_attention_heads
+        want = analytic(method, CommBenchConfig(seq=SEQ * ROWS, heads=heads, head_dim=h // heads, degree=2,
+                                                dtype="float32"))[1]
+    assert traced == pytest.approx(want, rel=1e-6)
+
+
+def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):
+    """The planner traces one sample without pipeline stages and scales; the memory it predicts for 4
+    samples per micro-batch on two stages is within 3% of the whole micro-batch's trace on stage 0 (which
+    holds the embeddings, not the final layer the shortcut also counts)."""
+    cfg = layout_run(tmp_path, "dense")
+    cfg.model.input_size, cfg.data.image_size = 8, 8
+    layout = Layout(pp=2, micro_batch=ROWS)
+    planner = Planner(cfg, 2, gpu("H100-80GB"), 8, lambda rows: _batch(rows))
+    shortcut = planner.evaluate(layout).memory
+    whole = predict_memory(layout.apply(cfg), 2, _batch(), workspace=shortcut.workspace, on_gpu=True)
+    assert shortcut.total == pytest.approx(whole.total, rel=0.03)
+    assert shortcut.activations >= whole.activations  # (the final layer's share: an over-count)
+    single_process_world()
+
+
+TINY = ["--preset", "tiny", "--seq", "16", "--global-batch", "32", "--gpu", "H100-80GB"]
+
+
+def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, capsys):
+    out = tmp_path / "layouts.jsonl"
+    assert cli.main([*TINY, "--gpus", "4", "--json", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records and {"overrides", "fits", "memory_gib", "step_s", "tflops_per_gpu", "mfu",
+                        "tokens_per_s_per_gpu"} <= set(records[0])
+    args = cli.parse_args([*TINY, "--gpus", "4"])
+    base, _ = cli.run_config(args)
+    for record in records:
+        cfg = Layout(**_fields(record["overrides"])).apply(base)
+        check_layout(cfg.parallel, cfg.model.build(cfg.parallel), cfg.data, 4,
+                     use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    fitting = [float(f"{r['tokens_per_s_per_gpu']:.4g}") for r in records if r["fits"]]
+    assert fitting == sorted(fitting, reverse=True)  # best first (to 4 digits: ties go to larger micro-batches)
+    assert records[0]["memory_gib"]["total"] == pytest.approx(sum(v for k, v in records[0]["memory_gib"].items()
+                                                                  if k != "total"), abs=0.01)
+    # one GPU: the best layout's overrides, as --emit prints them, train the recipe's tiny run
+    capsys.readouterr()
+    assert cli.main([*TINY, "--gpus", "1", "--emit"]) == 0
+    emitted = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert "parallel.tensor_model_parallel_size=1" in emitted and "data.micro_batch_size=8" in emitted
+    from dit_mcore.training.trainer import pretrain
+    history = pretrain(resolve(pretrain_tiny, [*emitted, "trainer.max_steps=1", f"log.dir={tmp_path / 'run'}"]))
+    assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
+
+
+def _fields(overrides: dict) -> dict:
+    """The :class:`Layout` fields behind its overrides."""
+    p = lambda name: overrides[f"parallel.{name}"]  # noqa: E731
+    return dict(tp=p("tensor_model_parallel_size"), cp=p("context_parallel_size"),
+                cp_comm_type=overrides.get("parallel.cp_comm_type", "p2p"), pp=p("pipeline_model_parallel_size"),
+                ep=p("expert_model_parallel_size"), fsdp=p("fsdp"), distopt=overrides["optim.use_distributed_optimizer"],
+                recompute="full" if overrides["model.recompute_granularity"] else "none",
+                micro_batch=overrides["data.micro_batch_size"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "V100"], "--gpu 'V100' is not in the table; use one of"),
+    (["--seq", "15"], "--seq 15 / --frames 1 = 15 tokens per frame is not a square grid"),
+    (["--explain", "tp=3"], "--explain 'tp=3': the layout check refuses it:"),
+    (["--explain", "pipes=2"], "'pipes=2' is not name=value with a name among"),
+    (["model.depth=3"], "model.depth=3: give model.<field>=<value> with a field of ModelConfig"),
+])
+def test_bad_input_gets_one_line(args, message, capsys):
+    argv = [*TINY, "--gpus", "2"]
+    for flag, value in zip(args[::2], args[1::2]):  # (replace a flag's value, or add the flag)
+        argv = argv[:argv.index(flag) + 1] + [value] + argv[argv.index(flag) + 2:] if flag in argv else [*argv, flag, value]
+    if len(args) == 1:
+        argv.append(args[0])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):
+    assert cli.main([*TINY, "--gpus", "1", "--gpu-memory-gib", "0.001"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no layout fits 1 x H100-80GB; the smallest needs" in err[0], err
