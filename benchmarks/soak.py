@@ -223,15 +223,20 @@ def child(argv) -> int:
             return train_step(self, *a)
         Trainer.train_step = slowed
     if args.nan_step:
-        loss = Trainer._loss
+        from dit_mcore.training.step_loss import StepLoss
+        loss, stepping, current = StepLoss.loss, Trainer.train_step, {"step": 0}
+
+        def counted(self, *a):  # (the step a micro-batch's loss belongs to)
+            current["step"] = self.step + 1
+            return stepping(self, *a)
 
         def poisoned(self, inputs, batch, output):
             loss_sum, count, logged = loss(self, inputs, batch, output)
-            if self.step + 1 == args.nan_step:
+            if current["step"] == args.nan_step:
                 loss_sum = loss_sum * float("nan")
                 logged = {"loss": logged["loss"] * float("nan")}
             return loss_sum, count, logged
-        Trainer._loss = poisoned
+        Trainer.train_step, StepLoss.loss = counted, poisoned
     from dit_mcore.recipes.entry import train
     from dit_mcore.recipes.launch import main
     import dit_mcore.recipes.pretrain_xl  # noqa: F401  (registers the factories)

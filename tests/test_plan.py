@@ -17,7 +17,7 @@ from dit_mcore.plan import cli
 from dit_mcore.plan.gpus import gpu
 from dit_mcore.plan.memory import predict_memory
 from dit_mcore.plan.search import Layout, Planner
-from dit_mcore.plan.step_time import _BUS
+from dit_mcore.plan.step_time import BUS_FACTOR
 from dit_mcore.plan.trace import trace_microbatch
 from dit_mcore.plan.world import traced_world
 from dit_mcore.recipes.pretrain_xl import pretrain_tiny
@@ -36,7 +36,7 @@ def _batch(rows=ROWS):
 def _per_layer_wire_bytes(cfg, world=2) -> float:
     with traced_world(cfg.parallel, world):
         one, two = (trace_microbatch(cfg, _batch(), num_layers=n) for n in (1, 2))
-    return sum(_BUS[kind](n) * b for kind, n, b in (two + one * -1).comm)
+    return sum(BUS_FACTOR[kind](n) * b for kind, n, b in (two + one * -1).comm)
 
 
 @pytest.mark.parametrize("method", ["tp_sp", "p2p", "a2a"])
@@ -60,16 +60,16 @@ def test_the_traced_collectives_are_the_analytic_volumes(tmp_path, method):
 
 def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):
     """The planner traces one sample without pipeline stages and scales; the memory it predicts for 4
-    samples per micro-batch on two stages is within 3% of the whole micro-batch's trace on stage 0 (which
-    holds the embeddings, not the final layer the shortcut also counts)."""
+    samples per micro-batch on two stages is within 5% of the whole micro-batch's trace on stage 0 (which
+    holds the embeddings, not the final layer the shortcut also counts: 7% more activations here)."""
     cfg = layout_run(tmp_path, "dense")
     cfg.model.input_size, cfg.data.image_size = 8, 8
     layout = Layout(pp=2, micro_batch=ROWS)
-    planner = Planner(cfg, 2, gpu("H100-80GB"), 8, lambda rows: _batch(rows))
+    planner = Planner(cfg, 2, gpu("H100-80GB", workspace_gib=0.0), 8, lambda rows: _batch(rows))
     shortcut = planner.evaluate(layout).memory
-    whole = predict_memory(layout.apply(cfg), 2, _batch(), workspace=shortcut.workspace, on_gpu=True)
-    assert shortcut.total == pytest.approx(whole.total, rel=0.03)
-    assert shortcut.activations >= whole.activations  # (the final layer's share: an over-count)
+    whole = predict_memory(layout.apply(cfg), 2, _batch(), on_gpu=True)
+    assert shortcut.total == pytest.approx(whole.total, rel=0.05), (shortcut.activations, whole.activations)
+    assert whole.activations <= shortcut.activations <= 1.1 * whole.activations  # (the final layer: an over-count)
     single_process_world()
 
 
@@ -117,6 +117,8 @@ def _fields(overrides: dict) -> dict:
     (["--seq", "15"], "--seq 15 / --frames 1 = 15 tokens per frame is not a square grid"),
     (["--explain", "tp=3"], "--explain 'tp=3': the layout check refuses it:"),
     (["--explain", "pipes=2"], "'pipes=2' is not name=value with a name among"),
+    (["--explain", "tp=two"], "tp takes int values, not 'two'"),
+    (["--explain", "recompute=selective"], "recompute is one of ['full', 'none']"),
     (["model.depth=3"], "model.depth=3: give model.<field>=<value> with a field of ModelConfig"),
 ])
 def test_bad_input_gets_one_line(args, message, capsys):

@@ -27,6 +27,12 @@ class Conditioning:
     emb: torch.Tensor
     token_to_sample: Optional[torch.Tensor] = None
 
+    def narrow(self, start: int, length: int) -> "Conditioning":
+        """The conditioning of tokens ``start .. start + length`` of the stream (dim 0 of ``[s, b, h]``)."""
+        if self.token_to_sample is None:
+            return self
+        return Conditioning(self.emb, self.token_to_sample.narrow(0, start, length))
+
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``x * (1 + scale) + shift`` with per-sample ``shift``/``scale [n, h]``."""
         if self.token_to_sample is None:

@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -36,14 +37,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", default="H100-80GB", help=f"one of {sorted(GPUS)}")
     ap.add_argument("--gpu-memory-gib", type=float, help="override the table's memory")
-    ap.add_argument("--peak-tflops", type=float, help="override the table's dense bf16 peak")
+    ap.add_argument("--peak-tflops", type=float, help="override the table's dense bf16 peak (MFU's reference; "
+                    "the step time comes from the table's measured rates)")
     ap.add_argument("--nvlink-gbs", type=float, help="override the intra-node bandwidth (GB/s per direction)")
     ap.add_argument("--network-gbs", type=float, help="override the inter-node bandwidth (GB/s per direction per GPU)")
-    ap.add_argument("--fp32", action="store_true", help="plan an fp32 run (default: bf16)")
     ap.add_argument("--top", type=int, default=5, help="layouts to print")
     ap.add_argument("--json", metavar="FILE", help="write every evaluated layout, one JSON object per line")
-    ap.add_argument("--emit", action="store_true", help="print the best layout as recipe overrides")
-    ap.add_argument("--explain", metavar="LAYOUT", help="break one layout down (e.g. 'tp=2,cp=4,recompute=full')")
+    ap.add_argument("--emit", action="store_true", help="print the best layout's fields as overrides to add to the "
+                    "run's recipe command (the layout only: the run's own model and data fields stay the user's)")
+    ap.add_argument("--explain", metavar="LAYOUT", help="break one layout down instead of ranking (e.g. "
+                    "'tp=2,cp=4,recompute=full'; fields: tp cp cp_comm_type pp ep fsdp distopt recompute micro_batch)")
     ap.add_argument("overrides", nargs="*", help="model.<field>=<value>")
     return ap.parse_args(argv)
 
@@ -80,8 +83,9 @@ def run_config(args):
                      data=DataConfig(name="mock", image_size=model.input_size, global_batch_size=args.global_batch,
                                      micro_batch_size=1),
                      optim=OptimConfig(), diffusion=DiffusionConfig(objective="flow"),
-                     trainer=TrainerConfig(bf16=not args.fp32),
-                     log=LogConfig(dir=tempfile.mkdtemp(prefix="dit_plan_"), tensorboard=False, progress_bar=False),
+                     trainer=TrainerConfig(bf16=True),  # (the rates are bf16 runs')
+                     log=LogConfig(dir=str(Path(tempfile.gettempdir()) / "dit_plan"), tensorboard=False,
+                                   progress_bar=False),  # (never written: nothing trains)
                      parallel=ParallelConfig()), side
 
 
@@ -150,6 +154,11 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             for e in done:
                 f.write(json.dumps(e.record(args.gpus)) + "\n")
+    if not done:
+        print(f"error: no layout of {args.gpus} GPUs passes the layout check ({refused} refused): --global-batch "
+              f"{args.global_batch} must divide over the data-parallel ranks; see --explain for one layout's reason",
+              file=sys.stderr)
+        return 1
     fitting = [e for e in done if e.fits]
     print(f"{len(done)} layouts evaluated ({refused} refused by the layout check), {len(fitting)} fit "
           f"{device.name} ({device.memory_gib:.1f} GiB); rates: {device.rates.source}")
@@ -157,10 +166,10 @@ def main(argv=None) -> int:
     for e in (fitting or done)[:args.top]:
         print(_row(e, args.gpus))
     if not fitting:
-        smallest = min(done, key=lambda e: e.memory.total) if done else None
-        print(f"error: no layout fits {args.gpus} x {device.name}"
-              + (f"; the smallest needs {smallest.memory.total / GiB:.1f} GiB per GPU ({smallest.layout.describe(args.gpus)}): "
-                 "use more GPUs, a larger device, or a shorter sequence" if smallest else ""), file=sys.stderr)
+        smallest = min(done, key=lambda e: e.memory.total)
+        print(f"error: no layout fits {args.gpus} x {device.name}; the smallest needs "
+              f"{smallest.memory.total / GiB:.1f} GiB per GPU ({smallest.layout.describe(args.gpus)}): use more GPUs, "
+              "a larger device, or a shorter sequence", file=sys.stderr)
         return 1
     if args.emit:
         print(" ".join(f"{k}={v}" for k, v in fitting[0].layout.overrides().items()))

@@ -1,5 +1,5 @@
-"""The devices a plan can target: memory, dense bf16 peak, HBM and link bandwidths (vendors' data
-sheets, SXM parts), and the rates this project's kernels reached on them (``rates``: from the one-GPU
+"""The devices a plan can target: memory, dense bf16 peak and link bandwidths (vendors' data sheets,
+SXM parts), and the rates this project's kernels reached on them (``rates``: from the one-GPU
 profiles in ``benchmarks/results/``, named beside each figure). Any field can be overridden."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class GPU:
     memory_gib: float
     """What ``torch.cuda.get_device_properties().total_memory`` reports (H200: 143,771 MiB in the leases here)."""
     bf16_tflops: float
-    hbm_gbs: float
+    """The dense peak MFU is measured against (the step time comes from :attr:`rates`)."""
     nvlink_gbs: float
     """Per direction, per GPU, inside a node."""
     network_gbs: float
@@ -56,11 +56,11 @@ def _scaled(rates: Rates, by: float, name: str) -> Rates:
 
 
 GPUS = {g.name: g for g in (
-    GPU("H100-80GB", 79.2, PEAK_TFLOPS["H100"]["bf16"], 3350.0, 450.0, 50.0, 3.0, _H100),
-    GPU("H200", 140.4, PEAK_TFLOPS["H200"]["bf16"], 4800.0, 450.0, 50.0, 3.0, _H200),
-    GPU("B200", 167.6, PEAK_TFLOPS["B200"]["bf16"], 8000.0, 900.0, 50.0, 3.0,
+    GPU("H100-80GB", 79.2, PEAK_TFLOPS["H100"]["bf16"], 450.0, 50.0, 3.0, _H100),
+    GPU("H200", 140.4, PEAK_TFLOPS["H200"]["bf16"], 450.0, 50.0, 3.0, _H200),
+    GPU("B200", 167.6, PEAK_TFLOPS["B200"]["bf16"], 900.0, 50.0, 3.0,
         _scaled(_H100, PEAK_TFLOPS["B200"]["bf16"] / PEAK_TFLOPS["H100"]["bf16"], "B200")),
-    GPU("A100-80GB", 79.2, PEAK_TFLOPS["A100"]["bf16"], 2039.0, 300.0, 25.0, 3.0,
+    GPU("A100-80GB", 79.2, PEAK_TFLOPS["A100"]["bf16"], 300.0, 25.0, 3.0,
         _scaled(_H100, PEAK_TFLOPS["A100"]["bf16"] / PEAK_TFLOPS["H100"]["bf16"], "A100")),
 )}
 

@@ -72,8 +72,8 @@ def _moves_data(func, args, out) -> bool:
     """False for metadata queries (``prim::device``), views, and operators that hand back an input's
     storage without writing it (``_unsafe_view``)."""
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    if not outs or func.namespace == "prim" or func.is_view:
-        return False
+    if not outs or func.namespace == "prim" or func.is_view or func.__name__.startswith("empty"):
+        return False  # (an empty tensor is allocated, not written)
     if func._schema.is_mutable:
         return True
     inputs = {id(t.untyped_storage()) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}

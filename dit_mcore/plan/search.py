@@ -46,6 +46,7 @@ class Layout:
         """The fields of ``recipes/pretrain_xl.py`` this layout sets."""
         out = {"parallel.tensor_model_parallel_size": self.tp, "parallel.sequence_parallel": self.tp > 1,
                "parallel.context_parallel_size": self.cp, "parallel.pipeline_model_parallel_size": self.pp,
+               "parallel.virtual_pipeline_model_parallel_size": None,
                "parallel.expert_model_parallel_size": self.ep, "parallel.fsdp": self.fsdp,
                "parallel.overlap_grad_reduce": self.fsdp == "none", "parallel.overlap_param_gather": self.distopt,
                "optim.use_distributed_optimizer": self.distopt, "data.micro_batch_size": self.micro_batch}
@@ -81,7 +82,12 @@ class Layout:
             if not sep or key not in names:
                 raise ConfigError(f"--explain {text!r}: {item!r} is not name=value with a name among {sorted(names)}")
             kind = type(getattr(cls(), key))
-            values[key] = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+            try:
+                values[key] = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+            except ValueError:
+                raise ConfigError(f"--explain {text!r}: {key} takes {kind.__name__} values, not {raw!r}") from None
+        if values.get("recompute", "none") not in RECOMPUTE:
+            raise ConfigError(f"--explain {text!r}: recompute is one of {sorted(RECOMPUTE)}")
         return cls(**values)
 
 
@@ -163,9 +169,10 @@ class Planner:
         micro = cfg.data.num_microbatches(dp)
         s = memory.state
         stepped = (s.main_weights / 4 if cfg.trainer.bf16 else s.weights / 4)
+        grad_bytes = model.numel * (2 if cfg.optim.main_grads_dtype == "bf16" else 4)
         step = step_time(profile.at(memory.stage_layers), parallel=p, microbatches=micro, gpu=self.gpu,
                          gpus_per_node=self.gpus_per_node, world=self.world,
-                         grad_bytes=s.gradients, weight_bytes=s.weights, stepped_elements=stepped,
+                         grad_bytes=grad_bytes, weight_bytes=model.weight_bytes, stepped_elements=stepped,
                          ema_elements=s.ema / 4, distributed_optimizer=cfg.optim.use_distributed_optimizer)
         batch = self.batch(1)
         per_sample = dit_flops(model.config, batch.seqlens, batch.text_seqlens,

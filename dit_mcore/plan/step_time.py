@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from dit_mcore.plan.gpus import GB, GPU
 from dit_mcore.plan.trace import MicroBatchTrace
 
-_BUS = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+BUS_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0,
         "broadcast": lambda n: 1.0}
 ADAM_BYTES = 30  # per stepped element: fp32 main and moments read and written, gradient read, bf16 weight written
@@ -40,7 +40,7 @@ class StepTime:
 
 def seconds(kind: str, group: int, nbytes: float, gbs: float) -> float:
     """One collective's time: the bytes a rank puts on the wire over a link of ``gbs`` GB/s per direction."""
-    return _BUS[kind](group) * nbytes / (gbs * GB) if group > 1 else 0.0
+    return BUS_FACTOR[kind](group) * nbytes / (gbs * GB) if group > 1 else 0.0
 
 
 def link(span: int, gpu: GPU, gpus_per_node: int) -> float:
@@ -53,9 +53,9 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
               world: int, grad_bytes: float, weight_bytes: float, stepped_elements: float, ema_elements: float,
               distributed_optimizer: bool) -> StepTime:
     """The step of a rank whose every micro-batch costs ``micro`` (its stage's layers), ``microbatches`` per
-    step; ``grad_bytes`` / ``weight_bytes``: its gradient buffer and weights (what data parallelism
-    reduces and gathers); ``stepped_elements``: the main weights its optimizer steps; ``ema_elements``:
-    the EMA it folds (0: offloaded)."""
+    step; ``grad_bytes`` / ``weight_bytes``: the whole gradient buffer and weights of its share of the model
+    (TP/PP/EP), unsharded: what data parallelism reduces and gathers; ``stepped_elements``: the main
+    weights its optimizer steps; ``ema_elements``: the EMA it folds (0: offloaded)."""
     p, r = parallel, gpu.rates
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     dp = world // (tp * cp * pp)

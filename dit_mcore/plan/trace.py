@@ -79,7 +79,7 @@ class LayerProfile:
         return (microbatches - 1) * one.saved + one.peak
 
 
-def _run_parts(cfg, num_layers: int) -> tuple:
+def run_parts(cfg, num_layers: int) -> tuple:
     """The model config of ``cfg`` made ``num_layers`` deep, its objective and compute dtype."""
     cfg = copy.deepcopy(cfg)
     cfg.model.num_layers = num_layers
@@ -136,14 +136,14 @@ def forget_cached_tables() -> None:
                     fn.cache_clear()
 
 
-def trace_microbatch(cfg, batch, *, num_layers: int) -> MicroBatchTrace:
+def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True) -> MicroBatchTrace:
     """One training micro-batch of ``batch`` through this rank's part of the run ``cfg``'s model (the tables
-    its modules cache are built from fake tensors: :func:`forget_cached_tables` before a real run),
+    its modules cache are built from fake tensors and forgotten after it, unless ``forget`` is False),
     ``num_layers`` deep in all, traced (in megatron's parallel state of the layout, e.g.
     :func:`dit_mcore.plan.world.traced_world`); on a pipeline stage before the last, the backward
     starts from the gradient the next stage would send. Gradients go where megatron DDP's hooks put them
     (a buffer that is part of the state), so each parameter's ``.grad`` is dropped once accumulated."""
-    model_config, objective, dtype = _run_parts(cfg, num_layers)
+    model_config, objective, dtype = run_parts(cfg, num_layers)
     step = StepLoss(model_config, objective, dtype, cfg.model.family)
     reset_moe_state()  # (megatron's router-loss tracker is sized by the last model's depth)
     try:
@@ -160,13 +160,15 @@ def trace_microbatch(cfg, batch, *, num_layers: int) -> MicroBatchTrace:
                                      generator=g)
                 keep = torch.rand(n, generator=g) >= model_config.text_dropout_prob if model_config.text_dim else None
                 out, loss_fn = step.forward(model, batch, level, noise, labels, text_keep=keep)
-                # the last stage's loss, or the gradient a later pipeline stage sends back
-                loss, grad = (loss_fn(out)[0], None) if model.post_process else (out, torch.ones_like(out))
+                loss = loss_fn(out)[0] if model.post_process else out  # (else: a later stage computes it)
                 del out, level, noise, labels, keep
                 saved = live.live
-                loss.backward(grad)
+                # on a stage before the last, the backward starts from the gradient the next stage sends
+                loss.backward(None if model.post_process else torch.ones_like(loss))
     finally:
         reset_moe_state()  # (the tracker holds fake tensors now)
+        if forget:
+            forget_cached_tables()
     return MicroBatchTrace(saved, live.peak, costs.gemm_flops, costs.attention_flops, costs.memory_bytes,
                            tuple((k, g, b) for (k, g), b in sorted(costs.comm.items())))
 
@@ -176,8 +178,8 @@ def layer_profile(cfg, batch) -> LayerProfile:
     one and two layers per stage deep."""
     stages = cfg.parallel.pipeline_model_parallel_size
     try:  # a step after the first: the model's cached tables (positions, plans) are built already
-        trace_microbatch(cfg, batch, num_layers=stages)
-        one, two = (trace_microbatch(cfg, batch, num_layers=n * stages) for n in (1, 2))
+        trace_microbatch(cfg, batch, num_layers=stages, forget=False)
+        one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False) for n in (1, 2))
     finally:
         forget_cached_tables()
     per_layer = two + one * -1

@@ -125,6 +125,12 @@ class ModelConfig:
     ``main_grad`` buffers (fp32, or bf16: ``optim.main_grads_dtype``) inside the backward (the GEMM
     adds, no extra pass per parameter; megatron's gradient-accumulation fusion without apex).
     Experimental: None means off (DDP's hook adds them) until a GPU measurement shows it pays."""
+    chunk_tokens: Optional[int] = None
+    """Chunked execution for very long sequences (AutoChunk's idea, for training): each layer's MLP
+    branch (modulated norm, MLP, gated residual) and the final layer run over ``chunk_tokens`` tokens of
+    this rank's stream at a time, each chunk's activations recomputed in the backward, so their peak is
+    a chunk's, not the sequence's; attention is not recomputed. None: off. Not with MoE layers (their
+    load-balancing loss is over the whole sequence)."""
     compile: bool = False
     """Compile each transformer layer with ``torch.compile`` (regional, as torchtitan does): the
     elementwise chains around the GEMMs (norm + modulate, gate + residual, GELU) fuse. The first

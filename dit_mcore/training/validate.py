@@ -174,6 +174,10 @@ def _model_rules(r: _Rules, m) -> None:
                f"must be in [1, model.num_moe_experts={m.num_moe_experts}]; lower it or add experts")
     r.need(m.moe_aux_loss_coeff is None or (_finite(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0),
            "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
+    r.need(m.chunk_tokens is None or (isinstance(m.chunk_tokens, int) and m.chunk_tokens >= 1), "model.chunk_tokens",
+           m.chunk_tokens, "must be a positive number of tokens, or None (off)")
+    r.need(not (m.chunk_tokens and m.num_moe_experts), "model.chunk_tokens", m.chunk_tokens,
+           "does not combine with MoE layers (their load-balancing loss is over the whole sequence); unset one")
 
 
 def _fp8_rules(r: _Rules, m) -> None:

@@ -132,6 +132,10 @@ class DiTConfig(TransformerConfig):
     ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (see ``dit_mcore.models.float8``); None: off. (megatron's own ``fp8`` fields
     belong to Transformer Engine and stay unset.)"""
 
+    chunk_tokens: Optional[int] = None
+    """Run each layer's MLP branch and the final layer over this many tokens at a time, recomputing each
+    chunk in the backward (``dit_mcore.models.chunking``); None: whole."""
+
     aten_linears: bool = False
     """Experimental, off until a GPU measurement shows it pays (``docs/performance.md``). megatron's local linears multiply with one aten ``linear`` wherever no tensor-parallel
     communication runs inside the matmul (every linear at TP=1, every row-parallel one), the bias in

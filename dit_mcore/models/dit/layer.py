@@ -13,24 +13,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from dit_mcore.models import te_fp8
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
-
-
-def recomputed(fn, *args, config, traceable: bool = True):
-    """``fn(*args)``, its activations freed and recomputed in the backward (selective recompute of the
-    MLP). Inside a compiled layer through torch's non-reentrant checkpoint, which dynamo traces into the
-    layer's graph; megatron's ``tensor_parallel.checkpoint`` saves the RNG states with calls dynamo does
-    not trace, and broke every compiled layer into pieces (two llama-tiny layers: 8 graphs and 6 breaks
-    instead of 6 and 4). Eagerly, and for a branch that is not ``traceable``, through megatron's, which
-    also restores the model-parallel RNG tracker and runs the first forward without grad: megatron's MoE
-    router tells that forward from the recompute by it (its load-balancing metrics would count twice).
-    A dense branch draws no random numbers, so both recompute it exactly. Under Transformer Engine's
-    FP8 (``config.fp8``; never compiled) through TE's checkpoint, as megatron's layer does: it
-    recomputes inside the forward's FP8 state."""
-    if traceable and torch.compiler.is_compiling():
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-    return te_fp8.checkpoint(config, fn, *args, distribute=False)  # (megatron's, or TE's under its FP8)
+from dit_mcore.models.recompute import over_chunks, recomputed
 
 
 @dataclass
@@ -121,6 +105,9 @@ class DiTLayer(TransformerLayer):
         elif context is not None:
             hidden_states = self._attend(self.cross_attention, hidden_states, conditioning, *chunks[3:6],
                                          key_value_states=context, packed_seq_params=context_params)
+        if self.config.chunk_tokens and self.training and torch.is_grad_enabled():
+            return over_chunks(self._mlp_residual, hidden_states, conditioning, shift_m, scale_m, gate_m,
+                               chunk=self.config.chunk_tokens, config=self.config)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             mlp_out = recomputed(self._mlp_branch(conditioning), hidden_states, shift_m, scale_m,
                                  config=self.config, traceable=router is None)
@@ -159,6 +146,10 @@ class DiTLayer(TransformerLayer):
             checkpoint.discard_output_and_register_recompute(y)
             return y
         return normed, after
+
+    def _mlp_residual(self, hidden_states, conditioning: Conditioning, shift, scale, gate):
+        """``x + gate * MLP(modulate(norm(x)))`` (one chunk of tokens, under ``chunk_tokens``)."""
+        return conditioning.gated_add(hidden_states, gate, self._mlp_branch(conditioning)(hidden_states, shift, scale))
 
     def _mlp_branch(self, conditioning: Conditioning):
         def branch(hidden_states, shift, scale):

@@ -27,6 +27,7 @@ from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d
                                         sincos_pos_embed)
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
+from dit_mcore.models.recompute import over_chunks
 from dit_mcore.models.seeding import draw_base_seed, init_stream
 from dit_mcore.models import te_fp8
 from dit_mcore.models.st_attention import STPattern, mesh_order, st_plans
@@ -55,8 +56,14 @@ class FinalLayer(nn.Module):
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cond: Conditioning, chunk: Optional[int] = None, config=None) -> torch.Tensor:
+        """``chunk``: over that many tokens at a time, each recomputed in the backward (``model.chunk_tokens``)."""
         shift, scale = self.adaLN_modulation(cond)
+        if chunk:
+            return over_chunks(self.project, x, cond, shift, scale, chunk=chunk, config=config)
+        return self.project(x, cond, shift, scale)
+
+    def project(self, x: torch.Tensor, cond: Conditioning, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return self.linear(cond.modulate(self.norm(x), shift, scale))
 
 
@@ -240,7 +247,8 @@ class DiT(MegatronModule):
         if not self.post_process:
             return hidden
         # Every stage is called with the whole stream's tokens, so its length is known on the last.
-        out = shard.gather(self.final_layer(hidden, cond), tokens.shape[0])
+        chunk = self.config.chunk_tokens if self.training and torch.is_grad_enabled() else None
+        out = shard.gather(self.final_layer(hidden, cond, chunk, self.config), tokens.shape[0])
         return out if order is None else out[to_device(torch.argsort(order), out.device)]
 
     def _grid(self, batch, grid) -> tuple:
