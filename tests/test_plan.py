@@ -133,6 +133,11 @@ def test_bad_input_gets_one_line(args, message, capsys):
 
 
 def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):
-    assert cli.main([*TINY, "--gpus", "1", "--gpu-memory-gib", "0.001"]) == 1
+    """Nothing fits one GPU whose memory is under the tiny run's need; the message names the smallest
+    cluster that fits (its state sharded over more ranks), or says that 64x more GPUs do not."""
+    assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.003"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no layout fits 1 x H100-80GB; the smallest needs" in err[0], err
+    assert "; 2 GPUs fit it (" in err[0] and " MiB per GPU)" in err[0], err
+    assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.00001"]) == 1
+    assert "64 times more GPUs do not fit it either" in capsys.readouterr().err

@@ -21,7 +21,7 @@ import torch
 from dit_mcore.errors import ConfigError
 from dit_mcore.plan.gpus import GPUS, gpu as gpu_entry
 from dit_mcore.plan.search import Layout, Planner, accepted
-from dit_mcore.training.memory import GiB
+from dit_mcore.training.memory import GiB, size
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "the step time comes from the table's measured rates)")
     ap.add_argument("--nvlink-gbs", type=float, help="override the intra-node bandwidth (GB/s per direction)")
     ap.add_argument("--network-gbs", type=float, help="override the inter-node bandwidth (GB/s per direction per GPU)")
+    ap.add_argument("--workspace-gib", type=float, help="override what the device holds outside a step's tensors "
+                    "(CUDA context, cuBLAS and NCCL workspaces, allocator slack; the table's: 3)")
     ap.add_argument("--top", type=int, default=5, help="layouts to print")
     ap.add_argument("--json", metavar="FILE", help="write every evaluated layout, one JSON object per line")
     ap.add_argument("--emit", action="store_true", help="print the best layout's fields as overrides to add to the "
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
-                           nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs)
+                           nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib)
         cfg, side = run_config(args)
         if args.gpus < 1 or args.gpus_per_node < 1:
             raise ConfigError("--gpus and --gpus-per-node must be >= 1")
@@ -167,9 +169,12 @@ def main(argv=None) -> int:
         print(_row(e, args.gpus))
     if not fitting:
         smallest = min(done, key=lambda e: e.memory.total)
+        bigger = planner.smallest_fitting()
+        fix = (f"{bigger[0]} GPUs fit it ({bigger[1].layout.describe(bigger[0])}, {size(bigger[1].memory.total)} per GPU)"
+               if bigger else "64 times more GPUs do not fit it either")
         print(f"error: no layout fits {args.gpus} x {device.name}; the smallest needs "
-              f"{smallest.memory.total / GiB:.1f} GiB per GPU ({smallest.layout.describe(args.gpus)}): use more GPUs, "
-              "a larger device, or a shorter sequence", file=sys.stderr)
+              f"{size(smallest.memory.total)} per GPU ({smallest.layout.describe(args.gpus)}); {fix}; or use a "
+              "larger device or a shorter sequence", file=sys.stderr)
         return 1
     if args.emit:
         print(" ".join(f"{k}={v}" for k, v in fitting[0].layout.overrides().items()))

@@ -211,3 +211,23 @@ class Planner:
         done.sort(key=lambda e: (not e.fits, -float(f"{e.tokens_per_s_per_gpu:.4g}"), -e.layout.micro_batch,
                                  e.memory.total))
         return done, refused
+
+    def resized(self, world: int) -> "Planner":
+        """The same run on ``world`` GPUs, sharing the traces (they do not depend on the data-parallel size)."""
+        other = Planner(self.cfg, world, self.gpu, self.gpus_per_node, self.batch)
+        other._profiles, other._models = self._profiles, self._models
+        return other
+
+    def smallest_fitting(self, factors=(2, 4, 8, 16, 32, 64)) -> Optional[tuple[int, Evaluation]]:
+        """The smallest cluster ``factor`` times larger where a layout fits, and there the layout that needs the
+        least memory among the frugal ones (full recompute, one sample per micro-batch, state sharded)."""
+        for factor in factors:
+            bigger = self.resized(self.world * factor)
+            frugal = [layout for layout in candidate_layouts(self.cfg, bigger.world, self.gpus_per_node)
+                      if layout.recompute == "full" and layout.micro_batch == 1
+                      and (layout.distopt or layout.fsdp != "none" or bigger.world == layout.tp * layout.cp * layout.pp)
+                      and accepted(self.cfg, layout, bigger.world) is None]
+            fitting = [e for e in map(bigger.evaluate, frugal) if e.fits]
+            if fitting:
+                return bigger.world, min(fitting, key=lambda e: e.memory.total)
+        return None
