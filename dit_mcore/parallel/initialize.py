@@ -69,6 +69,18 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
         dist.init_process_group("nccl" if on_gpu else "gloo")
     parallel.data_parallel_size(dist.get_world_size())
     release_model_parallel_groups()
+    initialize_model_parallel(parallel)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    log.info("distributed: world=%d backend=%s tp=%d pp=%d cp=%d ep=%d dp=%d", dist.get_world_size(),
+             dist.get_backend(), parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+             parallel.context_parallel_size, parallel.expert_model_parallel_size,
+             parallel_state.get_data_parallel_world_size())
+
+
+def initialize_model_parallel(parallel: ParallelConfig, **megatron_options) -> None:
+    """megatron's model-parallel groups of ``parallel`` over the current world (``megatron_options``:
+    more of ``parallel_state.initialize_model_parallel``'s arguments)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -78,13 +90,7 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         num_distributed_optimizer_instances=parallel.fsdp_replicas(dist.get_world_size()),
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    log.info("distributed: world=%d backend=%s tp=%d pp=%d cp=%d ep=%d dp=%d", dist.get_world_size(),
-             dist.get_backend(), parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-             parallel.context_parallel_size, parallel.expert_model_parallel_size,
-             parallel_state.get_data_parallel_world_size())
+        **megatron_options)
 
 
 def whole_model_world() -> None:

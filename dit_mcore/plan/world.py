@@ -9,11 +9,10 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
-from dit_mcore.parallel.initialize import release_model_parallel_groups
+from dit_mcore.parallel.initialize import initialize_model_parallel, release_model_parallel_groups
 
 
 @contextlib.contextmanager
@@ -34,16 +33,7 @@ def traced_world(parallel: ParallelConfig, world_size: int) -> Iterator[None]:
         apply_cpu_shims()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-            context_parallel_size=parallel.context_parallel_size,
-            hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
-            expert_model_parallel_size=parallel.expert_model_parallel_size,
-            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-            num_distributed_optimizer_instances=parallel.fsdp_replicas(world_size),
-            create_gloo_process_groups=False)
+        initialize_model_parallel(parallel, create_gloo_process_groups=False)
         yield
     finally:
         release_model_parallel_groups()
