@@ -157,13 +157,12 @@ class Planner:
     def evaluate(self, layout: Layout) -> Evaluation:
         cfg = layout.apply(self.cfg)
         p = cfg.parallel
+        profile = self._profile(layout) * layout.micro_batch  # (traced in a world of its own, once per split)
         with traced_world(p, self.world):
             model_key = (layout.tp, layout.pp, layout.ep)
             if model_key not in self._models:
                 self._models[model_key] = RankModel.build(cfg)
             model = self._models[model_key]
-        profile = self._profile(cfg, layout) * layout.micro_batch
-        with traced_world(p, self.world):
             memory = rank_memory(cfg, [profile], model, self.gpu.workspace_gib * GiB)
         dp = self.world // (layout.tp * layout.cp * layout.pp)
         micro = cfg.data.num_microbatches(dp)
@@ -183,7 +182,7 @@ class Planner:
         fits = memory.total <= self.gpu.memory_gib * GiB
         return Evaluation(layout, memory, step, fits, tokens, tflops, tflops / self.gpu.bf16_tflops)
 
-    def _profile(self, cfg, layout: Layout):
+    def _profile(self, layout: Layout):
         """One sample's trace for ``layout``, shared by the layouts that split a micro-batch alike. Traced
         without pipeline stages (a stage's layers cost what they cost anywhere; its outside part is taken
         whole, embeddings and final layer both: an over-count of the first stage's by the final layer),
