@@ -8,5 +8,6 @@ import importlib.util, sys
 sys.exit(0 if importlib.util.find_spec("torch") else 1)
 PY
 pip install --quiet -e ".[test]"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-exec python -m pytest -q "$@"
+# Two workers, one intra-op thread each (two each would oversubscribe the 2-core CI machine)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -22,6 +22,8 @@ def test_update_matches_per_parameter_lerp(dtype, offload, monkeypatch):
         from dit_mcore.training import host_fold
         monkeypatch.setattr(host_fold, "CHUNK", 5)
         monkeypatch.setattr(host_fold, "host_workers", lambda: 3)
+    elif offload:  # torch's intra-op threads parallelise each op (the suite's workers run one each): one fold thread
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     model = _net(dtype)
     ema = EMA(model, _net(dtype, seed=1), decay=0.9, offload=bool(offload))
     assert ema.host_fold is None or ema.host_fold.workers == (3 if offload == "chunked" else 1)

@@ -453,7 +453,15 @@ def text_results(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("world, name, data", [(w, n, d) for w in (2, 4) for n, d, _ in _cases(w) + _text_cases(w)])
+def spawn(world: int, kind: str = "dit"):
+    """The mark that keeps a test with the spawn it reads (``kind``: the DiT's cases or the text families'):
+    under pytest-xdist every spawn is made once, on the worker that runs its group."""
+    return pytest.mark.xdist_group(f"layouts_w{world}_{kind}")
+
+
+@pytest.mark.parametrize("world, name, data", [
+    pytest.param(w, n, d, marks=spawn(w, "dit" if family_of(n) == "dit" else "text"))
+    for w in (2, 4) for n, d, _ in _cases(w) + _text_cases(w)])
 def test_layout_equals_one_process(world_results, text_results, tmp_path_factory, world, name, data):
     family = family_of(name)
     per_rank, _ = (world_results if family == "dit" else text_results)(world)
@@ -484,20 +492,21 @@ THREADS_BOUND = 6
 a few per process group: a leak grows by dozens per case)."""
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_holds_no_more_threads_after_many_layouts_than_after_one(world_results, text_results, world):
+@pytest.mark.parametrize("world, kind", [pytest.param(w, k, marks=spawn(w, k)) for w in (2, 4) for k in ("dit", "text")])
+def test_a_rank_holds_no_more_threads_after_many_layouts_than_after_one(world_results, text_results, world, kind):
     """Every case builds megatron's groups (and FSDP's, CP's, the optimizer's) and the next one destroys
     them: each rank's thread count after every case stays within a few of its count after the first.
     (It grew by ~50 per case when megatron DDP's gradient hooks kept finished models, and their groups,
     alive through a reference cycle the collector cannot see.)"""
-    for per_rank in (world_results(world)[0], text_results(world)[0]):
-        for rank, result in enumerate(per_rank):
-            counts = result["threads"]
-            first = counts[0][1]
-            grown = [f"{name}: {n}" for name, n in counts if n > first + THREADS_BOUND]
-            assert not grown, f"world {world} rank {rank}: {first} threads after {counts[0][0]}, then {grown}"
+    per_rank = (world_results if kind == "dit" else text_results)(world)[0]
+    for rank, result in enumerate(per_rank):
+        counts = result["threads"]
+        first = counts[0][1]
+        grown = [f"{name}: {n}" for name, n in counts if n > first + THREADS_BOUND]
+        assert not grown, f"world {world} {kind} rank {rank}: {first} threads after {counts[0][0]}, then {grown}"
 
 
+@spawn(2)
 def test_context_parallel_on_energon_packed_data_equals_one_process(world_results, tmp_path_factory,
                                                                      energon_digits):
     """The front door's data path: energon packs, CP2 splits them, the loss is the one-process loss."""
@@ -515,6 +524,7 @@ def _every_rank_equals(per_rank: list, name: str, ref: dict) -> None:
         torch.testing.assert_close(got["val"], ref["val"], rtol=1e-5, atol=1e-7)  # (energon's val split)
 
 
+@spawn(2)
 def test_data_parallel_on_energon_data_trains_on_the_one_process_batches_and_resumes_on_one_process(
         world_results, tmp_path_factory, energon_digits):
     """Both data-parallel ranks read the one-process sample stream and keep their micro-batches of each global
@@ -529,6 +539,7 @@ def test_data_parallel_on_energon_data_trains_on_the_one_process_batches_and_res
                                rtol=1e-5, atol=1e-7)
 
 
+@spawn(2)
 def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
     """DP2, distributed optimizer, ``overlap_param_gather``, ``trainer.ema_every=2``, five steps: with
     a replicated EMA (``trainer.ema_shard=False``), the parameters are gathered outside the forward
@@ -543,6 +554,7 @@ def test_the_overlapped_gather_runs_forced_only_for_an_ema_fold(world_results):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
+@spawn(2)
 def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_results, tmp_path_factory):
     """DP2 with the distributed optimizer, small DDP buckets: the EMA kept as each rank's buffer shards,
     gathered whole, is bit for bit the replicated EMA (same overlapped run); a save gathers it into
@@ -574,6 +586,7 @@ def test_the_sharded_ema_equals_the_replicated_one_and_resumes_exactly(world_res
         assert torch.equal(a, b)
 
 
+@spawn(2)
 def test_an_offloaded_ema_shards_over_the_replicas_in_host_memory(world_results):
     """``trainer.ema_offload`` with the distributed optimizer over DP2 (``ema_shard`` automatic): each
     rank keeps and folds, in host memory and a thread, only the shard its optimizer updates (half the
@@ -591,6 +604,7 @@ def test_an_offloaded_ema_shards_over_the_replicas_in_host_memory(world_results)
             assert torch.equal(a, b)
 
 
+@spawn(2)
 def test_replicas_round_bf16_moments_alike(world_results):
     """DP2 without the distributed optimizer, Adam's moments in bf16: every replica steps its own copy
     of the state, and the stochastic rounding's bits come from the element's buffer position and the
@@ -601,6 +615,7 @@ def test_replicas_round_bf16_moments_alike(world_results):
         assert torch.equal(a, b)
 
 
+@spawn(2)
 @pytest.mark.parametrize("case, moe", [("grads_bf16", False), ("grads_bf16_ep2", True), ("grads_bf16_split", False)])
 def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates(world_results, tmp_path, case, moe):
     """bf16 gradient buffers (``optim.main_grads_dtype``) on two ranks: DP2 with the distributed optimizer
@@ -621,6 +636,7 @@ def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates
     assert torch.equal(got["replicated"], second["replicated"])
 
 
+@spawn(4)
 @pytest.mark.parametrize("name", RESHARDED)
 def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name):
     """Weights, EMA and optimizer (the distributed optimizer's too) saved under a model-parallel
@@ -656,6 +672,7 @@ def _generated_from_ema(trainer: Trainer) -> torch.Tensor:
                             shape=latent_shape(trainer.model_config), seed=3, steps=2, cfg_scale=1.5)
 
 
+@spawn(2)
 def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_path_factory):
     """EP2 -> EP = 1: experts from both ranks, and their optimizer state, on one process."""
     _, run_dir = world_results(2)
@@ -668,6 +685,7 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_pa
                                atol=1e-7)
 
 
+@spawn(4)
 @pytest.mark.parametrize("key, data, moe", [("resumed_pp2_dp2", "dense", False), ("resumed_ep4", "dense", True),
                                             ("resumed_hsdp", "packed", False),
                                             ("resumed_megatron_hsdp", "packed", False)])
