@@ -8,11 +8,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest
 
 
-# Under xdist, the order in which groups start: the data loaders' tests first (they fork loader workers, best
-# from a process no earlier test has filled with threads: a fork there once crashed a worker), then the longest
-# groups (seconds on 2 cores, cold compile caches, in brackets), so that no long one starts last; then the rest
-# in collection order.
-FIRST = ("tests/energon_data/",)
+# Under xdist, the longest groups start first (seconds on 2 cores, cold compile caches, in brackets), so that no
+# long one starts last; the rest follow in collection order.
 LONGEST_FIRST = ("layouts_w2_text",  # (330) the text families' layouts on two ranks, five of them compiled
                  "tests/test_compile.py",  # (250)
                  "tests/test_recipes.py",  # (230)
@@ -24,20 +21,15 @@ LONGEST_FIRST = ("layouts_w2_text",  # (330) the text families' layouts on two r
 
 @pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the groups)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``, as ``tests/run_tests.sh`` runs the suite), a module's
-    tests stay on one worker, so its module-scoped fixtures (a spawned world, a trained run) run once.
-    A test that names its own ``xdist_group`` (the layout suite's spawns, one group per world) keeps it."""
+    """Under pytest-xdist (``--dist loadgroup``: ``TEST_WORKERS=2 bash tests/run_tests.sh``), a module's tests
+    stay on one worker, so its module-scoped fixtures (a spawned world, a trained run) run once. A test that
+    names its own ``xdist_group`` (the layout suite's spawns: world 2 and 4, DiT and text families) keeps it."""
     def group(item):
         mark = item.get_closest_marker("xdist_group")
         return mark.args[0] if mark else item.nodeid.split("::", 1)[0]
-
-    def start(item):
-        name = group(item)
-        if name.startswith(FIRST):
-            return -1
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group(item)))
     if hasattr(config, "workerinput"):  # an xdist worker: the controller schedules in its workers' order
-        items.sort(key=start)  # (stable: within a rank, collection order)
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(group(item), len(rank)))  # (stable: the rest keep their order)

@@ -28,8 +28,9 @@ TOLERANCE = 0.05  # (the goal is 10%; every case is within 1.5%: docs/planning.m
 
 # Not followed: functions and methods reach every module's globals (through ``__globals__``), and with them
 # whatever earlier work in the process left in caches; the run's state is reachable through its objects.
+# Fake tensors (a planner's trace elsewhere in the process) hold no memory.
 _NOT_FOLLOWED = (type, type(sys), str, bytes, int, float, types.FunctionType, types.MethodType,
-                 types.BuiltinFunctionType, functools.partial, functools._lru_cache_wrapper)
+                 types.BuiltinFunctionType, functools.partial, functools._lru_cache_wrapper, FakeTensor)
 
 
 def held_bytes(*roots) -> int:
@@ -40,8 +41,6 @@ def held_bytes(*roots) -> int:
         if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
             continue
         seen.add(id(obj))
-        if isinstance(obj, FakeTensor):  # (a planner's trace elsewhere in the process: no memory)
-            continue
         if isinstance(obj, torch.Tensor):
             local = getattr(obj, "_local_tensor", obj)
             if local.device.type != "meta":
