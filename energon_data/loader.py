@@ -22,6 +22,7 @@ gone, even after a SIGKILL (:func:`exit_with_parent`).
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import pickle
@@ -78,7 +79,17 @@ def error_handler(exc: Exception, sample, sources=None, *, max_consecutive_skips
             "failures in a row (None: no limit).")
 
 
+_inherited: list = []  # in a loader worker: every object it inherited from the training process
+
+
 def _init_worker(energon_init, worker_id: int) -> None:
+    # A forked worker inherits the training process's heap, garbage cycles included, and energon collects
+    # garbage in its workers at once: a collected cycle's destructors (a process group's, a compiled kernel's,
+    # anything bound to threads the fork did not copy) would run here, and crashed a worker in the test suite
+    # with a segmentation fault. Held here, no inherited object is finalized in the worker; frozen, energon's
+    # collections skip them (they are the parent's pages, shared until written).
+    _inherited[:] = gc.get_objects()
+    gc.freeze()
     exit_with_parent()
     if energon_init is not None:
         energon_init(worker_id)

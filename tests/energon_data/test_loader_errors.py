@@ -1,5 +1,5 @@
 """Loaders that can never yield a batch fail within seconds, naming the ``data.*`` field to change,
-and no loader worker outlives a killed training process."""
+no loader worker outlives a killed training process, and none finalizes what it inherited from it."""
 import gc
 import os
 import signal
@@ -125,6 +125,36 @@ def test_iterate_with_timeout_is_transparent_otherwise():
 
     with pytest.raises(KeyError, match="first batch"):  # raised in the helper thread, re-raised here
         next(iterate_with_timeout(Broken(), _config(5)))
+
+
+class _Witness:
+    """One object in a reference cycle (only a collection frees it) that records which process finalized it."""
+
+    def __init__(self, path):
+        self.path, self.cycle = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_a_loader_worker_finalizes_none_of_the_garbage_it_inherits(long_only, tmp_path, quick_worker_teardown):
+    # energon collects garbage in its workers at once; a cycle inherited from the training process would be
+    # finalized there, where the threads and handles its destructors use (a process group's, a compiled
+    # kernel's) do not exist: in the suite such a collection crashed a worker with a segmentation fault.
+    witness = tmp_path / "finalized_by"
+    cfg = DataConfig(path=str(long_only), micro_batch_size=1, num_workers=1)
+    gc.collect()
+    gc.disable()  # the cycle stays garbage until the worker has started
+    try:
+        _Witness(witness)
+        loader = build_train_loader(cfg, dp_rank=0, dp_size=1)
+        next(iter(loader))
+    finally:
+        gc.enable()
+    del loader
+    gc.collect()
+    assert witness.read_text().split() == [str(os.getpid())]  # this process alone
 
 
 _SPINNING_TRAINER = """
