@@ -240,6 +240,31 @@ def test_a_failed_asynchronous_save_is_reported_cleaned_up_and_retried_and_a_fai
     assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
 
 
+def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_path, monkeypatch, caplog):
+    """Publishing an asynchronous save (rank 0's manifest, rename and ``latest``) runs inside megatron's finalization,
+    which every rank goes through: its failure is agreed on by every rank and reported once (raised on rank 0 alone,
+    it would leave the others waiting in the finalization's collective), and training goes on to the next save."""
+    import dataclasses
+
+    import dit_mcore.training.checkpoint as ckpt
+    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
+    manifest = ckpt.write_manifest
+
+    def no_permission_at_step_4(path):
+        if path.name == ".partial_step_00000004":
+            raise PermissionError(13, "Permission denied", str(path / ckpt.MANIFEST))
+        manifest(path)
+    monkeypatch.setattr(ckpt, "write_manifest", no_permission_at_step_4)
+    cfg = tiny_run(tmp_path / "run", max_steps=6, save_interval=2)
+    cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
+    assert [h["loss"] for h in Trainer(cfg).fit()] == reference
+    assert re.search(r"checkpoint of step 4 not written \(PermissionError: \[Errno 13\] Permission denied: .*manifest"
+                     r"\.json'\); its partial files are removed; step_00000002 stays the latest", caplog.text), caplog.text
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".writable")) == [
+        "latest", "step_00000002", "step_00000006"]
+
+
 def test_an_unwritable_run_directory_fails_in_one_line_before_the_model_is_built(tmp_path, monkeypatch):
     import dit_mcore.training.trainer as trainer_module
     (tmp_path / "a_file").write_text("not a folder")

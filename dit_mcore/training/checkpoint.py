@@ -11,6 +11,7 @@ last checkpoint before a divergence).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing.managers
@@ -194,21 +195,48 @@ def _writer_results_exit_with_trainer() -> None:
 
 def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> None:
     """Publish the asynchronous saves ``queue`` (megatron's ``AsyncCallsQueue``) has finished writing
-    (``blocking``: wait for them). A write that failed on any rank, which megatron raises on every rank, becomes
-    a :class:`SaveFailed` naming its step and reason, its partial files under ``root`` removed."""
+    (``blocking``: wait for them). A write that failed on any rank, which megatron raises on every rank, or a
+    failed publishing (rank 0's), becomes a :class:`SaveFailed` on every rank naming its step and reason, its
+    partial files under ``root`` removed."""
+    steps = None
     try:
-        queue.maybe_finalize_async_calls(blocking=blocking)
+        finalized = queue.maybe_finalize_async_calls(blocking=blocking)
     except CheckpointException as e:
-        partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
-        steps = ", ".join(str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
         # (torch's wrapped failures: (exception, stack) per rank, known on the coordinator only)
         failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
         reason = agreed_failure(failures[0] if failures else e)  # (every rank has looked before rank 0 deletes)
-        if dist.get_rank() == 0:
-            for partial in partials:
-                shutil.rmtree(partial, ignore_errors=True)
-        raise SaveFailed(f"checkpoint of step {steps} not written ({reason}); its partial files are "
-                         "removed") from None
+    else:
+        if not finalized:
+            return
+        # Publishing (rank 0's work) ended the same finalization on every rank; its failure is agreed on here.
+        published = _published[:]
+        _published.clear()
+        failed = [(step, error) for step, error in published if error is not None]
+        reason = agreed_failure(failed[0][1] if failed else None)
+        if reason is None:
+            return
+        steps = ", ".join(str(step) for step, _ in published)
+    partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
+    if dist.get_rank() == 0:
+        for partial in partials:
+            shutil.rmtree(partial, ignore_errors=True)
+    steps = steps or ", ".join(str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
+    raise SaveFailed(f"checkpoint of step {steps} not written ({reason}); its partial files are removed") from None
+
+
+_published: list = []  # (step, publishing's error or None) of finalized asynchronous saves, until agreed on
+
+
+def _publish_recording(publish, step: int) -> None:
+    """An asynchronous save's publishing, run by megatron inside a finalization every rank goes through: an
+    error raised here would leave rank 0 alone (the others waiting in the finalization's collective), so it
+    is kept for :func:`finalize_async_saves` to agree on."""
+    error = None
+    try:
+        publish()
+    except OSError as e:
+        error = e
+    _published.append((step, error))
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimizer, *, extra: dict,
@@ -266,7 +294,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
                 error = e
         failed(error)
         if async_queue is not None:
-            request.add_finalize_fn(publish)  # runs on every rank once all have written (metadata.json first)
+            # (runs on every rank once all have written, metadata.json first)
+            request.add_finalize_fn(functools.partial(_publish_recording, publish, step))
             async_queue.schedule_async_request(request)  # (copies the tensors to the host now)
             return final
     error = None
