@@ -58,3 +58,6 @@ class WandbSink:
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() returns before W&B's service has written the last records to disk; its teardown waits for
+        # them, so the run's files are complete when training returns (and its next run starts a service anew).
+        self.wandb.teardown()
