@@ -8,10 +8,9 @@ import importlib.util, sys
 sys.exit(0 if importlib.util.find_spec("torch") else 1)
 PY
 pip install --quiet -e ".[test]"
-# TEST_WORKERS=2: the suite on two pytest-xdist workers, one intra-op thread each (tests/conftest.py keeps each
-# module, and each of the layout suite's spawns, on one worker). Opt-in until one loader test stops crashing
-# a forked loader worker under it (docs/README.md, "The test suite").
-workers="${TEST_WORKERS:-0}"
+# The suite runs on TEST_WORKERS pytest-xdist workers (default 2; 0: in this process), one intra-op thread each;
+# tests/conftest.py keeps each module, and each of the layout suite's spawns, on one worker.
+workers="${TEST_WORKERS:-2}"
 if [ "$workers" != 0 ]; then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     exec python -m pytest -q -n "$workers" --dist loadgroup "$@"
