@@ -86,8 +86,10 @@ def _init_worker(energon_init, worker_id: int) -> None:
     # A forked worker inherits the training process's heap, garbage cycles included, and energon collects
     # garbage in its workers at once: a collected cycle's destructors (a process group's, a compiled kernel's,
     # anything bound to threads the fork did not copy) would run here, and crashed a worker in the test suite
-    # with a segmentation fault. Held here, no inherited object is finalized in the worker; frozen, energon's
-    # collections skip them (they are the parent's pages, shared until written).
+    # with a segmentation fault (faulthandler's trace: inside energon's GcDataset collection). Held here, no
+    # inherited object is finalized in the worker, whatever energon freezes and unfreezes later; frozen, its
+    # collections do not walk them. (Objects the parent had frozen are not listed until unfrozen.)
+    gc.unfreeze()
     _inherited[:] = gc.get_objects()
     gc.freeze()
     exit_with_parent()

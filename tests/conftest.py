@@ -21,8 +21,8 @@ LONGEST_FIRST = ("layouts_w2_text",  # (330) the text families' layouts on two r
 
 @pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the groups)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``: ``TEST_WORKERS=2 bash tests/run_tests.sh``), a module's tests
-    stay on one worker, so its module-scoped fixtures (a spawned world, a trained run) run once. A test that
+    """Under pytest-xdist (``--dist loadgroup``: ``bash tests/run_tests.sh`` runs two workers), a module's tests
+    stay on one worker, so its module-scoped fixtures (a multi-process world, a trained run) run once. A test that
     names its own ``xdist_group`` (the layout suite's spawns: world 2 and 4, DiT and text families) keeps it."""
     def group(item):
         mark = item.get_closest_marker("xdist_group")

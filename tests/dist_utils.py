@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# What every rank imports anyway; a module the server cannot import is skipped (multiprocessing ignores it).
+# What every rank imports anyway (multiprocessing skips one that raises ImportError; any other error stops the server).
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state", "dit_mcore.training.trainer"]
 
 

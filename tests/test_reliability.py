@@ -265,6 +265,38 @@ def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_
         "latest", "step_00000002", "step_00000006"]
 
 
+def _publishing_fails_at_step_4_worker(rank, world, run_dir):
+    import dataclasses
+
+    import dit_mcore.training.checkpoint as ckpt
+    manifest, heard = ckpt.write_manifest, []
+
+    def no_permission_at_step_4(path):
+        if path.name == ".partial_step_00000004":
+            raise PermissionError(13, "Permission denied", str(path / ckpt.MANIFEST))
+        manifest(path)
+    ckpt.write_manifest = no_permission_at_step_4  # (this rank's process only; rank 0 publishes)
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("dit_mcore").addHandler(handler)
+    cfg = tiny_run(run_dir, max_steps=6, save_interval=2)
+    cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
+    losses = [h["loss"] for h in Trainer(cfg).fit()]
+    return losses, [m for m in heard if "not written" in m]
+
+
+def test_a_failed_asynchronous_publishing_reaches_every_rank(tmp_path):
+    """Two data-parallel ranks: rank 0's publishing of step 4 fails, and both ranks learn it at the same point
+    (before, rank 1 waited in the finalization's collective for rank 0, which had raised), then train on and
+    save step 6."""
+    from dist_utils import run_distributed
+    (losses0, heard0), (losses1, heard1) = run_distributed(_publishing_fails_at_step_4_worker, 2, str(tmp_path))
+    assert losses0 == losses1 and len(losses0) == 6
+    for heard in (heard0, heard1):
+        assert len(heard) == 1 and heard[0].startswith("checkpoint of step 4 not written (PermissionError"), heard
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000006"
+
+
 def test_an_unwritable_run_directory_fails_in_one_line_before_the_model_is_built(tmp_path, monkeypatch):
     import dit_mcore.training.trainer as trainer_module
     (tmp_path / "a_file").write_text("not a folder")

@@ -198,10 +198,11 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
     (``blocking``: wait for them). A write that failed on any rank, which megatron raises on every rank, or a
     failed publishing (rank 0's), becomes a :class:`SaveFailed` on every rank naming its step and reason, its
     partial files under ``root`` removed."""
-    steps = None
+    published = []
     try:
         finalized = queue.maybe_finalize_async_calls(blocking=blocking)
     except CheckpointException as e:
+        partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
         # (torch's wrapped failures: (exception, stack) per rank, known on the coordinator only)
         failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
         reason = agreed_failure(failures[0] if failures else e)  # (every rank has looked before rank 0 deletes)
@@ -209,18 +210,19 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
         if not finalized:
             return
         # Publishing (rank 0's work) ended the same finalization on every rank; its failure is agreed on here.
-        published = _published[:]
-        _published.clear()
-        failed = [(step, error) for step, error in published if error is not None]
-        reason = agreed_failure(failed[0][1] if failed else None)
+        published = [step for step, _ in _published]
+        failed = [error for _, error in _published if error is not None]
+        reason = agreed_failure(failed[0] if failed else None)
         if reason is None:
             return
-        steps = ", ".join(str(step) for step, _ in published)
-    partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
+        partials = [Path(root) / f".partial_step_{step:08d}" for step in published]
+    finally:
+        _published.clear()
     if dist.get_rank() == 0:
         for partial in partials:
             shutil.rmtree(partial, ignore_errors=True)
-    steps = steps or ", ".join(str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
+    steps = ", ".join(str(step) for step in published) or ", ".join(
+        str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
     raise SaveFailed(f"checkpoint of step {steps} not written ({reason}); its partial files are removed") from None
 
 
@@ -230,11 +232,12 @@ _published: list = []  # (step, publishing's error or None) of finalized asynchr
 def _publish_recording(publish, step: int) -> None:
     """An asynchronous save's publishing, run by megatron inside a finalization every rank goes through: an
     error raised here would leave rank 0 alone (the others waiting in the finalization's collective), so it
-    is kept for :func:`finalize_async_saves` to agree on."""
+    is kept for :func:`finalize_async_saves` to agree on. (Megatron's own rank-0 writes earlier in the same
+    finalization, torch's ``.metadata`` and ``metadata.json``, still raise on rank 0 alone.)"""
     error = None
     try:
         publish()
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - whatever it is, every rank learns it
         error = e
     _published.append((step, error))
 

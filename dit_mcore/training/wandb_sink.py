@@ -7,7 +7,8 @@ from step 0 gets a new one). The metrics are logged against ``trainer/step``, no
 from an earlier checkpoint than its last logged step loses nothing: W&B drops a ``step=`` below its last one, while
 ``trainer/step`` may repeat (the re-run steps show twice). Files under ``<log.dir>/wandb/``; ``WANDB_MODE=offline``
 works with no network (``wandb sync`` uploads later), as every other ``WANDB_*`` variable does. A run that raised
-(a preemption too) is finished with exit code 1.
+(a preemption too) is finished with exit code 1. At the end W&B is torn down (``wandb.teardown``), so the run's
+files are complete when training returns; this also finishes any other W&B run left open in the process.
 """
 from __future__ import annotations
 
