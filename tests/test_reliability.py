@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.training.checkpoint import CheckpointError
+from dit_mcore.training.checkpoint import MANIFEST, CheckpointError
 from dit_mcore.training.divergence import DivergenceError
 from dit_mcore.training.preemption import EXIT_PREEMPTED, Preempted
 from dit_mcore.training.trainer import Trainer
@@ -240,24 +240,30 @@ def test_a_failed_asynchronous_save_is_reported_cleaned_up_and_retried_and_a_fai
     assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
 
 
+def _denied_at_step_4(write_manifest):
+    """``write_manifest`` refused for step 4's checkpoint: its publishing (rank 0's) fails."""
+    def write(path):
+        if path.name == ".partial_step_00000004":
+            raise PermissionError(13, "Permission denied", str(path / MANIFEST))
+        write_manifest(path)
+    return write
+
+
+def _async_run(run_dir):
+    import dataclasses
+    cfg = tiny_run(run_dir, max_steps=6, save_interval=2)
+    cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
+    return cfg
+
+
 def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_path, monkeypatch, caplog):
     """Publishing an asynchronous save (rank 0's manifest, rename and ``latest``) runs inside megatron's finalization,
     which every rank goes through: its failure is agreed on by every rank and reported once (raised on rank 0 alone,
     it would leave the others waiting in the finalization's collective), and training goes on to the next save."""
-    import dataclasses
-
     import dit_mcore.training.checkpoint as ckpt
     reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
-    manifest = ckpt.write_manifest
-
-    def no_permission_at_step_4(path):
-        if path.name == ".partial_step_00000004":
-            raise PermissionError(13, "Permission denied", str(path / ckpt.MANIFEST))
-        manifest(path)
-    monkeypatch.setattr(ckpt, "write_manifest", no_permission_at_step_4)
-    cfg = tiny_run(tmp_path / "run", max_steps=6, save_interval=2)
-    cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
-    assert [h["loss"] for h in Trainer(cfg).fit()] == reference
+    monkeypatch.setattr(ckpt, "write_manifest", _denied_at_step_4(ckpt.write_manifest))
+    assert [h["loss"] for h in Trainer(_async_run(tmp_path / "run")).fit()] == reference
     assert re.search(r"checkpoint of step 4 not written \(PermissionError: \[Errno 13\] Permission denied: .*manifest"
                      r"\.json'\); its partial files are removed; step_00000002 stays the latest", caplog.text), caplog.text
     checkpoints = tmp_path / "run" / "checkpoints"
@@ -266,22 +272,13 @@ def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_
 
 
 def _publishing_fails_at_step_4_worker(rank, world, run_dir):
-    import dataclasses
-
     import dit_mcore.training.checkpoint as ckpt
-    manifest, heard = ckpt.write_manifest, []
-
-    def no_permission_at_step_4(path):
-        if path.name == ".partial_step_00000004":
-            raise PermissionError(13, "Permission denied", str(path / ckpt.MANIFEST))
-        manifest(path)
-    ckpt.write_manifest = no_permission_at_step_4  # (this rank's process only; rank 0 publishes)
+    ckpt.write_manifest = _denied_at_step_4(ckpt.write_manifest)  # (this rank's process only; rank 0 publishes)
+    heard = []
     handler = logging.Handler()
     handler.emit = lambda record: heard.append(record.getMessage())
     logging.getLogger("dit_mcore").addHandler(handler)
-    cfg = tiny_run(run_dir, max_steps=6, save_interval=2)
-    cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
-    losses = [h["loss"] for h in Trainer(cfg).fit()]
+    losses = [h["loss"] for h in Trainer(_async_run(run_dir)).fit()]
     return losses, [m for m in heard if "not written" in m]
 
 

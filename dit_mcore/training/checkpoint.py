@@ -198,7 +198,6 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
     (``blocking``: wait for them). A write that failed on any rank, which megatron raises on every rank, or a
     failed publishing (rank 0's), becomes a :class:`SaveFailed` on every rank naming its step and reason, its
     partial files under ``root`` removed."""
-    published = []
     try:
         finalized = queue.maybe_finalize_async_calls(blocking=blocking)
     except CheckpointException as e:
@@ -210,19 +209,17 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
         if not finalized:
             return
         # Publishing (rank 0's work) ended the same finalization on every rank; its failure is agreed on here.
-        published = [step for step, _ in _published]
         failed = [error for _, error in _published if error is not None]
         reason = agreed_failure(failed[0] if failed else None)
         if reason is None:
             return
-        partials = [Path(root) / f".partial_step_{step:08d}" for step in published]
+        partials = [Path(root) / f".partial_step_{step:08d}" for step, _ in _published]  # (maybe renamed already)
     finally:
         _published.clear()
     if dist.get_rank() == 0:
         for partial in partials:
             shutil.rmtree(partial, ignore_errors=True)
-    steps = ", ".join(str(step) for step in published) or ", ".join(
-        str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
+    steps = ", ".join(str(int(p.name.removeprefix(".partial_step_"))) for p in partials) or "?"
     raise SaveFailed(f"checkpoint of step {steps} not written ({reason}); its partial files are removed") from None
 
 
