@@ -175,7 +175,8 @@ def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path, family, pres
     run_dir = tmp_path / "run"
     rc, out = cli(["--factory", "pretrain_t2v_digits", f"model.family={family}", f"model.preset={preset}",
                    "trainer.max_steps=2", "optim.warmup_steps=0", "data.num_videos=64",
-                   "data.global_batch_size=8", "log.sample_interval=2", "diffusion.sample_steps=2",
+                   "data.global_batch_size=8", "trainer.val_samples=16", "log.sample_interval=2",
+                   "diffusion.sample_steps=2",
                    "log.tensorboard=false", "log.progress_bar=false", f"log.dir={run_dir}"], tmp_path, timeout=400)
     assert rc == 0, out[-3000:]
     from PIL import Image
@@ -189,3 +190,4 @@ def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path, family, pres
     assert strip.size[1] > strip.size[0]  # ten rows of four frames
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 2 and metrics[-1]["model_flops"] > 0
+    assert "val/loss" in metrics[-1]  # the recipe validates (on 16 samples here)

@@ -78,9 +78,25 @@ def _quiet_default_tp_group() -> None:
     layers.get_tensor_model_parallel_group_if_none = default_group
 
 
+def _mark_varying_sizes(cond: Conditioning, context: Optional[torch.Tensor]) -> None:
+    """Tell dynamo, before a compiled layer first sees them, which sizes change from batch to batch: a
+    packed stream's sample count (its conditioning rows) and the concatenated captions' token count.
+    Otherwise every layer compiles once for the first batch's sizes and again, generalised, for the
+    second's (once more for a sample count of 1 after larger ones: dynamo specialises 0 and 1); now it
+    compiles once, the generalised graph it would have run from the second batch on (a pack of one
+    sample still compiles its own, as dynamo specialises a size of 1)."""
+    if cond.token_to_sample is not None:
+        torch._dynamo.maybe_mark_dynamic(cond.emb, 0)
+    if context is not None:
+        torch._dynamo.maybe_mark_dynamic(context, 0)
+
+
 class LayerStack(nn.ModuleList):
     """This stage's layers, run in order with optional full-layer recompute. A ``ModuleList`` so
     parameters keep megatron's ``layers.<i>.`` names."""
+
+    compiled = False
+    """Whether :meth:`compile_layers` compiled the layers."""
 
     def __init__(self, config, spec: ModuleSpec, vp_stage: Optional[int] = None, init_seed: Optional[int] = None):
         check_recompute_config(config)
@@ -116,12 +132,15 @@ class LayerStack(nn.ModuleList):
                 layer.compile(options=merged)
             else:
                 layer.compile(mode=mode)
+        self.compiled = True
 
     def forward(self, hidden: torch.Tensor, cond: Conditioning, *, context: Optional[torch.Tensor] = None,
                 context_params=None, rotary_pos_emb: Optional[torch.Tensor] = None,
                 packed_seq_params=None) -> torch.Tensor:
         kwargs = dict(context=context, context_params=context_params, rotary_pos_emb=rotary_pos_emb,
                       packed_seq_params=packed_seq_params)
+        if self.compiled:
+            _mark_varying_sizes(cond, context)
         with te_fp8.stage_context(self.config):
             if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
                 return self._checkpointed(hidden, cond, kwargs)
