@@ -82,9 +82,9 @@ def _mark_varying_sizes(cond: Conditioning, context: Optional[torch.Tensor]) -> 
     """Tell dynamo, before a compiled layer first sees them, which sizes change from batch to batch: a
     packed stream's sample count (its conditioning rows) and the concatenated captions' token count.
     Otherwise every layer compiles once for the first batch's sizes and again, generalised, for the
-    second's (once more for a sample count of 1 after larger ones: dynamo specialises 0 and 1); now it
-    compiles once, the generalised graph it would have run from the second batch on (a pack of one
-    sample still compiles its own, as dynamo specialises a size of 1)."""
+    second's; now it compiles once, the generalised graph it would have run from the second batch on. A
+    pack of one sample still compiles its own (dynamo specialises a size of 1). Under full recompute the
+    checkpoint passes copies of the inputs, which do not carry the marks (the layers recompile as before)."""
     if cond.token_to_sample is not None:
         torch._dynamo.maybe_mark_dynamic(cond.emb, 0)
     if context is not None:
