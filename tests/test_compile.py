@@ -66,11 +66,12 @@ def test_a_layer_recomputing_its_mlp_compiles_to_one_graph_keeps_less_and_comput
 def test_a_compiled_moe_layer_recomputing_its_mlp_counts_its_router_metrics_once(tmp_path):
     """An MoE MLP is recomputed through megatron's checkpoint even in a compiled layer: megatron's router
     tells the first forward from the recompute by grad being off in the first, which torch's
-    non-reentrant checkpoint does not do (its load-balancing metric then read 2.0 for 1.0)."""
+    non-reentrant checkpoint does not do (its load-balancing metric then read 2.0 for 1.0). The reference is
+    the eager layer without recompute (compiled, it only cost the suite a second MoE compile)."""
     def run(name, recompute):
         cfg = tiny_run(tmp_path / name, max_steps=2)
         cfg.model.num_moe_experts, cfg.model.moe_router_topk, cfg.model.moe_aux_loss_coeff = 2, 2, 0.01
-        cfg.model.compile = True
+        cfg.model.compile = recompute
         if recompute:
             cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["mlp"]
         return Trainer(cfg).train_steps(2)
