@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -31,6 +32,12 @@ def pytest_configure(config):
     worker)."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+
+
+def pytest_collection_finish(session):
+    """What collection imported lives as long as the process: frozen, the collector's passes skip it (each full
+    pass rescanned ~0.5M objects of torch, megatron-core and the project; as the launchers do, recipes/startup.py)."""
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the groups)

@@ -191,3 +191,24 @@ def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path, family, pres
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 2 and metrics[-1]["model_flops"] > 0
     assert "val/loss" in metrics[-1]  # the recipe validates (on 16 samples here)
+
+
+def test_the_launchers_import_with_the_collector_paused_then_freeze_what_they_imported():
+    """``recipes/startup.py``: the collector is off inside the block and on after it, with what the block made
+    frozen (a full pass skips it); each launcher script imports nemo-run and the project inside the block."""
+    import ast
+    import gc
+    from dit_mcore.recipes.startup import imports_uncollected
+    before = gc.get_freeze_count()
+    with imports_uncollected():
+        assert not gc.isenabled()
+        made = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)
+    for script in ("pretrain_xl.py", "generate.py"):
+        body = ast.parse((REPO / "recipes" / script).read_text()).body
+        outside = {alias.name if isinstance(node, ast.Import) else node.module
+                   for node in body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        assert outside == {"sys", "pathlib", "dit_mcore.recipes.startup"}, (script, outside)
+        block = next(node for node in body if isinstance(node, ast.With))
+        assert ast.unparse(block.items[0].context_expr) == "imports_uncollected()"
+        assert "nemo_run" in {alias.name for node in block.body if isinstance(node, ast.Import) for alias in node.names}
