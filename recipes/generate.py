@@ -22,9 +22,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the checkout importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dit_mcore.recipes.startup import imports_uncollected
+from dit_mcore.startup import imports_uncollected
 
-with imports_uncollected():  # (a fifth less start-up: recipes/startup.py)
+with imports_uncollected():  # (start-up: dit_mcore/startup.py)
     import nemo_run as run
 
     import dit_mcore.recipes.executors  # noqa: F401  (registers run.executor=local|slurm)

@@ -36,7 +36,7 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     """What collection imported lives as long as the process: frozen, the collector's passes skip it (each full
-    pass rescanned ~0.5M objects of torch, megatron-core and the project; as the launchers do, recipes/startup.py)."""
+    pass rescanned ~0.5M objects of torch, megatron-core and the project; as the launchers do, dit_mcore/startup.py)."""
     gc.freeze()
 
 

@@ -194,21 +194,27 @@ def test_t2v_digits_recipe_trains_and_writes_prompt_clips(tmp_path, family, pres
 
 
 def test_the_launchers_import_with_the_collector_paused_then_freeze_what_they_imported():
-    """``recipes/startup.py``: the collector is off inside the block and on after it, with what the block made
-    frozen (a full pass skips it); each launcher script imports nemo-run and the project inside the block."""
+    """``dit_mcore/startup.py``: the collector is off inside the block and on after it, with what the block made
+    frozen (a full pass skips it); each launcher (the recipe scripts, ``python -m dit_mcore.evaluate|generate|plan``)
+    imports the project, and nemo-run, inside the block."""
     import ast
     import gc
-    from dit_mcore.recipes.startup import imports_uncollected
+    from dit_mcore.startup import imports_uncollected
     before = gc.get_freeze_count()
     with imports_uncollected():
         assert not gc.isenabled()
         made = [[i] for i in range(1000)]
     assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)
-    for script in ("pretrain_xl.py", "generate.py"):
-        body = ast.parse((REPO / "recipes" / script).read_text()).body
+    launchers = ["recipes/pretrain_xl.py", "recipes/generate.py",
+                 *(f"dit_mcore/{name}/__main__.py" for name in ("evaluate", "generate", "plan"))]
+    for launcher in launchers:
+        body = ast.parse((REPO / launcher).read_text()).body
         outside = {alias.name if isinstance(node, ast.Import) else node.module
                    for node in body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-        assert outside == {"sys", "pathlib", "dit_mcore.recipes.startup"}, (script, outside)
+        assert outside <= {"sys", "pathlib", "dit_mcore.startup"}, (launcher, outside)
         block = next(node for node in body if isinstance(node, ast.With))
-        assert ast.unparse(block.items[0].context_expr) == "imports_uncollected()"
-        assert "nemo_run" in {alias.name for node in block.body if isinstance(node, ast.Import) for alias in node.names}
+        assert ast.unparse(block.items[0].context_expr) == "imports_uncollected()", launcher
+        inside = {alias.name if isinstance(node, ast.Import) else node.module
+                  for node in block.body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        assert any(name.startswith("dit_mcore.") for name in inside), (launcher, inside)
+        assert "nemo_run" in inside or not launcher.startswith("recipes/"), (launcher, inside)

@@ -1,5 +1,8 @@
 import sys
 
-from dit_mcore.plan.cli import main
+from dit_mcore.startup import imports_uncollected
+
+with imports_uncollected():
+    from dit_mcore.plan.cli import main
 
 sys.exit(main())

@@ -1,4 +1,5 @@
-"""A launcher process's start-up: its imports with Python's cyclic garbage collector paused.
+"""A launcher's start-up (the recipe scripts, the ``python -m dit_mcore.*`` commands): its imports with Python's cyclic
+garbage collector paused.
 
 Importing torch, megatron-core and nemo-run allocates about half a million objects that live as long as the
 process. While they are imported, each of the collector's full passes rescans everything allocated so far (seven
