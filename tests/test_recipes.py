@@ -205,16 +205,19 @@ def test_the_launchers_import_with_the_collector_paused_then_freeze_what_they_im
         assert not gc.isenabled()
         made = [[i] for i in range(1000)]
     assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)
+
+    def imported(statements):  # the modules the statements import
+        return {alias.name if isinstance(node, ast.Import) else node.module for node in statements
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
     launchers = ["recipes/pretrain_xl.py", "recipes/generate.py",
                  *(f"dit_mcore/{name}/__main__.py" for name in ("evaluate", "generate", "plan"))]
     for launcher in launchers:
         body = ast.parse((REPO / launcher).read_text()).body
-        outside = {alias.name if isinstance(node, ast.Import) else node.module
-                   for node in body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        outside = imported(body)
         assert outside <= {"sys", "pathlib", "dit_mcore.startup"}, (launcher, outside)
         block = next(node for node in body if isinstance(node, ast.With))
         assert ast.unparse(block.items[0].context_expr) == "imports_uncollected()", launcher
-        inside = {alias.name if isinstance(node, ast.Import) else node.module
-                  for node in block.body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        inside = imported(block.body)
         assert any(name.startswith("dit_mcore.") for name in inside), (launcher, inside)
         assert "nemo_run" in inside or not launcher.startswith("recipes/"), (launcher, inside)
