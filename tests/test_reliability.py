@@ -201,6 +201,26 @@ def test_a_failed_save_is_reported_cleaned_up_and_retried_and_a_failed_last_save
     assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
 
 
+def test_a_save_whose_latest_pointer_cannot_be_written_is_not_left_as_a_step_folder(tmp_path, monkeypatch, caplog):
+    """Step 4's files are written and renamed into place, then ``latest`` cannot be written: the save has failed,
+    and says so; its folder goes back to partial files and is removed (left as ``step_00000004`` beside a ``latest``
+    naming step 2, it was reported as not written, and a resume without ``latest`` would have started from it)."""
+    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
+    write_text = Path.write_text
+
+    def writing(self, text, *args, **kwargs):
+        if self.name == "latest.tmp" and text == "step_00000004":
+            raise OSError(28, "No space left on device")
+        return write_text(self, text, *args, **kwargs)
+    monkeypatch.setattr(Path, "write_text", writing)
+    assert [h["loss"] for h in Trainer(tiny_run(tmp_path / "run", max_steps=6, save_interval=2)).fit()] == reference
+    assert ("checkpoint of step 4 not written (OSError: [Errno 28] No space left on device); its partial files are "
+            "removed; step_00000002 stays the latest") in caplog.text
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".writable")) == [
+        "latest", "step_00000002", "step_00000006"]
+
+
 def test_a_failed_asynchronous_save_is_reported_cleaned_up_and_retried_and_a_failed_last_one_fails_the_run(
         tmp_path, monkeypatch, caplog):
     """``trainer.async_save``: a full disk met by the forked writer of step 4's checkpoint is one line once the write

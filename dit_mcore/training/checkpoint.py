@@ -279,8 +279,14 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
             tmp = root / "latest.tmp"
-            tmp.write_text(final.name)
-            tmp.replace(root / "latest")
+            try:
+                tmp.write_text(final.name)
+                tmp.replace(root / "latest")
+            except BaseException:
+                # unpublished: partial files again, which the failure removes, not a step folder newer than `latest`
+                tmp.unlink(missing_ok=True)
+                final.rename(partial)
+                raise
             for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
                 if old.name not in protect:
                     shutil.rmtree(old, ignore_errors=True)
