@@ -388,17 +388,6 @@ def test_sigterm_to_the_clis_process_group_saves_and_exits_with_the_preempted_co
     assert said and int(said.group(2)) == step, out  # the step it names is the step it saved
 
 
-def test_the_writers_result_manager_is_a_fork_of_the_trainer_not_a_second_interpreter():
-    """megatron spawns the manager that serves its checkpoint writers' result queue: a fresh interpreter that
-    runs the launcher's main module again (torch, megatron-core and nemo-run a second time in each rank's
-    memory). The trainer's is forked (its deafness to preemption signals: the SIGTERM test above)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from dit_mcore.training.checkpoint import _writer_results_exit_with_trainer
-    _writer_results_exit_with_trainer()
-    manager = filesystem_async._results_queue._manager._process
-    assert Path(f"/proc/{manager.pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
-
-
 def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_path):
     def run(name, async_save, max_steps=6):
         cfg = tiny_run(tmp_path / name, max_steps=max_steps, save_interval=2)

@@ -183,13 +183,13 @@ def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, i
 def _writer_results_exit_with_trainer() -> None:
     """megatron's checkpoint writer reports through a queue served by a spawned ``Manager`` process
     (``filesystem_async._get_write_results_queue``), which outlives a ``kill -9`` of the trainer and
-    then waits forever. Start that manager here instead, ending with its parent and deaf to the
-    preemption signals Slurm sends the whole job step (it died of them mid-save), and forked as
-    megatron forks its writers: a spawned one runs the launcher's main module again, a second copy
-    of torch, megatron-core and nemo-run in each rank's memory (4.6 s of CPU to start on 2 cores)."""
+    then waits forever. Start that manager here, the same way, but ending with its parent and deaf
+    to the preemption signals Slurm sends the whole job step (it died of them mid-save). Spawned, though a
+    spawned interpreter runs the launcher's main module again (about 2 s of CPU): a forked one held the
+    trainer's sockets open as long as it lived, and a later process group could not bind its port."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     if getattr(filesystem_async, "_results_queue", "absent") is None:
-        manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
         with preemption_signals_blocked():
             manager.start(initializer=helper_init)
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
