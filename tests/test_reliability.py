@@ -170,12 +170,18 @@ def test_preemption_signal_saves_requeues_and_the_rerun_continues_exactly(tmp_pa
     assert [x["loss"] for x in lines] == full and rest == full[3:]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list:
+    """The losses of a six-step run saving every two steps, no fault met: what a run whose save failed must train."""
+    run = tiny_run(tmp_path_factory.mktemp("reference"), max_steps=6, save_interval=2)
+    return [h["loss"] for h in Trainer(run).fit()]
+
+
 def test_a_failed_save_is_reported_cleaned_up_and_retried_and_a_failed_last_save_fails_the_run(tmp_path, monkeypatch,
-                                                                                                   caplog):
+                                                                                                   caplog, reference):
     """A full disk at a periodic save: one line, no partial files left, the previous checkpoint stays the latest,
     training goes on exactly and the next save is written; a failing last save stops the run with the reason."""
     import dit_mcore.training.checkpoint as ckpt
-    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
     save, calls = ckpt.dist_checkpointing.save, []
 
     def disk_full_at(failing):
@@ -201,11 +207,11 @@ def test_a_failed_save_is_reported_cleaned_up_and_retried_and_a_failed_last_save
     assert (checkpoints / "latest").read_text() == "step_00000006" and not list(checkpoints.glob(".partial*"))
 
 
-def test_a_save_whose_latest_pointer_cannot_be_written_is_not_left_as_a_step_folder(tmp_path, monkeypatch, caplog):
+def test_a_save_whose_latest_pointer_cannot_be_written_is_not_left_as_a_step_folder(tmp_path, monkeypatch, caplog,
+                                                                                    reference):
     """Step 4's files are written and renamed into place, then ``latest`` cannot be written: the save has failed,
     and says so; its folder goes back to partial files and is removed (left as ``step_00000004`` beside a ``latest``
     naming step 2, it was reported as not written, and a resume without ``latest`` would have started from it)."""
-    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
     write_text = Path.write_text
 
     def writing(self, text, *args, **kwargs):
@@ -222,7 +228,7 @@ def test_a_save_whose_latest_pointer_cannot_be_written_is_not_left_as_a_step_fol
 
 
 def test_a_failed_asynchronous_save_is_reported_cleaned_up_and_retried_and_a_failed_last_one_fails_the_run(
-        tmp_path, monkeypatch, caplog):
+        tmp_path, monkeypatch, caplog, reference):
     """``trainer.async_save``: a full disk met by the forked writer of step 4's checkpoint is one line once the write
     is known to have failed, its partial files are removed, training goes on exactly and step 6 is written; the
     writer failing at the last save stops the run with the reason."""
@@ -232,7 +238,6 @@ def test_a_failed_asynchronous_save_is_reported_cleaned_up_and_retried_and_a_fai
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     import dit_mcore.training.checkpoint as ckpt
-    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
     write = filesystem_async._write_item
 
     def disk_full_for(step):
@@ -276,12 +281,11 @@ def _async_run(run_dir):
     return cfg
 
 
-def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_path, monkeypatch, caplog):
+def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_path, monkeypatch, caplog, reference):
     """Publishing an asynchronous save (rank 0's manifest, rename and ``latest``) runs inside megatron's finalization,
     which every rank goes through: its failure is agreed on by every rank and reported once (raised on rank 0 alone,
     it would leave the others waiting in the finalization's collective), and training goes on to the next save."""
     import dit_mcore.training.checkpoint as ckpt
-    reference = [h["loss"] for h in Trainer(tiny_run(tmp_path / "reference", max_steps=6, save_interval=2)).fit()]
     monkeypatch.setattr(ckpt, "write_manifest", _denied_at_step_4(ckpt.write_manifest))
     assert [h["loss"] for h in Trainer(_async_run(tmp_path / "run")).fit()] == reference
     assert re.search(r"checkpoint of step 4 not written \(PermissionError: \[Errno 13\] Permission denied: .*manifest"
