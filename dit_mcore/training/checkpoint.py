@@ -284,8 +284,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
                 tmp.replace(root / "latest")
             except BaseException:
                 # unpublished: partial files again, which the failure removes, not a step folder newer than `latest`
-                tmp.unlink(missing_ok=True)
                 final.rename(partial)
+                tmp.unlink(missing_ok=True)
                 raise
             for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
                 if old.name not in protect:
