@@ -40,8 +40,9 @@ def pretrain_xl() -> run.Partial[train]:
     AdamW lr 1e-4 constant, no weight decay, global batch 256, EMA 0.9999, 400k steps, learned
     sigma, label dropout 0.1 for CFG. Needs ``data.path`` (a prepared energon dataset).
 
-    The objective is rectified flow (the paper's DDPM loss is not implemented; SiT trains the same
-    network and hyper-parameters with it). The paper clips no gradients, so neither do we.
+    The objective is rectified flow, as SiT trains the same network and hyper-parameters;
+    ``diffusion.objective=ddpm`` trains the paper's own (epsilon and the learned-range variance with
+    ``L_simple + L_vlb``). The paper clips no gradients, so neither do we.
     """
     return run.Partial(
         train,

@@ -395,3 +395,46 @@ def test_the_nemo_run_factory_under_torchrun_gives_the_one_process_latents(check
     want = _reference(checkpoints, tmp_path, "dit")
     got = torch.load(tmp_path / "tr" / "latents.pt")
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
+def _tiny_vae(path, latent_channels=4):
+    """A small random diffusers ``AutoencoderKL`` (8x8 latents -> 16x16 RGB) saved at ``path``."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=8, sample_size=16).eval()
+    vae.save_pretrained(path)
+    return vae
+
+
+def test_imported_latents_are_decoded_by_the_pipelines_vae(checkpoints, tmp_path, capsys):
+    """``--diffusers PIPELINE/transformer`` decodes through the ``vae/`` beside it (a ``DiTPipeline``'s layout),
+    as diffusers decodes: ``vae.decode(latents / scaling_factor)``; ``--vae`` names one; a folder without a
+    VAE and a VAE of other latent channels are refused in one line."""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+    pipe = tmp_path / "pipe"
+    shutil.copytree(checkpoints["diffusers"], pipe / "transformer")
+    vae = _tiny_vae(pipe / "vae")
+    out = tmp_path / "out"
+    generate(GenerateRequest(diffusers=str(pipe / "transformer"), labels=["1", "4"], steps=2, seed=3,
+                             save_latents=True, progress=False, out=str(out)))
+    latents = torch.load(out / "latents.pt")
+    with torch.no_grad():
+        want = (vae.decode(latents / vae.config.scaling_factor).sample.clamp(-1, 1) + 1) * 127.5
+    index = json.loads((out / "index.json").read_text())
+    for row, entry in enumerate(index):
+        got = torch.from_numpy(np.array(Image.open(out / entry["file"]).convert("RGB"))).permute(2, 0, 1).float()
+        assert got.shape == (3, 16, 16) and (got - want[row]).abs().max() <= 1.0
+    assert plan(GenerateRequest(checkpoint=checkpoints["dit"], labels=["1"], vae=str(pipe), out=str(tmp_path / "o")),
+                world_size=1).vae == pipe / "vae"  # a pipeline folder names its vae/
+    line = _error(["--diffusers", str(pipe / "transformer"), "--labels", "1", "--vae", str(tmp_path), "--out",
+                   str(tmp_path / "o")], capsys)
+    assert f"--vae {tmp_path}: no diffusers VAE there" in line
+    _tiny_vae(tmp_path / "vae8", latent_channels=8)
+    line = _error(["--diffusers", str(pipe / "transformer"), "--labels", "1", "--vae", str(tmp_path / "vae8"),
+                   "--out", str(tmp_path / "o")], capsys)
+    assert "8 channels but the model's have 4" in line

@@ -172,7 +172,7 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> di
     def probed(x, timestep, **kwargs):
         probe.evaluation(timestep)
         out = model_fn(x, timestep, **kwargs)
-        probe.output(out)
+        probe.output(out[:, :x.shape[1]])  # the prediction, without DDPM's learned-variance channels
         return out
 
     for seed in seeds:

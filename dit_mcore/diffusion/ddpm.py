@@ -3,10 +3,17 @@ beta schedule over 1,000 steps, and an epsilon-predicting network.
 
 ``x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps`` with ``abar_t = prod_{s<=t} (1 - beta_s)`` and integer
 ``t`` in ``0..T-1``, which is also what the network's timestep embedder sees (DiT's convention). The
-loss is DiT's ``L_simple``, ``(eps_pred - eps)^2`` with unit weight. A learned-sigma DiT's variance
-channels are ignored: DDIM needs none, the DDPM sampler uses the posterior variance, and training
-them needs DiT's variational term, which this objective does not add (fine-tuning leaves them as
-they are). DiT's "learned range" variance in the DDPM sampler is not implemented yet.
+loss is DiT's ``L_simple``, ``(eps_pred - eps)^2`` with unit weight.
+
+A learned-sigma DiT (``learn_sigma``: ``2C`` output channels) also predicts its reverse-step variance, as
+Nichol & Dhariwal's "learned range" (``variance="learned_range"``, the default): the second ``C``
+channels ``v`` in ``[-1, 1]`` interpolate the log-variance between the posterior's (``v = -1``) and
+``beta_t`` (``v = 1``). Training adds DiT's variational term (``L_hybrid = L_simple + L_vlb``, as DiT's
+``training_losses`` with its MSE loss type: the KL of the true posterior ``q(x_{t-1} | x_t, x_0)`` from
+the model's Gaussian in bits, the decoder's discretised Gaussian log-likelihood at ``t = 0``, the mean
+built from the detached epsilon so that only the variance channels learn from it); the DDPM sampler
+draws its noise with the learned variance (``variance="fixed_small"``: the posterior variance, the
+variance channels untrained and unused). DDIM needs no variance.
 
 Samplers, on ``num_sampling_steps`` of the 1,000 training steps:
 
@@ -14,7 +21,7 @@ Samplers, on ``num_sampling_steps`` of the 1,000 training steps:
   conventions (``timestep_spacing`` "leading"/"trailing"/"linspace", ``steps_offset``,
   ``set_alpha_to_one``, ``clip_sample``), so imported weights sample as diffusers' ``DiTPipeline``;
 - :func:`ddpm`: ancestral sampling on the same respaced steps (as DiT's ``space_timesteps``) with the
-  posterior variance; its noise comes from ``noise_seed`` (one generator, or one per row).
+  learned or the posterior variance; its noise comes from ``noise_seed`` (one generator, or one per row).
 
 The betas are built in float64 from float32 ``linspace`` values as diffusers builds them in float32
 (``beta_dtype``="float32", the default: diffusers' numbers) or in float64 as DiT's numpy code does.
@@ -24,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import math
+
 import torch
 
 from dit_mcore.diffusion.guidance import bind_guidance
@@ -31,6 +40,7 @@ from dit_mcore.diffusion.objective import ModelFn, Objective, TrainInputs, broad
 from dit_mcore.kernels.host_copy import to_device
 
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
+VARIANCES = ("learned_range", "fixed_small")
 
 
 @dataclass
@@ -54,6 +64,10 @@ class DDPMConfig:
     epsilon stepped with stays the model's (diffusers' ``use_clipped_model_output=False``)."""
     eta: float = 0.0
     """DDIM's stochasticity (0: deterministic); the noise then comes from ``noise_seed``."""
+    variance: str = "learned_range"
+    """The reverse step's variance: "learned_range" (a model with variance channels learns them with DiT's
+    variational term and the DDPM sampler uses them; a model without them gets "fixed_small") or
+    "fixed_small" (the posterior variance ``beta~_t``; variance channels neither trained nor used)."""
 
     def __post_init__(self):
         if self.num_train_timesteps < 2 or not 0 < self.beta_start < self.beta_end < 1:
@@ -63,6 +77,8 @@ class DDPMConfig:
             raise ValueError(f"DDPMConfig.beta_dtype={self.beta_dtype!r}: use 'float32' or 'float64'")
         if self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ValueError(f"DDPMConfig.timestep_spacing={self.timestep_spacing!r}: use one of {TIMESTEP_SPACINGS}")
+        if self.variance not in VARIANCES:
+            raise ValueError(f"DDPMConfig.variance={self.variance!r}: use one of {VARIANCES}")
 
 
 class DDPMObjective(Objective):
@@ -78,6 +94,17 @@ class DDPMObjective(Objective):
         self.alphas_cumprod = torch.cumprod(1.0 - self.betas, 0)
         if c.beta_dtype == "float32":  # diffusers keeps abar in float32
             self.alphas_cumprod = self.alphas_cumprod.float().double()
+        # the true posterior q(x_{t-1} | x_t, x_0) per training step (float64): its mean's coefficients on
+        # x_0 and x_t and its log-variance, clipped at t = 0 (where it is 0) to step 1's as DiT's tables
+        abar, abar_prev = self.alphas_cumprod, torch.cat([self.alphas_cumprod.new_ones(1), self.alphas_cumprod[:-1]])
+        variance = self.betas * (1 - abar_prev) / (1 - abar)
+        self._posterior = torch.stack([self.betas * abar_prev.sqrt() / (1 - abar),
+                                       (1 - abar_prev) * (1 - self.betas).sqrt() / (1 - abar),
+                                       torch.cat([variance[1:2], variance[1:]]).log(), self.betas.log()])
+
+    @property
+    def learns_variance(self) -> bool:
+        return self.config.variance == "learned_range"
 
     def sample_level(self, n: int, *, generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
         draw_device = generator.device if generator is not None else (device or "cpu")
@@ -102,7 +129,39 @@ class DDPMObjective(Objective):
         abar = broadcast_level(self.abar(level).to(dtype), x0)
         x_t = abar.sqrt() * x0.to(dtype) + (1 - abar).sqrt() * noise.to(dtype)
         return TrainInputs(model_input=x_t.to(x0.dtype), timestep=self.timestep(level), target=noise.to(dtype),
-                           weight=torch.ones_like(level, dtype=dtype))
+                           weight=torch.ones_like(level, dtype=dtype), x0=x0, level=level)
+
+    def loss(self, model_output: torch.Tensor, inputs: TrainInputs) -> torch.Tensor:
+        """``L_simple``; with the variance channels after the prediction (``2C`` on dim 1, see
+        :attr:`learns_variance`) plus DiT's variational term in bits, elementwise (their per-sample means
+        add up to DiT's ``mse + vb``)."""
+        if not self.learns_variance or model_output.shape[1] != 2 * inputs.target.shape[1]:
+            return super().loss(model_output, inputs)
+        eps, v = model_output.chunk(2, dim=1)
+        return super().loss(eps, inputs) + self.variational_term(eps.detach(), v, inputs)
+
+    def variational_term(self, eps: torch.Tensor, v: torch.Tensor, inputs: TrainInputs) -> torch.Tensor:
+        """``L_{t-1}`` of the variational bound per element, in bits: ``KL(q(x_{t-1} | x_t, x_0) ||
+        p(x_{t-1} | x_t))`` for t > 0 and the decoder's ``-log p(x_0 | x_1)`` (a Gaussian discretised to 256
+        levels on [-1, 1]) at t = 0. The model's mean is the posterior mean at its x0 estimate from ``eps``
+        and its log-variance ``(v + 1) / 2 * log beta_t + (1 - v) / 2 * log beta~_t`` (Nichol & Dhariwal, eq. 15)."""
+        if inputs.x0 is None or inputs.level is None:
+            raise ValueError("the variational term needs the x0 and level that DDPMObjective.prepare records")
+        dtype = compute_dtype(eps, v, inputs.target)
+        x0, noise = inputs.x0.to(dtype), inputs.target.to(dtype)
+        t = inputs.level.long()
+        abar = broadcast_level(self.abar(inputs.level).to(dtype), x0)
+        c0, _, log_q, log_beta = (broadcast_level(row.to(dtype), x0)
+                                  for row in to_device(self._posterior, t.device)[:, t])
+        x0_model = ((1 - abar).sqrt() * (noise - eps)) / abar.sqrt() + x0  # (x_t - sqrt(1 - abar) eps) / sqrt(abar)
+        frac = (v.to(dtype) + 1) / 2
+        log_p = frac * log_beta + (1 - frac) * log_q
+        mean_gap = c0 * (x0 - x0_model)  # posterior mean at x0 minus at the model's x0 (the x_t terms cancel)
+        kl = 0.5 * (log_p - log_q - 1 + (log_q - log_p).exp() + mean_gap.square() * (-log_p).exp())
+        c1 = broadcast_level(to_device(self._posterior[1], t.device)[t].to(dtype), x0)
+        mean = c0 * x0_model + c1 * (abar.sqrt() * x0 + (1 - abar).sqrt() * noise)
+        nll = -_discretised_gaussian_log_likelihood(x0, mean, 0.5 * log_p)
+        return torch.where(broadcast_level(t == 0, x0), nll, kl) / math.log(2.0)
 
     def sampling_steps(self, steps: int) -> list[int]:
         """The training steps a ``steps``-step sampler visits, from noisiest down (diffusers' spacings)."""
@@ -130,6 +189,17 @@ class DDPMObjective(Objective):
         return x0.clamp(-1, 1) if self.config.clip_sample else x0
 
 
+def _discretised_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """``log P(x)`` of data on [-1, 1] quantised to 256 levels (bin half-width 1/255) under ``N(mean, scale^2)``;
+    the outer bins reach to -inf and +inf (Ho et al.'s decoder). Exact normal CDFs (``ndtr``), so the tails
+    keep their precision."""
+    inv_scale = (-log_scale).exp()
+    upper, lower = inv_scale * (x - mean + 1 / 255), inv_scale * (x - mean - 1 / 255)
+    bin_mass = (torch.special.ndtr(upper) - torch.special.ndtr(lower)).clamp(min=1e-12).log()
+    return torch.where(x < -0.999, torch.special.log_ndtr(upper),
+                       torch.where(x > 0.999, torch.special.log_ndtr(-lower), bin_mass))
+
+
 NoiseSeed = Union[int, Sequence[int]]
 """The seed of a stochastic sampler's noise: one generator for the batch (diffusers' convention), or
 one per row (so a row's noise does not depend on the batch it is in)."""
@@ -153,6 +223,12 @@ def _generators(noise_seed: NoiseSeed, rows: int) -> list:
 def _eps_call(model_fn: ModelFn, x: torch.Tensor, t: int, cond: dict) -> torch.Tensor:
     timestep = torch.full((x.shape[0],), float(t), dtype=torch.float32, device=x.device)
     return model_fn(x, timestep, **cond)
+
+
+def _eps_and_variance(model_fn: ModelFn, x: torch.Tensor, t: int, cond: dict, learned: bool) -> tuple:
+    """Epsilon, and the variance channels ``v`` when ``learned`` and the model predicts them (else None)."""
+    out = _eps_call(model_fn, x, t, {**cond, "variance": True} if learned else cond).to(x.dtype)
+    return out.chunk(2, dim=1) if out.shape[1] == 2 * x.shape[1] else (out, None)
 
 
 @torch.no_grad()
@@ -185,8 +261,11 @@ def ddpm(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: DDPMO
          cfg_scale: float = 1.0, labels: Optional[torch.Tensor] = None, null_label: Optional[int] = None, text=None,
          cfg_group=None, **cond) -> torch.Tensor:
     """Ancestral sampling down the respaced steps (DiT's ``space_timesteps``: the betas of the visited
-    steps recomputed from their ``abar``), with the posterior variance ("fixed small"); its noise from
-    a generator seeded with ``noise_seed``. ``model_fn`` returns epsilon, guided as :func:`ddim`'s."""
+    steps recomputed from their ``abar``); its noise from a generator seeded with ``noise_seed``. The
+    variance: the model's learned range (``objective.learns_variance`` and a model that returns its
+    variance channels for ``variance=True``: DiT's sampling, diffusers' ``variance_type="learned_range"``),
+    else the posterior's ("fixed small"). ``model_fn`` returns epsilon, guided as :func:`ddim`'s (the
+    variance channels are the conditional pass's)."""
     model_fn = bind_guidance(model_fn, cfg_scale, labels, null_label, text, cfg_group)
     times = objective.sampling_steps(steps)
     x = noise.to(compute_dtype(noise))
@@ -195,9 +274,15 @@ def ddpm(model_fn: ModelFn, noise: torch.Tensor, steps: int, *, objective: DDPMO
         abar = objective.abar_at(t)
         abar_prev = objective.abar_at(times[i + 1]) if i + 1 < len(times) else 1.0
         beta = 1 - abar / abar_prev
-        x0 = objective.x0_from_eps(x, _eps_call(model_fn, x, t, cond).to(x.dtype), abar)
+        eps, v = _eps_and_variance(model_fn, x, t, cond, objective.learns_variance)
+        x0 = objective.x0_from_eps(x, eps, abar)
         x = (abar_prev ** 0.5 * beta / (1 - abar)) * x0 + ((1 - beta) ** 0.5 * (1 - abar_prev) / (1 - abar)) * x
         if i + 1 < len(times):
-            std = (beta * (1 - abar_prev) / (1 - abar)) ** 0.5
+            log_var = math.log(beta * (1 - abar_prev) / (1 - abar))
+            if v is not None:  # interpolated in log space between the posterior's variance and beta
+                frac = (v + 1) / 2
+                std = (0.5 * (frac * math.log(beta) + (1 - frac) * log_var)).exp()
+            else:
+                std = math.exp(0.5 * log_var)
             x = x + std * _fresh_noise(gens, x)
     return x.to(noise.dtype)

@@ -26,6 +26,17 @@ def drop_labels(labels: torch.Tensor, p: float, null_label: int,
     return torch.where(drop, torch.full_like(labels, null_label), labels)
 
 
+def _combine(cond_out: torch.Tensor, uncond_out: torch.Tensor, scale: float, x: torch.Tensor,
+             variance: bool) -> torch.Tensor:
+    """``uncond + scale * (cond - uncond)``; for a ``variance=True`` call whose output carries learned
+    variance channels after the prediction (``2C`` on dim 1), those are the conditional pass's, unguided
+    (guidance extrapolates a mean, not a variance)."""
+    if variance and cond_out.shape[1] == 2 * x.shape[1]:
+        (cond_out, cond_var), uncond_out = cond_out.chunk(2, dim=1), uncond_out.chunk(2, dim=1)[0]
+        return torch.cat([uncond_out + scale * (cond_out - uncond_out), cond_var], dim=1)
+    return uncond_out + scale * (cond_out - uncond_out)
+
+
 def guided(model_fn: ModelFn, scale: float, null_label: Optional[int] = None, *, text: bool = False) -> ModelFn:
     """Wrap ``model_fn(x, timestep, labels=..., [text=...], **cond)`` into its guided version with the
     same signature: ``uncond + scale * (cond - uncond)``. The unconditional half has the null label
@@ -61,7 +72,7 @@ def guided(model_fn: ModelFn, scale: float, null_label: Optional[int] = None, *,
             cond["text"] = text.with_null()
         both = model_fn(torch.cat([x, x]), torch.cat([timestep, timestep]), labels=labels, **cond)
         cond_out, uncond_out = both.chunk(2)
-        return uncond_out + scale * (cond_out - uncond_out)
+        return _combine(cond_out, uncond_out, scale, x, cond.get("variance", False))
     return guided_fn
 
 
@@ -96,7 +107,7 @@ def guided_parallel(model_fn: ModelFn, scale: float, null_label: Optional[int] =
         halves = [torch.empty_like(out), torch.empty_like(out)]
         dist.all_gather(halves, out, group=group)
         cond_out, uncond_out = halves
-        return uncond_out + scale * (cond_out - uncond_out)
+        return _combine(cond_out, uncond_out, scale, x, cond.get("variance", False))
     return guided_fn
 
 

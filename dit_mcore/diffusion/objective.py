@@ -13,7 +13,9 @@ from typing import Callable, Optional
 import torch
 
 # ``model_fn(model_input [N, ...], timestep [N], **cond) -> raw network output [N, ...]``: the same
-# call in training and sampling, so the two cannot disagree on input scaling or timestep units.
+# call in training and sampling, so the two cannot disagree on input scaling or timestep units. A sampler
+# that uses a learned variance calls it with ``variance=True``: a model that predicts one returns it after
+# the prediction on dim 1 (``2C`` channels), any other returns its ``C`` (so ``**_`` in a model_fn is enough).
 ModelFn = Callable[..., torch.Tensor]
 
 
@@ -30,6 +32,9 @@ class TrainInputs:
     """``[N, ...]`` regression target for the raw network output, in >= float32."""
     weight: torch.Tensor
     """``[N]`` loss weight per leading row, in >= float32."""
+    x0: Optional[torch.Tensor] = None
+    level: Optional[torch.Tensor] = None
+    """The clean data and ``[N]`` levels, kept by objectives whose loss needs them (DDPM's variational term)."""
 
 
 def broadcast_level(level: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,9 @@ class Objective(abc.ABC):
 
     name: str
     config: object
+    learns_variance: bool = False
+    """Whether :meth:`loss` trains a learned variance: it then takes the model's variance channels after the
+    prediction on dim 1 (``2C``; ``C`` trains the prediction alone)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

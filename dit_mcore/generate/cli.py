@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", help="step caching: fora:N (attention/MLP outputs reused between every Nth evaluation), "
                                    "teacache:T, fbcache:T (skip the layer stack while the first layer's input / "
                                    "residual changes less than T) or static:PLAN.json (from the redundancy analysis)")
+    p.add_argument("--vae", help="a diffusers VAE folder (or a pipeline folder with vae/) to decode latents with "
+                                 "(default: the run's dataset's decoder; with --diffusers, the pipeline's vae/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="generated", help="output folder (default: generated)")
     p.add_argument("overrides", nargs="*", metavar="parallel.FIELD=VALUE", help="the generation layout")
@@ -87,7 +89,7 @@ def request_from_args(argv: Optional[list] = None) -> tuple[GenerateRequest, Gen
         preset=args.preset, out=args.out, step=args.step, weights=args.weights, labels=_split(args.labels),
         prompts=prompts, num_per_prompt=args.num_per_prompt, steps=args.steps, cfg_scale=args.cfg_scale,
         sampler=args.sampler, seed=args.seed, batch_size=args.batch_size, frames=args.frames, height=args.height,
-        width=args.width, dtype=args.dtype, mp4=not args.no_mp4, save_latents=args.save_latents, cache=args.cache,
+        width=args.width, dtype=args.dtype, mp4=not args.no_mp4, save_latents=args.save_latents, cache=args.cache, vae=args.vae,
         progress=not args.no_progress)
     return request, layout_from_overrides(args.overrides)
 

@@ -29,7 +29,8 @@ from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
 from dit_mcore.generate.imported import Imported
 from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
 from dit_mcore.generate.pipefusion import PipeFusion, check_sampler, warmup_evaluations
-from dit_mcore.generate.media import dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels
+from dit_mcore.generate.media import (dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels,
+                                      vae_config, vae_decoder, vae_folder)
 from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
@@ -92,6 +93,10 @@ class GenerateRequest:
     cache: Optional[str] = None
     """Step caching (:mod:`dit_mcore.generate.cache`): ``fora:N``, ``teacache:T``, ``fbcache:T`` or
     ``static:PLAN.json``."""
+    vae: Optional[str] = None
+    """A diffusers VAE folder (or a pipeline folder holding ``vae/``) that decodes the latents to pixels.
+    Default: the decoder the run's dataset recorded; with ``diffusers``, the ``vae/`` beside the
+    transformer's folder when there is one (a ``DiTPipeline``'s layout)."""
     progress: bool = True
 
 
@@ -113,6 +118,29 @@ class Plan:
     encode: Optional[object] = None
     """The dataset's text encoder (text models)."""
     cache: Optional[CachePolicy] = None
+    vae: Optional[Path] = None
+    """The diffusers VAE that decodes the latents (None: the dataset's decoder, if any)."""
+
+
+def _vae(r: GenerateRequest, imported: Optional[Imported], model_config) -> Optional[Path]:
+    """``--vae``, or the ``vae/`` of the pipeline a ``--diffusers`` transformer folder is part of; its
+    latent channels checked against the model's."""
+    if r.vae:
+        folder = vae_folder(Path(r.vae))
+        if folder is None:
+            raise ConfigError(f"--vae {r.vae}: no diffusers VAE there; give a folder with its config.json (or a "
+                              "pipeline folder holding vae/config.json)")
+    elif imported is not None and imported.kind == "diffusers":
+        folder = vae_folder(imported.path.parent / "vae")
+        if folder is None:
+            return None
+    else:
+        return None
+    channels = vae_config(folder).get("latent_channels")
+    if channels is not None and channels != model_config.in_channels:
+        raise ConfigError(f"--vae {folder}: its latents have {channels} channels but the model's have "
+                          f"{model_config.in_channels}; give the VAE the model was trained on")
+    return folder
 
 
 def _world_size() -> int:
@@ -223,9 +251,16 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         if model_config.num_classes and not model_config.use_cfg_embedding:
             raise ConfigError("this text model also takes class labels but has no null class (trained with "
                               "model.class_dropout_prob=0), so prompts alone cannot drive it")
-    if model_config.in_channels not in (1, 3) and not (run.data.path and Path(run.data.path).exists()):
+    vae = _vae(r, imported, model_config)
+    if vae is not None:
+        log.info("decoding latents with the VAE in %s", vae)
+    elif imported is not None and model_config.in_channels not in (1, 3):
+        log.warning("no VAE for %d-channel latents: images show channel 0 in grey; pass --vae (a diffusers "
+                    "AutoencoderKL folder, e.g. the pipeline's vae/)", model_config.in_channels)
+    elif model_config.in_channels not in (1, 3) and not (run.data.path and Path(run.data.path).exists()):
         log.warning("no latent decoder for %d-channel latents (the run's dataset %s records it): images show "
-                    "channel 0 in grey", model_config.in_channels, run.data.path or "is built in and")
+                    "channel 0 in grey; pass --vae to decode them", model_config.in_channels,
+                    run.data.path or "is built in and")
     world = world_size or _world_size()
     check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
     cache = None
@@ -242,7 +277,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         raise ConfigError(f"--dtype {dtype_name}: use fp32 or bf16")
     _check_out(Path(r.out))
     return Plan(request=r, parallel=parallel, path=path, imported=imported, run=run, items=items, shape=shape,
-                steps=steps, cfg_scale=cfg_scale, sampler=sampler, encode=encode, cache=cache,
+                steps=steps, cfg_scale=cfg_scale, sampler=sampler, encode=encode, cache=cache, vae=vae,
                 dtype=torch.bfloat16 if dtype_name == "bf16" else torch.float32)
 
 
@@ -348,7 +383,9 @@ def run_plan(p: Plan) -> dict:
     objective = build_objective(p.run.diffusion.objective)
     model_fn = model_function(p, model, model_config)
     encode = p.encode
-    decoder = dataset_decoder(p.run.data.path) if groups.writes else None
+    decoder = None
+    if groups.writes:
+        decoder = vae_decoder(p.vae) if p.vae is not None else dataset_decoder(p.run.data.path)
     layout = layout_name(p.parallel, world)
     mine = batches(share(p.items, groups.items_rank, groups.items_size), r.batch_size)
     out = Path(r.out)

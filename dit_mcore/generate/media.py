@@ -1,5 +1,5 @@
-"""From latents to files: decoding through the dataset's latent decoder, one PNG per image, a GIF (and
-an MP4) per clip, and the grid or strip of a whole call.
+"""From latents to files: decoding through the dataset's latent decoder (or a diffusers VAE given to the
+command), one PNG per image, a GIF (and an MP4) per clip, and the grid or strip of a whole call.
 
 Pixels are ``[-1, 1]`` floats with 1 (grey) or 3 (RGB) channels. Latents of other widths without a
 decoder are shown as their first channel in grey (logged once).
@@ -7,6 +7,7 @@ decoder are shown as their first channel in grey (logged once).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 from pathlib import Path
@@ -38,6 +39,28 @@ def dataset_decoder(data_path: Optional[str]) -> Optional[Decoder]:
         log.warning("cannot build the dataset's latent decoder %r (%s); showing raw latents", config["encoder"], exc)
         return None
     return encoder.decode
+
+
+def vae_folder(path: Path) -> Optional[Path]:
+    """The diffusers VAE at ``path``: the folder itself (its ``config.json``) or a pipeline's ``vae/``."""
+    for folder in (path, path / "vae"):
+        if (folder / "config.json").is_file():
+            return folder
+    return None
+
+
+def vae_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def vae_decoder(folder: Path) -> Decoder:
+    """Decode with the diffusers VAE in ``folder`` (latents scaled as its pipelines scale them: SD's
+    ``scaling_factor``, or per-channel statistics); an ``AutoencoderKL`` codes frames one by one, any
+    other class (a video VAE) the clip."""
+    from energon_data.encoders import build_latent_encoder
+    kind = "diffusers_vae" if vae_config(folder).get("_class_name", "AutoencoderKL") == "AutoencoderKL" \
+        else "diffusers_video_vae"
+    return build_latent_encoder(kind, str(folder)).decode
 
 
 def slug(prompt: str) -> str:

@@ -51,5 +51,7 @@ def image_forward(model, config, x: torch.Tensor, timestep: torch.Tensor, labels
 
 
 def image_model_fn(model, config):
-    """``model_fn(x [N, C, (T,) H, W], timestep [N], labels, text=None) -> prediction`` for samplers."""
-    return lambda x, timestep, labels=None, text=None: image_forward(model, config, x, timestep, labels, text=text)
+    """``model_fn(x [N, C, (T,) H, W], timestep [N], labels, text=None, variance=False) -> prediction`` for
+    samplers; ``variance=True``: with a learned-sigma model's variance channels after it (``2C``)."""
+    return lambda x, timestep, labels=None, text=None, variance=False: image_forward(
+        model, config, x, timestep, labels, text=text, keep_sigma=variance)

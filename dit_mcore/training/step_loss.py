@@ -63,7 +63,11 @@ class StepLoss:
         the counts, which :func:`optim.finalize_grads` then leaves unused. Context-parallel ranks other
         than the first report a count of 0 (they compute the same loss); the logged pair always
         carries the real count."""
-        pred = prediction(output, self.model_config).reshape(-1, self.model_config.patch_dim)
+        mc = self.model_config
+        if self.objective.learns_variance and mc.learn_sigma:  # the prediction and its variance channels
+            pred = output.transpose(0, 1).reshape(-1, 2 * mc.patch_dim)
+        else:
+            pred = prediction(output, mc).reshape(-1, mc.patch_dim)
         real = batch.token_to_sample >= 0
         per_token = self.objective.loss(pred, inputs).mean(-1) * real
         n, sample_of = batch.num_samples, batch.token_to_sample.clamp(min=0)
