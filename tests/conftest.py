@@ -23,7 +23,7 @@ LONGEST_FIRST = ("layouts_w2_text",  # (330) the text families' layouts on two r
                  "layouts_w2_dit", "layouts_w4_dit",  # (220, 180)
                  "tests/test_soak.py", "tests/test_reliability.py", "tests/test_plan_memory.py",  # (135, 125, 115)
                  "tests/test_flat_adam.py", "tests/test_training.py", "tests/test_generate.py",  # (100, 70, 65)
-                 "layouts_w4_text")  # (70)
+                 "layouts_w4_text", "tests/test_generate_quality.py")  # (70, 50)
 
 
 def pytest_configure(config):
