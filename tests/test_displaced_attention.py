@@ -10,7 +10,9 @@ from dit_mcore.models.displaced_attention import DisplacedKV
 class _Dense:
     """Plain softmax attention of ``[s, b, h, d]`` inputs, output ``[s, b, h*d]`` (the core attention's)."""
 
-    def _attend(self, q, k, v, params):
+    cp_groups = {}  # one rank
+
+    def _attend(self, q, k, v, params, local=False):
         weights = torch.softmax(torch.einsum("sbhd,tbhd->bhst", q, k) / q.shape[-1] ** 0.5, dim=-1)
         return torch.einsum("bhst,tbhd->sbhd", weights, v).flatten(-2)
 

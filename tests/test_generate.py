@@ -101,6 +101,8 @@ LAYOUTS_2 = {
     "dit_pf2_sync": {"pipefusion": 2, "pipefusion_warmup_steps": STEPS},
     "dit_pf2": {"pipefusion": 2},
     "xattn_pf2x4": {"pipefusion": 2, "pipefusion_patches": 4},
+    "dit_pfx2_cp2": {"pipefusion_patches": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},  # (one stage)
+    "xattn_pfx2_tp2_sp": {"pipefusion_patches": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     # step caching: the ranks sharing a batch take one decision (TeaCache, First-Block-Cache), or none
     "dit_cfg2_tea": {"cfg_parallel": 2},
     "dit_cp2_a2a_fb": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -134,6 +136,7 @@ LAYOUTS_4 = {
     "dit_pf2_cfg2": {"pipefusion": 2, "cfg_parallel": 2},
     "xattn_pf2_tp2": {"pipefusion": 2, "tensor_model_parallel_size": 2},
     "dit_pf4x2": {"pipefusion": 4, "pipefusion_patches": 2},  # middle stages; fewer patches than stages
+    "xattn_pf2_cp2": {"pipefusion": 2, "context_parallel_size": 2, "cp_comm_type": "p2p"},
 }
 
 
@@ -262,8 +265,9 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
     line = _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--sampler", "ddpm", "--out", out,
                    "parallel.pipefusion_patches=2"], capsys)
     assert "--sampler ddim" in line
-    assert "not supported yet" in _error(["--checkpoint", dit, "--labels", "1", "--out", out,
-                                          "parallel.pipefusion_patches=2", "parallel.context_parallel_size=2"], capsys)
+    with pytest.raises(ConfigError, match="16 equal patches of 2 ranks' pieces each"):  # 16 tokens, CP2
+        plan(GenerateRequest(checkpoint=dit, labels=["1"], out=out),
+             GenerateParallel(pipefusion_patches=16, context_parallel_size=2), world_size=2)
     assert "set parallel.pipefusion only" in _error(["--checkpoint", dit, "--labels", "1", "--out", out,
                                                      "parallel.pipefusion=2", "parallel.pipeline_model_parallel_size=4"],
                                                     capsys)

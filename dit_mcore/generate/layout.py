@@ -90,11 +90,12 @@ def check_generation_layout(p: GenerateParallel, model_config, world_size: int, 
         raise ConfigError(f"an item of {'x'.join(map(str, shape[1:]))} latents has {tokens} tokens, not a multiple "
                           f"of the {shards} ranks the sequence is split over (context_parallel_size x TP under "
                           "sequence_parallel); change --height/--width/--frames or the layout")
-    if tokens % p.patches():
+    if tokens % (p.patches() * shards):
+        split = f" of {shards} ranks' pieces each (the sequence split)" if shards > 1 else ""
         raise ConfigError(f"PipeFusion's {p.patches()} patches (parallel.pipefusion_patches; 0: one per stage of "
                           f"parallel.pipefusion): an item of {'x'.join(map(str, shape[1:]))} "
-                          f"latents has {tokens} tokens, which do not split into {p.patches()} equal patches; "
-                          "choose a divisor of the token count")
+                          f"latents has {tokens} tokens, which do not split into {p.patches()} equal patches{split}; "
+                          "choose patches whose count times the sequence split divides the token count")
 
 
 def _check_pipefusion(p: GenerateParallel, model_config) -> None:
@@ -113,10 +114,6 @@ def _check_pipefusion(p: GenerateParallel, model_config) -> None:
                           "stages are the pipeline; set parallel.pipefusion only")
     if p.virtual_pipeline_model_parallel_size:
         raise ConfigError("parallel.pipefusion runs one chunk per stage; unset virtual_pipeline_model_parallel_size")
-    if p.context_parallel_size > 1 or p.sequence_parallel:
-        raise ConfigError("parallel.pipefusion with context_parallel_size > 1 or sequence_parallel is not supported "
-                          "yet (each sequence rank would need the whole stream's keys and values); combine "
-                          "PipeFusion with cfg_parallel, tensor parallel and items instead")
     if getattr(model_config, "spatial_temporal", False):
         raise ConfigError("parallel.pipefusion: the ST-DiT's spatial and temporal attention are not displaced yet; "
                           "use sequence parallel (context_parallel_size) for ST-DiT models")

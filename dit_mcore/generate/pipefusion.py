@@ -50,11 +50,26 @@ _ACTIVATION, _PREDICTION = 11, 12  # p2p tags
 
 @dataclass(frozen=True)
 class PatchShard(TokenShard):
-    """Patch ``index`` of ``size`` equal contiguous pieces of the token stream, seen by one model
-    call: the model embeds, positions and predicts only these tokens (:meth:`gather` keeps them)."""
+    """This rank's tokens of one patch, seen by one model call: piece ``index`` of ``size`` equal
+    contiguous pieces of the stream, ``parts`` consecutive pieces per patch (the ranks of ``group`` that
+    split each patch: context parallel, and TP under sequence parallel, as :class:`TokenShard`). The model
+    embeds, positions and attends from these tokens only; :meth:`gather` returns the whole patch."""
+
+    parts: int = 1
+
+    @classmethod
+    def of(cls, patch: int, patches: int, within: TokenShard) -> "PatchShard":
+        """Patch ``patch`` of ``patches``, split over the ranks of ``within`` (the model's own shard)."""
+        return cls(size=patches * within.size, index=patch * within.size + within.index, group=within.group,
+                   tp=within.tp, parts=within.size)
 
     def gather(self, x: torch.Tensor, total: int, dim: int = 0) -> torch.Tensor:
-        return x
+        if self.parts == 1:
+            return x
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * self.parts, *moved.shape[1:]))
+        dist.all_gather_into_tensor(out, moved, group=self.group)
+        return out.movedim(0, dim)
 
 
 class _Stopped(BaseException):
@@ -142,6 +157,7 @@ class PipeFusion:
         if warmup < 1:
             raise ValueError("PipeFusion needs at least one warm-up evaluation to fill the key/value buffers")
         self.chunk, self.config, self.patches, self.warmup = chunks[0], config, patches, warmup
+        self.within = self.chunk.token_shard  # the ranks that split every unit's tokens (CP; TP under SP)
         self.on_evaluation = on_evaluation
         self.kv = DisplacedKV()
         if not self.kv.install(self.chunk):
@@ -223,15 +239,16 @@ class PipeFusion:
         x = torch.cat([req[0] for req in requests], dim=1)  # [n, the unit's tokens, D]
         _, timestep, labels, text = requests[0]
         if patch is None:
-            call.stream, shard, self.kv.patch = x, TokenShard(), None
+            call.stream, shard, self.kv.patch = x, self.within, None
             rows = call.total
-        else:  # the model takes the whole stream and embeds only the patch's tokens
+        else:  # the model takes the whole stream and embeds only the patch's tokens (this rank's piece)
             start, end = call.bounds[patch]
             call.stream[:, start:end] = x
-            shard, self.kv.patch = PatchShard(size=self.patches, index=patch), (start, end)
+            shard, self.kv.patch = PatchShard.of(patch, self.patches, self.within), (start, end)
             rows = end - start
         if not self.first:
-            hidden = torch.empty((rows, x.shape[0], self.config.hidden_size), dtype=self.dtype, device=x.device)
+            hidden = torch.empty((rows // self.within.size, x.shape[0], self.config.hidden_size), dtype=self.dtype,
+                                 device=x.device)
             dist.recv(hidden, src=self.ranks[self.stage - 1], tag=_ACTIVATION)
             self.chunk.set_input_tensor(hidden)
         with _shard(self.chunk, shard):

@@ -130,7 +130,9 @@ class KernelsCoreAttention(MegatronModule):
         return segment_attention(q, k, v, segments=segments, softmax_scale=self.softmax_scale, backend=self.backend,
                                  return_lse=False)
 
-    def _attend(self, query, key, value, packed_seq_params, planned: bool = False):
+    def _attend(self, query, key, value, packed_seq_params, planned: bool = False, local: bool = False):
+        """``local``: attend this rank's queries to the keys and values given, without context parallel's
+        exchange (PipeFusion's displaced attention gathers them itself)."""
         if self.cross:
             return self._cross(query, key, value, packed_seq_params, planned)
         if self.st_kind is not None:
@@ -151,12 +153,12 @@ class KernelsCoreAttention(MegatronModule):
             p = packed_seq_params
             segments = getattr(p, "segments", None) or Segments.from_cu_seqlens(
                 p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
-        if self.cp_groups and planned:
+        if self.cp_groups and not local and planned:
             out = planned_context_parallel_attention(
                 q, k, v, NO_SEGMENTS if packed_seq_params is None else packed_seq_params.plan, method=self.cp_method,
                 group_keys=self.cp_group_keys, softmax_scale=self.softmax_scale, backend=self.backend,
                 **self.cp_groups)
-        elif self.cp_groups:
+        elif self.cp_groups and not local:
             out = context_parallel_attention(q, k, v, method=self.cp_method, segments=segments,
                                              softmax_scale=self.softmax_scale, backend=self.backend,
                                              **self.cp_groups)

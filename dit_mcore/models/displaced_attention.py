@@ -8,12 +8,18 @@ of the whole stream. With ``patch`` unset the layer sees the whole stream: it at
 (re)fills its buffer, which is how the synchronous warm-up steps run. With ``patch=(start, end)``
 the layer sees only those tokens: their fresh keys and values overwrite that slice of the buffer,
 and the patch's queries attend to the whole buffer.
+
+Under context parallel each rank sees a piece of the unit's tokens (the whole stream's, or the
+patch's): the layer all-gathers the pieces' keys and values over the CP group, so every rank keeps the
+whole buffer, and attends from its own queries locally (whatever ``cp_comm_type`` says: the buffer
+makes every method an all-gather of the fresh keys and values).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -42,9 +48,12 @@ class DisplacedKV:
 
     def attend(self, attention, layer: int, query, key, value):
         """``attention``'s output for ``query`` (``[s, b, h, d]``), against this layer's buffer."""
+        group = attention.cp_groups.get("cp_group")
+        if group is not None:  # the unit's keys and values from every CP rank's piece
+            key, value = (_gathered(x, group) for x in (key, value))
         if self.patch is None:
             self._kv[layer] = (key.clone(), value.clone())
-            return attention._attend(query, key, value, None)
+            return attention._attend(query, key, value, None, local=True)
         if layer not in self._kv:
             raise RuntimeError("displaced attention before the buffer was filled: run at least one "
                                "whole-stream (warm-up) call first")
@@ -55,4 +64,12 @@ class DisplacedKV:
                                f"{tuple(keys.shape[:2])}")
         keys[start:end] = key
         values[start:end] = value
-        return attention._attend(query, keys, values, None)
+        return attention._attend(query, keys, values, None, local=True)
+
+
+def _gathered(x: torch.Tensor, group) -> torch.Tensor:
+    """The rows of ``x`` (``[s, ...]``) of every rank of ``group``, in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
