@@ -24,16 +24,17 @@ PROMPTS = ["a 1 moving left", "a 6 moving up"]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """``{"dit": run dir, "xattn": run dir, "ddpm": run dir}``: a class-conditional DiT on 8x8x4 latents,
-    a cross-attention DiT on moving-digit clips (4 frames of 8x8, labels and text), and the first with
-    the DDPM objective (its stochastic sampler draws fresh noise each step); one saved step each."""
+    """``{"dit": run dir, "xattn": run dir, "ddpm": run dir, ...}``: a class-conditional DiT on 8x8x4 latents,
+    a cross-attention DiT on moving-digit clips (4 frames of 8x8, labels and text), the first with the DDPM
+    objective (its stochastic sampler draws fresh noise each step), an unconditional one and an ST-DiT on
+    the clips; one saved step each."""
     from dit_mcore.parallel.initialize import destroy_distributed
     from dit_mcore.training.trainer import Trainer
     from test_parallel_layouts import _randomize, layout_run
     root = tmp_path_factory.mktemp("generate")
     runs = {}
     for name, data, family in (("dit", "dense", "dit"), ("xattn", "video", "dit_xattn"), ("ddpm", "dense", "dit"),
-                               ("uncond", "dense", "dit")):
+                               ("uncond", "dense", "dit"), ("stdit", "video", "stdit")):
         cfg = layout_run(root / name, data, family=family)
         if name == "ddpm":
             cfg.diffusion.objective = "ddpm"
@@ -67,7 +68,8 @@ def _diffusers_dir(path):
 
 
 def _request(source: str, out, case: str, **kwargs) -> GenerateRequest:
-    conditioning = dict(labels=LABELS, num_per_prompt=2) if "xattn" not in case else dict(prompts=PROMPTS)
+    text = case.split("_")[0] in ("xattn", "stdit")
+    conditioning = dict(prompts=PROMPTS) if text else dict(labels=LABELS, num_per_prompt=2)
     if case.startswith("ddpm"):
         conditioning["sampler"] = "ddpm"
     settings = dict(steps=STEPS, cfg_scale=2.0, seed=5, progress=False, save_latents=True, mp4=False)
@@ -103,6 +105,7 @@ LAYOUTS_2 = {
     "xattn_pf2x4": {"pipefusion": 2, "pipefusion_patches": 4},
     "dit_pfx2_cp2": {"pipefusion_patches": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},  # (one stage)
     "xattn_pfx2_tp2_sp": {"pipefusion_patches": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "stdit_pf2x8": {"pipefusion": 2, "pipefusion_patches": 8},  # spatial/temporal, patches of half a frame
     # step caching: the ranks sharing a batch take one decision (TeaCache, First-Block-Cache), or none
     "dit_cfg2_tea": {"cfg_parallel": 2},
     "dit_cp2_a2a_fb": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -265,6 +268,9 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
     line = _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--sampler", "ddpm", "--out", out,
                    "parallel.pipefusion_patches=2"], capsys)
     assert "--sampler ddim" in line
+    with pytest.raises(ConfigError, match="for the ST-DiT: its frame/position switches"):
+        plan(GenerateRequest(checkpoint=checkpoints["stdit"], prompts=PROMPTS, out=out),
+             GenerateParallel(pipefusion_patches=2, context_parallel_size=2), world_size=2)
     with pytest.raises(ConfigError, match="16 equal patches of 2 ranks' pieces each"):  # 16 tokens, CP2
         plan(GenerateRequest(checkpoint=dit, labels=["1"], out=out),
              GenerateParallel(pipefusion_patches=16, context_parallel_size=2), world_size=2)

@@ -114,9 +114,10 @@ def _check_pipefusion(p: GenerateParallel, model_config) -> None:
                           "stages are the pipeline; set parallel.pipefusion only")
     if p.virtual_pipeline_model_parallel_size:
         raise ConfigError("parallel.pipefusion runs one chunk per stage; unset virtual_pipeline_model_parallel_size")
-    if getattr(model_config, "spatial_temporal", False):
-        raise ConfigError("parallel.pipefusion: the ST-DiT's spatial and temporal attention are not displaced yet; "
-                          "use sequence parallel (context_parallel_size) for ST-DiT models")
+    if getattr(model_config, "spatial_temporal", False) and p.context_parallel_size > 1:
+        raise ConfigError("parallel.pipefusion with context_parallel_size > 1 for the ST-DiT: its frame/position "
+                          "switches (DSP) are not displaced; use PipeFusion with tensor parallel, cfg_parallel and "
+                          "items, or sequence parallel alone")
 
 
 @dataclass

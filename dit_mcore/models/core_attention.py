@@ -100,7 +100,7 @@ class KernelsCoreAttention(MegatronModule):
                              "packed_seq_params.cu_seqlens_q/kv")
         if self.displaced is not None:
             buffer, layer = self.displaced
-            return buffer.attend(self, layer, query, key, value)
+            return buffer.attend(self, layer, query, key, value, packed_seq_params)
         # A packed pattern is host ints that change with every micro-batch: traced, each new packing
         # would recompile the layer (on an H200, a 3B DiT on 8k-token packs hit dynamo's recompile
         # limit and ran at a third of its speed); communication breaks a graph too. In a compiled

@@ -7,7 +7,8 @@ A :class:`DisplacedKV` holds, for each self-attention layer it is installed on, 
 of the whole stream. With ``patch`` unset the layer sees the whole stream: it attends as usual and
 (re)fills its buffer, which is how the synchronous warm-up steps run. With ``patch=(start, end)``
 the layer sees only those tokens: their fresh keys and values overwrite that slice of the buffer,
-and the patch's queries attend to the whole buffer.
+and the patch's queries attend to the whole buffer (the ST-DiT's spatial layers to the frames the patch
+meets, its temporal layers to the positions: :func:`~dit_mcore.models.st_attention.displaced_st_attention`).
 
 Under context parallel each rank sees a piece of the unit's tokens (the whole stream's, or the
 patch's): the layer all-gathers the pieces' keys and values over the CP group, so every rank keeps the
@@ -32,11 +33,11 @@ class DisplacedKV:
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def install(self, chunk: nn.Module) -> int:
-        """Route every self-attention of ``chunk`` through this buffer; returns how many.
-        Cross-attention to the text is unchanged (every patch attends to all of it anyway)."""
+        """Route every self-attention of ``chunk`` (the ST-DiT's spatial and temporal ones too) through this
+        buffer; returns how many. Cross-attention to the text is unchanged (every patch attends to all of it
+        anyway)."""
         from dit_mcore.models.core_attention import KernelsCoreAttention
-        layers = [m for m in chunk.modules()
-                  if isinstance(m, KernelsCoreAttention) and not m.cross and m.st_kind is None]
+        layers = [m for m in chunk.modules() if isinstance(m, KernelsCoreAttention) and not m.cross]
         for i, module in enumerate(layers):
             module.displaced = (self, i)
         return len(layers)
@@ -46,14 +47,15 @@ class DisplacedKV:
         self._kv.clear()
         self.patch = None
 
-    def attend(self, attention, layer: int, query, key, value):
-        """``attention``'s output for ``query`` (``[s, b, h, d]``), against this layer's buffer."""
+    def attend(self, attention, layer: int, query, key, value, packed_seq_params=None):
+        """``attention``'s output for ``query`` (``[s, b, h, d]``), against this layer's buffer. The ST-DiT's
+        layers take the frames of the whole dense rows from ``packed_seq_params.st``."""
         group = attention.cp_groups.get("cp_group")
         if group is not None:  # the unit's keys and values from every CP rank's piece
             key, value = (_gathered(x, group) for x in (key, value))
         if self.patch is None:
             self._kv[layer] = (key.clone(), value.clone())
-            return attention._attend(query, key, value, None, local=True)
+            return attention._attend(query, key, value, packed_seq_params, local=True)
         if layer not in self._kv:
             raise RuntimeError("displaced attention before the buffer was filled: run at least one "
                                "whole-stream (warm-up) call first")
@@ -64,6 +66,12 @@ class DisplacedKV:
                                f"{tuple(keys.shape[:2])}")
         keys[start:end] = key
         values[start:end] = value
+        if attention.st_kind is not None:
+            from dit_mcore.models.st_attention import displaced_st_attention
+            frames, positions = packed_seq_params.st.grids[0]
+            return displaced_st_attention(query, keys, values, kind=attention.st_kind, frames=frames,
+                                          positions=positions, start=start, softmax_scale=attention.softmax_scale,
+                                          backend=attention.backend)
         return attention._attend(query, keys, values, None, local=True)
 
 

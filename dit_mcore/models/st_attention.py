@@ -210,6 +210,50 @@ def _one_rank(q, k, v, kind: str, pattern: STPattern, **kw) -> torch.Tensor:
     return segment_attention(q, k, v, segments=segments, return_lse=False, **kw).index_select(1, inverse)
 
 
+@functools.lru_cache(maxsize=64)
+def _displaced_plan(kind: str, rows: int, frames: int, positions: int, start: int, end: int, device: str):
+    """``(kv_order, q_sort, q_unsort, segments)`` of ``kind`` attention from the tokens ``[start, end)`` of
+    each of ``rows`` frame-major rows (``frames x positions`` tokens each) to the whole rows: spatial, one
+    segment per (row, frame the range meets) to that frame's keys (no reorder); temporal, the keys
+    position-major and the range's queries sorted likewise, one segment per (row, position)."""
+    total, span = frames * positions, end - start
+    if kind == "spatial":
+        bounds = [(i * span + max(f * positions, start) - start, i * span + min((f + 1) * positions, end) - start,
+                   i * total + f * positions, i * total + (f + 1) * positions)
+                  for i in range(rows) for f in range(start // positions, -(-end // positions))]
+        return None, None, None, Segments(*(tuple(b[k] for b in bounds) for k in range(4)))
+    by_position = torch.arange(total).view(frames, positions).t().reshape(-1)
+    kv_order = torch.cat([i * total + by_position for i in range(rows)])
+    index = torch.arange(start, end)
+    place = torch.cat([i * total + (index % positions) * frames + index // positions for i in range(rows)])
+    sort = torch.argsort(place)
+    placed = place[sort].tolist()
+    groups = [(i * total + p * frames, i * total + (p + 1) * frames) for i in range(rows) for p in range(positions)]
+    segments = Segments(tuple(bisect.bisect_left(placed, a) for a, _ in groups),
+                        tuple(bisect.bisect_left(placed, e) for _, e in groups),
+                        tuple(a for a, _ in groups), tuple(e for _, e in groups))
+    return to_device(kv_order, device), to_device(sort, device), to_device(torch.argsort(sort), device), segments
+
+
+def displaced_st_attention(query, key, value, *, kind: str, frames: int, positions: int, start: int,
+                           softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+    """``kind`` attention of the queries ``[e - s, b, h, d]`` of tokens ``[start, start + e - s)`` of every
+    dense frame-major row (``frames x positions`` tokens) against the keys and values of the whole rows
+    ``[frames * positions, b, h, d]`` (PipeFusion's displaced buffer) -> ``[e - s, b, h*d]``."""
+    span, b = query.shape[:2]
+    q, k, v = (x.transpose(0, 1).reshape(1, -1, *x.shape[2:]) for x in (query, key, value))
+    kv_order, sort, unsort, segments = _displaced_plan(kind, b, frames, positions, start, start + span,
+                                                       str(q.device))
+    if kind == "temporal":
+        q = q.index_select(1, sort)
+        k, v = (x.index_select(1, kv_order) for x in (k, v))
+    out = segment_attention(q, k, v, segments=segments, softmax_scale=softmax_scale, backend=backend,
+                            return_lse=False)
+    if kind == "temporal":
+        out = out.index_select(1, unsort)
+    return out.reshape(b, span, -1).transpose(0, 1)
+
+
 def st_attention(query, key, value, *, kind: str, pattern: STPattern, softmax_scale: Optional[float] = None,
                  backend: str = "auto", plans: Optional[STPlans] = None) -> torch.Tensor:
     """``kind`` attention of megatron-layout ``[s, b, h, d]`` q/k/v (rows in stream order ``b`` then
