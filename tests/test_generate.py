@@ -106,6 +106,7 @@ LAYOUTS_2 = {
     "dit_pfx2_cp2": {"pipefusion_patches": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"},  # (one stage)
     "xattn_pfx2_tp2_sp": {"pipefusion_patches": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     "stdit_pf2x8": {"pipefusion": 2, "pipefusion_patches": 8},  # spatial/temporal, patches of half a frame
+    "stdit_pfx4_cp2": {"pipefusion_patches": 4, "context_parallel_size": 2, "cp_comm_type": "a2a"},  # half frames
     # step caching: the ranks sharing a batch take one decision (TeaCache, First-Block-Cache), or none
     "dit_cfg2_tea": {"cfg_parallel": 2},
     "dit_cp2_a2a_fb": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -140,6 +141,7 @@ LAYOUTS_4 = {
     "xattn_pf2_tp2": {"pipefusion": 2, "tensor_model_parallel_size": 2},
     "dit_pf4x2": {"pipefusion": 4, "pipefusion_patches": 2},  # middle stages; fewer patches than stages
     "xattn_pf2_cp2": {"pipefusion": 2, "context_parallel_size": 2, "cp_comm_type": "p2p"},
+    "stdit_pf2_cp2": {"pipefusion": 2, "context_parallel_size": 2},  # DSP under CP: q|k|v displaced instead
 }
 
 
@@ -268,9 +270,12 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
     line = _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--sampler", "ddpm", "--out", out,
                    "parallel.pipefusion_patches=2"], capsys)
     assert "--sampler ddim" in line
-    with pytest.raises(ConfigError, match="for the ST-DiT: its frame/position switches"):
-        plan(GenerateRequest(checkpoint=checkpoints["stdit"], prompts=PROMPTS, out=out),
-             GenerateParallel(pipefusion_patches=2, context_parallel_size=2), world_size=2)
+    from types import SimpleNamespace
+
+    from dit_mcore.generate.layout import _check_pipefusion
+    with pytest.raises(ConfigError, match="the two-level mesh's token order is not displaced"):
+        _check_pipefusion(GenerateParallel(pipefusion_patches=2, context_parallel_size=2),
+                          SimpleNamespace(spatial_temporal=True, st_attention="mesh"))
     with pytest.raises(ConfigError, match="16 equal patches of 2 ranks' pieces each"):  # 16 tokens, CP2
         plan(GenerateRequest(checkpoint=dit, labels=["1"], out=out),
              GenerateParallel(pipefusion_patches=16, context_parallel_size=2), world_size=2)

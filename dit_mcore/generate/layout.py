@@ -114,10 +114,11 @@ def _check_pipefusion(p: GenerateParallel, model_config) -> None:
                           "stages are the pipeline; set parallel.pipefusion only")
     if p.virtual_pipeline_model_parallel_size:
         raise ConfigError("parallel.pipefusion runs one chunk per stage; unset virtual_pipeline_model_parallel_size")
-    if getattr(model_config, "spatial_temporal", False) and p.context_parallel_size > 1:
-        raise ConfigError("parallel.pipefusion with context_parallel_size > 1 for the ST-DiT: its frame/position "
-                          "switches (DSP) are not displaced; use PipeFusion with tensor parallel, cfg_parallel and "
-                          "items, or sequence parallel alone")
+    if (getattr(model_config, "spatial_temporal", False) and p.context_parallel_size > 1
+            and getattr(model_config, "st_attention", "dsp") == "mesh"):
+        raise ConfigError("parallel.pipefusion with context_parallel_size > 1 for an ST-DiT with "
+                          "model.st_attention=mesh: the two-level mesh's token order is not displaced; sample it "
+                          "with PipeFusion over tensor parallel, cfg_parallel and items, or with sequence parallel alone")
 
 
 @dataclass

@@ -51,27 +51,32 @@ class DisplacedKV:
         """``attention``'s output for ``query`` (``[s, b, h, d]``), against this layer's buffer. The ST-DiT's
         layers take the frames of the whole dense rows from ``packed_seq_params.st``."""
         group = attention.cp_groups.get("cp_group")
+        if attention.st_kind is not None:  # the ST-DiT's frames are split over the pattern's group
+            group = packed_seq_params.st.cp_group
+        offset = 0  # where this rank's queries start in the unit's tokens
         if group is not None:  # the unit's keys and values from every CP rank's piece
             key, value = (_gathered(x, group) for x in (key, value))
+            offset = dist.get_rank(group) * query.shape[0]
         if self.patch is None:
             self._kv[layer] = (key.clone(), value.clone())
-            return attention._attend(query, key, value, packed_seq_params, local=True)
-        if layer not in self._kv:
-            raise RuntimeError("displaced attention before the buffer was filled: run at least one "
-                               "whole-stream (warm-up) call first")
-        keys, values = self._kv[layer]
-        start, end = self.patch
-        if keys.shape[1] != key.shape[1] or end - start != key.shape[0]:
-            raise RuntimeError(f"patch [{start}, {end}) of {key.shape[1]} rows does not fit the buffer "
-                               f"{tuple(keys.shape[:2])}")
-        keys[start:end] = key
-        values[start:end] = value
+            keys, values, start = key, value, 0
+        else:
+            if layer not in self._kv:
+                raise RuntimeError("displaced attention before the buffer was filled: run at least one "
+                                   "whole-stream (warm-up) call first")
+            keys, values = self._kv[layer]
+            start, end = self.patch
+            if keys.shape[1] != key.shape[1] or end - start != key.shape[0]:
+                raise RuntimeError(f"patch [{start}, {end}) of {key.shape[1]} rows does not fit the buffer "
+                                   f"{tuple(keys.shape[:2])}")
+            keys[start:end] = key
+            values[start:end] = value
         if attention.st_kind is not None:
             from dit_mcore.models.st_attention import displaced_st_attention
             frames, positions = packed_seq_params.st.grids[0]
             return displaced_st_attention(query, keys, values, kind=attention.st_kind, frames=frames,
-                                          positions=positions, start=start, softmax_scale=attention.softmax_scale,
-                                          backend=attention.backend)
+                                          positions=positions, start=start + offset,
+                                          softmax_scale=attention.softmax_scale, backend=attention.backend)
         return attention._attend(query, keys, values, None, local=True)
 
 

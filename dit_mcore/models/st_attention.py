@@ -299,7 +299,7 @@ class STSelfAttention(SelfAttention):
         pattern = getattr(packed_seq_params, "st", None)
         kind = self.core_attention.st_kind
         if (pattern is None or pattern.cp_group is None or pattern.query_range is not None or kind != "temporal"
-                or not self.hidden_switch):
+                or not self.hidden_switch or self.core_attention.displaced is not None):  # (PipeFusion: q|k|v)
             return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params, **kwargs)
         if kwargs.get("rotary_pos_emb") is not None:
             raise ValueError("the ST-DiT's hidden-state switch takes no rotary embedding (its positions are the "
