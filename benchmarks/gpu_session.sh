@@ -17,6 +17,9 @@
 #           ~51 ms of attention per micro-batch on the H100, and cuDNN halved DiT-XL/2's attention on the H200; a new
 #           run shape builds a cuDNN graph, which the timed steps carry), profiled on the device and on the host
 #           (cProfile: the functions to cut), with the host's time per phase of the step
+#   generate  class-conditional sampling against diffusers' DiTPipeline (benchmarks/generate_vs_diffusers.py): DiT-XL/2,
+#           random weights, 50 DDIM steps, guidance 4, batch 8, bf16, 256 and 512 px, eager and compiled (~6 min; goal
+#           issue #35: >= 1.3x compiled)
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume on torch's
 #           AdamW, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
@@ -70,7 +73,7 @@
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh current|tests|fp8|grid|packed|stall|short|profile|kernels|grads|split|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh current|generate|tests|fp8|grid|packed|stall|short|profile|kernels|grads|split|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -106,6 +109,13 @@ case "$phase" in
       --packed-lens 8192 --batches 2 --compile 1 --recompute selective --dtype bf16 --moments bf16 --ema-offload 1 \
       --ema-every 10 --profile --warmup 3 --steps 10 --out "$out/throughput_packed.jsonl" 2>&1 | grep -v -i warn \
       | tail -n 40 || true ;;
+  generate)
+    for size in 256 512; do
+      for compiled in "" "--compile"; do
+        timeout 140 python3 benchmarks/generate_vs_diffusers.py --size $size $compiled \
+          --out "$out/generate_vs_diffusers_${size}${compiled:+_compiled}.json" 2>&1 | grep -v -i warn | tail -n 5 || true
+      done
+    done ;;
   stall)
     python3 benchmarks/checkpoint_stall.py --hidden 1152 --layers 28 2>&1 | tee "$out/checkpoint_stall.txt" ;;
   short)
