@@ -295,27 +295,79 @@ def test_a_failed_asynchronous_publishing_is_agreed_on_reported_and_retried(tmp_
         "latest", "step_00000002", "step_00000006"]
 
 
-def _publishing_fails_at_step_4_worker(rank, world, run_dir):
+def _megatron_rank0_writes_fail(common_at: str, metadata_at: str) -> None:
+    """megatron's own rank-0 writes fail with a full disk: ``common.pt`` in the save folder named ``common_at``,
+    ``metadata.json`` in ``metadata_at`` (this process only; rank 0 is the one that writes them)."""
+    from megatron.core.dist_checkpointing import core
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    save_common, save_config = TorchCommonSaveStrategy.save_common, core.save_config
+
+    def common(self, state, folder):
+        if Path(folder).name == common_at and torch.distributed.get_rank() == 0:
+            raise OSError(28, "No space left on device", str(Path(folder) / "common.pt"))
+        return save_common(self, state, folder)
+
+    def metadata(config, folder):
+        if Path(folder).name == metadata_at:
+            raise OSError(28, "No space left on device", str(Path(folder) / "metadata.json"))
+        return save_config(config, folder)
+    TorchCommonSaveStrategy.save_common, core.save_config = common, metadata
+
+
+def _rank0_writes_fail_worker(rank, world, run_dir):
+    import dataclasses
+
     import dit_mcore.training.checkpoint as ckpt
     ckpt.write_manifest = _denied_at_step_4(ckpt.write_manifest)  # (this rank's process only; rank 0 publishes)
+    _megatron_rank0_writes_fail(".partial_step_00000002", ".partial_step_00000006")
     heard = []
     handler = logging.Handler()
     handler.emit = lambda record: heard.append(record.getMessage())
     logging.getLogger("dit_mcore").addHandler(handler)
-    losses = [h["loss"] for h in Trainer(_async_run(run_dir)).fit()]
+    cfg = tiny_run(run_dir, max_steps=8, save_interval=2)
+    cfg.trainer = dataclasses.replace(cfg.trainer, async_save=True)
+    losses = [h["loss"] for h in Trainer(cfg).fit()]
     return losses, [m for m in heard if "not written" in m]
 
 
-def test_a_failed_asynchronous_publishing_reaches_every_rank(tmp_path):
-    """Two data-parallel ranks: rank 0's publishing of step 4 fails, and both ranks learn it at the same point
-    (before, rank 1 waited in the finalization's collective for rank 0, which had raised), then train on and
-    save step 6."""
+def test_rank_0s_failed_writes_reach_every_rank(tmp_path):
+    """Two data-parallel ranks saving asynchronously, and rank 0's own writes failing: megatron's common.pt at
+    step 2 (written before the tensors), the publishing of step 4 and megatron's metadata.json of step 6 (both
+    inside the finalization). Each time both ranks learn it at the same point (before, rank 1 waited in a
+    collective for rank 0, which had raised), train on and save step 8."""
     from dist_utils import run_distributed
-    (losses0, heard0), (losses1, heard1) = run_distributed(_publishing_fails_at_step_4_worker, 2, str(tmp_path))
-    assert losses0 == losses1 and len(losses0) == 6
+    (losses0, heard0), (losses1, heard1) = run_distributed(_rank0_writes_fail_worker, 2, str(tmp_path))
+    assert losses0 == losses1 and len(losses0) == 8
     for heard in (heard0, heard1):
-        assert len(heard) == 1 and heard[0].startswith("checkpoint of step 4 not written (PermissionError"), heard
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000006"
+        assert [m.split(" (")[0] for m in heard] == [f"checkpoint of step {s} not written" for s in (2, 4, 6)], heard
+        assert "common.pt" in heard[0] and "PermissionError" in heard[1] and "metadata.json" in heard[2], heard
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000008"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_00000008"]
+
+
+def test_megatron_s_rank_0_writes_failing_in_a_synchronous_save_are_reported_and_retried(tmp_path, caplog,
+                                                                                        reference):
+    """A synchronous save whose common.pt (step 2) and then metadata.json (step 4) cannot be written: reported in
+    one line each, its partial files removed, training exactly as without the faults, step 6 written."""
+    import dit_mcore.training.checkpoint as ckpt
+    from megatron.core.dist_checkpointing import core
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    originals = TorchCommonSaveStrategy.save_common, core.save_config
+    try:
+        _megatron_rank0_writes_fail(".partial_step_00000002", ".partial_step_00000004")
+        losses = [h["loss"] for h in Trainer(tiny_run(tmp_path / "run", max_steps=6, save_interval=2)).fit()]
+    finally:
+        TorchCommonSaveStrategy.save_common, core.save_config = originals
+    assert losses == reference
+    for step, name in ((2, "common.pt"), (4, "metadata.json")):
+        assert re.search(rf"checkpoint of step {step} not written \(OSError: \[Errno 28\] No space left on device: "
+                         rf"'[^']*/\.partial_step_0000000{step}/{name}'\); its partial files are removed", caplog.text), \
+            caplog.text
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".writable")) == [
+        "latest", "step_00000006"]
+    assert ckpt._rank0_errors == []
 
 
 def test_an_unwritable_run_directory_fails_in_one_line_before_the_model_is_built(tmp_path, monkeypatch):

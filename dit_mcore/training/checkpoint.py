@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_mcore.errors import ConfigError
@@ -228,16 +230,57 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
 _published: list = []  # (step, publishing's error or None) of finalized asynchronous saves, until agreed on
 
 
-def _publish_recording(publish, step: int) -> None:
-    """An asynchronous save's publishing, run by megatron inside a finalization every rank goes through: an
-    error raised here would leave rank 0 alone (the others waiting in the finalization's collective), so it
-    is kept for :func:`finalize_async_saves` to agree on. (Megatron's own rank-0 writes earlier in the same
-    finalization, torch's ``.metadata`` and ``metadata.json``, still raise on rank 0 alone.)"""
-    error = None
+_rank0_errors: list = []  # errors of megatron's rank-0 writes (common.pt, metadata.json), until a save agrees on them
+
+
+class _AgreedCommonStrategy(TorchCommonSaveStrategy):
+    """megatron's writer of the common state (``common.pt``, rank 0 alone, before the tensors), its error kept
+    for every rank to agree on: raised on rank 0 alone, it would leave the others waiting in the sharded save's
+    collectives."""
+
+    def save_common(self, common_state_dict, checkpoint_dir):
+        try:
+            super().save_common(common_state_dict, checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - whatever it is, every rank learns it
+            _rank0_errors.append(e)
+
+
+def _agreed_save_config(config, checkpoint_dir) -> None:
+    """megatron's ``metadata.json`` write (rank 0 alone, at the end of a save, before a barrier every rank
+    enters), its error kept for the save to agree on, so that rank 0 reaches the barrier too."""
     try:
-        publish()
-    except Exception as e:  # noqa: BLE001 - whatever it is, every rank learns it
-        error = e
+        dist_checkpointing.core.save_config(config, checkpoint_dir)
+    except Exception as e:  # noqa: BLE001
+        _rank0_errors.append(e)
+
+
+def _agree_on_rank0_writes() -> None:
+    """Route megatron's rank-0 writes through the recorders above. ``dist_checkpointing.save`` takes no common
+    strategy of ours (only its default) and writes ``metadata.json`` through a module function, so both are
+    swapped in its ``serialization`` module, where it looks them up at each save."""
+    serialization.get_default_save_common_strategy = lambda backend="torch", version=1: _AgreedCommonStrategy(
+        backend, version)
+    serialization.save_config = _agreed_save_config
+    _rank0_errors.clear()
+
+
+def _rank0_error() -> Optional[BaseException]:
+    error = _rank0_errors[0] if _rank0_errors else None
+    _rank0_errors.clear()
+    return error
+
+
+def _publish_recording(publish, step: int) -> None:
+    """An asynchronous save's publishing, run by megatron inside a finalization every rank goes through (after
+    its ``metadata.json``): an error raised here would leave rank 0 alone (the others waiting in the
+    finalization's collective), so it, or the metadata's, is kept for :func:`finalize_async_saves` to agree on.
+    (torch's ``.metadata`` is written inside DCP, which hands a failure to every rank.)"""
+    error = _rank0_error()  # (metadata.json's, written just before)
+    if error is None:
+        try:
+            publish()
+        except Exception as e:  # noqa: BLE001 - whatever it is, every rank learns it
+            error = e
     _published.append((step, error))
 
 
@@ -296,11 +339,12 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
         with whole_checkpoint_view((model, ema_model), optimizer, loading=False) as view:  # FSDP: global keys
             state = view.localize(sharded_state(model, ema_model, view.optimizer, extra=extra,
                                                 ema_partial=ema_partial, per_rank={**per_rank, "rng": rng_state()}))
+            _agree_on_rank0_writes()  # (rank 0's own writes: their errors are agreed on too)
             try:  # (torch's DCP hands a rank's write error to every rank)
                 request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
             except (OSError, CheckpointException) as e:  # agreed on below, then raised as SaveFailed
                 error = e
-        failed(error)
+        failed(error or _rank0_error())  # (an asynchronous save's metadata.json is written at its finalization)
         if async_queue is not None:
             # (runs on every rank once all have written, metadata.json first)
             request.add_finalize_fn(functools.partial(_publish_recording, publish, step))
