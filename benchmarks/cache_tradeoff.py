@@ -4,7 +4,7 @@ sampler of the same noise (the peer).
 Per point (a policy and its setting): the layer evaluations served from the cache and the speed-up in them
 (``1 / (1 - skipped)``), the FLOPs saved (``dit_mcore.models.flops``), the wall-time speed-up over the uncached run
 (median of ``--repeats``), PSNR of the 8-bit images against the uncached ones, and the independent digit reader's
-agreement with the requested class (``dit_mcore.training.clip_check``). Static plans are derived by the
+agreement with the requested class (``dit_mcore.evaluate.clip_check``). Static plans are derived by the
 redundancy analysis on *other* seeds than the ones measured (``--calibration-seeds``), at each ``--budgets``.
 Writes ``benchmarks/results/cache_tradeoff_<device>.json`` and a Pareto plot beside it.
 
@@ -30,7 +30,7 @@ POLICIES = ["fora:2", "fora:3", "fora:4", "teacache:0.05", "teacache:0.1", "teac
 
 
 def _pixels(folder: Path) -> dict:
-    from dit_mcore.training.clip_check import load_png
+    from dit_mcore.evaluate.clip_check import load_png
     index = json.loads((folder / "index.json").read_text())
     return {e["index"]: load_png(folder / e["file"]).numpy() for e in index}
 
@@ -43,7 +43,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def run_point(args, out: Path, cache) -> dict:
     from dit_mcore.generate.job import GenerateRequest, generate
-    from dit_mcore.training.clip_check import check_images
+    from dit_mcore.evaluate.clip_check import check_images
     seconds = []
     for _ in range(args.repeats):
         summary = generate(GenerateRequest(checkpoint=args.checkpoint, out=str(out), labels=["all"],

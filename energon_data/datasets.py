@@ -83,14 +83,15 @@ def _bounce(pos: int, vel: int, limit: int) -> tuple[int, int]:
 
 def moving_digits(
     num_videos: int, frames: int = 8, size: int = 32, seed: int = 0, *, sprite_size: int | None = None,
-    max_speed: int = 3,
+    max_speed: int = 3, scans: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MovingDigits:
     """Generate ``num_videos`` videos of a real handwritten digit drifting over ``frames`` frames.
 
     Each video picks a digit scan, a start position, one of four directions and a speed in
     ``[1, max_speed]`` pixels per frame; the sprite bounces off the canvas edges so it always
     stays fully inside. Pixels are composited with ``max`` so the digit is drawn over the -1
-    background. Deterministic for a given ``seed``.
+    background. Deterministic for a given ``seed``. ``scans``: ``(images [n, 1, sprite, sprite] in
+    [-1, 1], labels [n])`` to draw from (default: every scan, :func:`load_digits` at the sprite size).
     """
     sprite = size // 2 if sprite_size is None else sprite_size
     if num_videos < 0 or frames < 1:
@@ -104,7 +105,9 @@ def moving_digits(
             f"use a larger size or smaller sprite_size than max_speed={max_speed} allows"
         )
 
-    digits, digit_labels = load_digits(sprite)
+    digits, digit_labels = load_digits(sprite) if scans is None else scans
+    if digits.shape[-2:] != (sprite, sprite):
+        raise ValueError(f"moving_digits: scans of {tuple(digits.shape[-2:])} for a {sprite}px sprite")
     rng = np.random.default_rng(seed)
     names = list(DIRECTIONS)
     videos = torch.full((num_videos, 1, frames, size, size), -1.0)

@@ -144,7 +144,7 @@ def test_the_readme_is_a_front_page():
         ("runs/digits/samples/step_XXXXXX.png", None),
         ("benchmarks/results/<file>.json", None),
         ("python benchmarks/packing.py", None),
-        ("dit_mcore.training.clip_check", None),
+        ("dit_mcore.evaluate.clip_check", None),
     ],
 )
 def test_what_counts_as_a_repository_path(token, expected):

@@ -1,6 +1,6 @@
 """Generation's quality, judged by a reader that is not the model: a digits DiT trained for 600 steps
 (about half a minute on 2 cores), sampled by ``dit_mcore.generate`` for every class, its images read
-by the nearest-neighbour digit reader of ``dit_mcore.training.clip_check`` (over the dataset's scans).
+by the nearest-neighbour digit reader of ``dit_mcore.evaluate.clip_check`` (over the dataset's scans).
 One process, 2-rank CFG-parallel and 2-rank PipeFusion (one warm-up step, 2 patches: stale
 activations) must read as the requested class at least 95% of the time, the issue's bar (chance: 10%).
 When the test was written, this run read 100% for three training seeds x six generation seeds but one
@@ -13,7 +13,7 @@ import torch
 from dist_utils import run_distributed
 from dit_mcore.generate.job import GenerateRequest, generate
 from dit_mcore.generate.layout import GenerateParallel
-from dit_mcore.training.clip_check import check_images
+from dit_mcore.evaluate.clip_check import check_images
 
 AGREEMENT = 0.95
 PER_CLASS = 5
