@@ -3,12 +3,15 @@ sampler of the same noise (the peer).
 
 Per point (a policy and its setting): the layer evaluations served from the cache and the speed-up in them
 (``1 / (1 - skipped)``), the FLOPs saved (``dit_mcore.models.flops``), the wall-time speed-up over the uncached run
-(median of ``--repeats``), PSNR of the 8-bit images against the uncached ones, and the independent digit reader's
-agreement with the requested class (``dit_mcore.evaluate.clip_check``). Static plans are derived by the
-redundancy analysis on *other* seeds than the ones measured (``--calibration-seeds``), at each ``--budgets``.
-Writes ``benchmarks/results/cache_tradeoff_<device>.json`` and a Pareto plot beside it.
+(median of ``--repeats``), PSNR of the 8-bit images (a clip model's GIF frames) against the uncached ones, and
+the readers of ``dit_mcore.evaluate.clip_check``: for a class model the digit readers' agreement with the
+requested class; for a text-to-video model (its ``moving_digits`` prompts) the share of clips whose digit the
+nearest-neighbour and the independent CNN reader read as prompted, and that move the prompted way. Static plans
+are derived by the redundancy analysis on *other* seeds than the ones measured (``--calibration-seeds``), at
+each ``--budgets``. Writes ``benchmarks/results/cache_tradeoff_<device>.json`` and a Pareto plot beside it.
 
     python benchmarks/cache_tradeoff.py --checkpoint runs/digits            # the digits demo, ~10 min on 2 cores
+    python benchmarks/cache_tradeoff.py --checkpoint runs/t2v_digits --num-per-prompt 3 --out t2v.json
 """
 from __future__ import annotations
 
@@ -30,9 +33,32 @@ POLICIES = ["fora:2", "fora:3", "fora:4", "teacache:0.05", "teacache:0.1", "teac
 
 
 def _pixels(folder: Path) -> dict:
-    from dit_mcore.evaluate.clip_check import load_png
+    from dit_mcore.evaluate.clip_check import load_gif, load_png
     index = json.loads((folder / "index.json").read_text())
-    return {e["index"]: load_png(folder / e["file"]).numpy() for e in index}
+    return {e["index"]: (load_gif if e["file"].endswith(".gif") else load_png)(folder / e["file"]).numpy()
+            for e in index}
+
+
+def _conditioning(args) -> dict:
+    """A text model's ``moving_digits`` prompts, else every class."""
+    from dit_mcore.generate.preview import moving_digits_prompts
+    from dit_mcore.training.weights import find_checkpoint, read_run
+    text = read_run(find_checkpoint(args.checkpoint, None)).model.family != "dit"
+    return {"prompts": moving_digits_prompts()} if text else {"labels": ["all"]}
+
+
+def _quality(out: Path) -> dict:
+    """What the readers say of a generation folder (clips: digit by both readers and direction; images: class)."""
+    from dit_mcore.evaluate.clip_check import check_images, check_preview
+    index = json.loads((out / "index.json").read_text())
+    if "label" in index[0]:
+        checks = check_images(out)
+        return {"agreement": sum(c.ok for c in checks) / len(checks),
+                "agreement_cnn": sum(c.ok_cnn for c in checks) / len(checks), "items": len(checks)}
+    clips = check_preview(out)
+    n = len(clips)
+    return {"agreement": sum(c.digit_ok for c in clips) / n, "agreement_cnn": sum(c.digit_ok_cnn for c in clips) / n,
+            "direction": sum(c.direction_ok for c in clips) / n, "items": n}
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -43,16 +69,13 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def run_point(args, out: Path, cache) -> dict:
     from dit_mcore.generate.job import GenerateRequest, generate
-    from dit_mcore.evaluate.clip_check import check_images
     seconds = []
     for _ in range(args.repeats):
-        summary = generate(GenerateRequest(checkpoint=args.checkpoint, out=str(out), labels=["all"],
+        summary = generate(GenerateRequest(checkpoint=args.checkpoint, out=str(out), **_conditioning(args),
                                            num_per_prompt=args.num_per_prompt, steps=args.steps, seed=args.seed,
                                            batch_size=args.batch_size, progress=False, mp4=False, cache=cache))
         seconds.append(summary["sampling_seconds"])  # the sampler alone: no decoding or file writing
-    checks = check_images(out)
-    point = {"policy": cache or "none", "sampling_seconds": statistics.median(seconds),
-             "agreement": sum(c.ok for c in checks) / len(checks), "items": len(checks)}
+    point = {"policy": cache or "none", "sampling_seconds": statistics.median(seconds), **_quality(out)}
     if cache:
         point.update({k: summary["cache"][k] for k in ("layer_evaluations", "skipped", "skipped_fraction", "flops_saved")})
         point["layer_speedup"] = 1 / (1 - point["skipped_fraction"])
@@ -76,7 +99,7 @@ def main() -> None:
     from dit_mcore.analysis.cache_plan import KINDS, derive_plan
     from dit_mcore.errors import ConfigError
     work = Path(tempfile.mkdtemp(prefix="cache_tradeoff_"))
-    analysis = analyse(AnalysisRequest(checkpoint=args.checkpoint, out=str(work / "analysis"), labels=["all"],
+    analysis = analyse(AnalysisRequest(checkpoint=args.checkpoint, out=str(work / "analysis"), **_conditioning(args),
                                        seeds=[int(s) for s in args.calibration_seeds.split(",")], steps=[args.steps]))
     rel = np.array(analysis["runs"][0]["rel_l1"]["residual"], dtype=np.float64)  # [S, I, B, L, E-1]
     changes = np.nanmean(rel, axis=(0, 1, 2))
@@ -104,9 +127,10 @@ def main() -> None:
             plan = json.loads(Path(cache[7:]).read_text())
             point["policy"] = f"static {plan['kind']} (budget {plan['budget']})"
         points.append(point)
+        motion = f"  direction {point['direction']:.2f}" if "direction" in point else ""
         print(f"{point['policy']:24s} layers x{point['layer_speedup']:.2f}  wall x{point['wall_speedup']:.2f}  "
-              f"PSNR {point['psnr_db']:.1f} dB  reader {point['agreement']:.3f} (uncached {reference['agreement']:.3f})",
-              flush=True)
+              f"PSNR {point['psnr_db']:.1f} dB  reader {point['agreement']:.3f} (uncached {reference['agreement']:.3f})"
+              f"  cnn {point['agreement_cnn']:.3f} ({reference['agreement_cnn']:.3f}){motion}", flush=True)
     result = {"device": device_name(), "checkpoint": args.checkpoint, "steps": args.steps, "seed": args.seed,
               "items": reference["items"], "calibration_seeds": args.calibration_seeds,
               "command": "python benchmarks/cache_tradeoff.py " + " ".join(sys.argv[1:]),
@@ -132,7 +156,7 @@ def plot(points: list, path: Path) -> None:
                        label=family, alpha=0.8)
     left.axhline(100 * points[0]["agreement"], color="grey", ls="--", label="uncached")
     left.set_xlabel("speed-up in layer evaluations")
-    left.set_ylabel("digit reader agreement (%)")
+    left.set_ylabel("digit read as requested (%, nearest-neighbour reader)")
     right.set_xlabel("speed-up in layer evaluations")
     right.set_ylabel("PSNR against uncached (dB, median)")
     left.legend(fontsize=8)
