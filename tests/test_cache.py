@@ -129,7 +129,8 @@ def test_fora_reuses_attention_and_mlp_outputs_between_refreshes(run_dir, tmp_pa
 
     def counting(self, key, forward):
         def run(*args, **kwargs):
-            counts["attention" if key.endswith(".0") else "mlp"] += 1 if (self._refresh() or key not in self.store) else 0
+            computes = self._refresh() or (self.scope, key) not in self.store
+            counts["attention" if key.endswith(".0") else "mlp"] += 1 if computes else 0
             return wrapped(*args, **kwargs)
         wrapped = original(self, key, forward)
         return run
@@ -170,9 +171,11 @@ def test_bad_cache_arguments_get_one_line_naming_the_argument(run_dir, tmp_path)
     with pytest.raises(ConfigError, match="--cache teacache:0.1 with parallel.pipeline_model_parallel_size=2: not"):
         plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="teacache:0.1"),
              GenerateParallel(pipeline_model_parallel_size=2), world_size=2)
-    with pytest.raises(ConfigError, match="--cache fora:2 with parallel.pipefusion=2: not supported yet"):
-        plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="fora:2"),
+    with pytest.raises(ConfigError, match="--cache fbcache:0.1 with parallel.pipefusion=2: not supported"):
+        plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="fbcache:0.1"),
              GenerateParallel(pipefusion=2), world_size=2)
+    assert plan(GenerateRequest(checkpoint=run_dir, out=str(tmp_path / "p"), labels=["1"], cache="fora:2"),
+                GenerateParallel(pipefusion=2), world_size=2).cache.kind == "fora"  # (each patch its own cache)
 
 
 def test_teacache_accumulates_the_change_rescaled_by_the_models_fit(run_dir, tmp_path, monkeypatch):

@@ -112,6 +112,7 @@ LAYOUTS_2 = {
     "dit_cp2_a2a_fb": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
     "xattn_tp2_sp_tea": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "dit_pp2_fora": {"pipeline_model_parallel_size": 2},
+    "dit_pf2_fora": {"pipefusion": 2},  # each patch its own cache
 }
 CACHES = {"tea": {"cache": "teacache", "steps": 6}, "fb": {"cache": "fbcache", "steps": 6},
           "fora": {"cache": "fora:2", "steps": 6}}
@@ -167,19 +168,23 @@ def _psnr(got: torch.Tensor, want: torch.Tensor) -> float:
     return 10 * math.log10((want.max() - want.min()).item() ** 2 / max(mse, 1e-30))
 
 
-def _check_displaced(checkpoints, tmp_path, name, layout, got, want) -> None:
+def _check_displaced(checkpoints, tmp_path, name, layout, got, want, kwargs) -> None:
     """PipeFusion after its warm-up: equal to the patches run displaced on one process (so the stages,
-    sends and coroutines change nothing), and within a measured distance of the one-process latents
-    (3 steps of a random model: each step changes the latents far more than a trained sampler's)."""
+    sends and coroutines change nothing; with a cache, each patch's own), and within a measured distance of the
+    one-process latents (3 steps of a random model: each step changes the latents far more than a trained
+    sampler's)."""
     p = GenerateParallel(**layout)
     out = tmp_path / f"{name}_one_stage"
-    generate(_request(checkpoints[name.split("_")[0]], out, name),
-             GenerateParallel(pipefusion_patches=p.patches(), pipefusion_warmup_steps=p.pipefusion_warmup_steps))
+    summary = generate(_request(checkpoints[name.split("_")[0]], out, name, **kwargs),
+                       GenerateParallel(pipefusion_patches=p.patches(), pipefusion_warmup_steps=p.pipefusion_warmup_steps))
+    if "cache" in kwargs:  # (the patches reused something: 1/M of a layer evaluation each)
+        assert 0 < summary["cache"]["skipped"] < summary["cache"]["layer_evaluations"], summary["cache"]
     one_stage = torch.load(out / "latents.pt")
     rel = ((got - one_stage).norm() / one_stage.norm()).item()
     assert rel <= 1e-5, f"{name}: relative error {rel:.2e} against the same patches on one process"
     psnr = _psnr(got, want)
-    print(f"{name}: PSNR {psnr:.1f} dB against one process ({STEPS} steps, warm-up {p.pipefusion_warmup_steps}, "
+    print(f"{name}: PSNR {psnr:.1f} dB against one process ({kwargs.get('steps', STEPS)} steps, warm-up "
+          f"{p.pipefusion_warmup_steps}, "
           f"{p.patches()} patches)")
     assert 20 < psnr < 100, f"{name}: PSNR {psnr:.1f} dB against one process"
 
@@ -210,7 +215,7 @@ def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_
         got, want = torch.load(out / "latents.pt"), references[family, cache]
         assert got.shape == want.shape
         if _displaced(layout):
-            _check_displaced(checkpoints, tmp_path, name, layout, got, want)
+            _check_displaced(checkpoints, tmp_path, name, layout, got, want, kwargs)
             continue
         rel = ((got - want).norm() / want.norm()).item()
         assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"

@@ -25,8 +25,10 @@ sampler call: nothing crosses items, batches or calls.
 Layouts: the ranks that sample the same items (tensor, context/sequence and CFG-parallel) take the same
 decision, from the indicator's two sums added over them (the one-process decision: a ratio of sums over every
 token and both guidance halves); FORA and static plans decide nothing at run time and run under pipeline
-stages too (each stage caching its own layers). TeaCache and First-Block-Cache under pipeline stages, and any
-cache under PipeFusion, are refused.
+stages too (each stage caching its own layers), and under PipeFusion, where every patch keeps its own cache
+(a unit's scope: its patch, or the whole item in the warm-up) and a patch unit counts ``1 / M`` of an
+evaluation. TeaCache and First-Block-Cache decide from the whole item at the first layer: under pipeline stages
+and PipeFusion they are refused.
 """
 from __future__ import annotations
 
@@ -128,13 +130,14 @@ def parse_cache(text: str, *, evaluations: int, depth: int, sampler: Optional[st
 def check_cache_layout(parallel, policy: CachePolicy) -> None:
     """The layouts a policy runs under (the module's docstring)."""
     refused = {"parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches}
-    if policy.kind in ("teacache", "fbcache"):  # the first stage's decision would have to reach the others
-        refused["parallel.pipeline_model_parallel_size"] = parallel.pipeline_model_parallel_size
+    if policy.kind not in ("teacache", "fbcache"):  # FORA and static plans decide nothing at run time
+        return
+    refused["parallel.pipeline_model_parallel_size"] = parallel.pipeline_model_parallel_size
     used = [f"{k}={v}" for k, v in refused.items() if (v or 1) > 1]
     if used:
-        raise ConfigError(f"--cache {policy.text} with {', '.join(used)}: not supported yet (PipeFusion's displaced "
-                          "patches, and run-time decisions across pipeline stages); use tensor, sequence or "
-                          "CFG-parallel, or fora:N / static plans under pipeline stages")
+        raise ConfigError(f"--cache {policy.text} with {', '.join(used)}: not supported (its decision is taken from "
+                          "the whole item at the first layer, which later pipeline stages and PipeFusion's patches "
+                          "do not see); use tensor, sequence or CFG-parallel, or fora:N / static plans here")
 
 
 def layer_flops(model_config, shape, prompts, encode, *, guided: bool) -> float:
@@ -165,9 +168,9 @@ def _rel_l1(now: torch.Tensor, prev: torch.Tensor, groups=()) -> float:
 
 @dataclass
 class CacheStats:
-    layer_evaluations: int = 0
-    """Layers x evaluations the sampler asked for."""
-    skipped: int = 0
+    layer_evaluations: float = 0
+    """Layers x evaluations the sampler asked for (a PipeFusion patch unit counts ``1 / M``)."""
+    skipped: float = 0
     """Of those, the ones served from the cache (for FORA: layers whose attention and MLP were reused)."""
     evaluations_skipped: list = field(default_factory=list)
 
@@ -198,10 +201,13 @@ class StepCache:
         self.index = -1
         self.store: dict = {}
         self.accumulated, self.skip = 0.0, False
+        self.scope, self.weight = None, 1.0
 
-    def evaluation(self, index: int) -> None:
-        self.index = index
-        self.stats.layer_evaluations += len(self.layers)
+    def evaluation(self, index: int, scope: Optional[int] = None, weight: float = 1.0) -> None:
+        """Before evaluation ``index`` (of the whole item, or PipeFusion's unit of patch ``scope``, which counts
+        ``weight`` of an evaluation and caches apart from the other patches)."""
+        self.index, self.scope, self.weight = index, scope, weight
+        self.stats.layer_evaluations += weight * len(self.layers)
         self.forced = index == 0 or index == self.evaluations - 1
 
     @contextlib.contextmanager
@@ -238,12 +244,13 @@ class StepCache:
     # --- static plans: per layer, its own residual
     def _static(self, i: int, forward):
         def run(hidden, cond, **kwargs):
-            if self.forced or self.policy.computes(self.index, i) or i not in self.store:
+            key = (self.scope, i)
+            if self.forced or self.policy.computes(self.index, i) or key not in self.store:
                 out = forward(hidden, cond, **kwargs)
-                self.store[i] = out - hidden
+                self.store[key] = out - hidden
                 return out
-            self.stats.skipped += 1
-            return hidden + self.store[i]
+            self.stats.skipped += self.weight
+            return hidden + self.store[key]
         return run
 
     # --- TeaCache and First-Block-Cache: the stack's residual, decided at the first layer
@@ -291,18 +298,22 @@ class StepCache:
     def _refresh(self) -> bool:
         return self.forced or self.index % self.policy.interval == 0
 
-    def _fora(self, key: str, forward):
+    def _fora(self, name: str, forward):
         def run(*args, **kwargs):
+            key = (self.scope, name)
             if self._refresh() or key not in self.store:
                 out = forward(*args, **kwargs)
                 self.store[key] = out
+                self.computed = True
                 return out
             return self.store[key]
         return run
 
     def _fora_count(self, forward):
         def run(hidden, cond, **kwargs):
-            if not self._refresh():
-                self.stats.skipped += 1
-            return forward(hidden, cond, **kwargs)
+            self.computed = False
+            out = forward(hidden, cond, **kwargs)
+            if not self.computed:  # (a patch's first unit after the warm-up computes: it has nothing cached)
+                self.stats.skipped += self.weight
+            return out
         return run

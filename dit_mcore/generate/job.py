@@ -412,8 +412,11 @@ def run_plan(p: Plan) -> dict:
     if p.parallel.patches() > 1:
         warmup = warmup_evaluations(p.steps, _evaluations(p.sampler, objective.name, p.steps),
                                     p.parallel.pipefusion_warmup_steps)
-        pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), warmup=warmup,
-                                on_evaluation=lambda: bar.update(1))
+        patches = p.parallel.patches()
+        on_unit = None if step_cache is None else (  # each patch caches apart; a patch unit is 1/M of an evaluation
+            lambda evaluation, patch: step_cache.evaluation(evaluation, patch, 1.0 if patch is None else 1 / patches))
+        pipefusion = PipeFusion(model, model_config, patches=patches, warmup=warmup,
+                                on_evaluation=lambda: bar.update(1), on_unit=on_unit)
     index, overview, latent_rows, start, flops_saved, sampling = [], [], [], time.perf_counter(), 0.0, 0.0
     for batch in mine:
         began, calls[0] = time.perf_counter(), 0
@@ -461,7 +464,7 @@ def run_plan(p: Plan) -> dict:
                               dtype=torch.float64, device=device)
         dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())  # each stage its layers
         skipped, layer_evaluations, flops_saved = counts.tolist()
-        step_cache.stats.skipped, step_cache.stats.layer_evaluations = int(skipped), int(layer_evaluations)
+        step_cache.stats.skipped, step_cache.stats.layer_evaluations = round(skipped, 6), round(layer_evaluations, 6)
         # rank 0's items (items-parallel); FLOPs of the whole model replica, both guidance halves
         summary["cache"] = {"policy": r.cache, **step_cache.stats.as_dict(), "flops_saved": flops_saved}
     if dist.get_rank() == 0:
@@ -482,7 +485,7 @@ def run_plan(p: Plan) -> dict:
               f"on {layout}{f' ({world} processes)' if world > 1 else ''} -> {out}", flush=True)
         if step_cache is not None:
             c = summary["cache"]
-            print(f"cache {r.cache}: {c['skipped']} of {c['layer_evaluations']} layer evaluations served from the cache "
+            print(f"cache {r.cache}: {c['skipped']:g} of {c['layer_evaluations']:g} layer evaluations served from the cache "
                   f"({c['skipped_fraction']:.1%}; {c['flops_saved'] / 1e9:.3g} GFLOPs saved; rank 0's items)", flush=True)
     return summary
 

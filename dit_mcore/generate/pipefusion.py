@@ -149,9 +149,11 @@ class _Call:
 class PipeFusion:
     """The displaced patch pipeline of this rank's stage (``chunks``: its one model chunk).
     ``patches``: M; ``warmup``: synchronous network evaluations before the patches run displaced
-    (:func:`warmup_evaluations`); ``on_evaluation``: called once per evaluation (a progress bar)."""
+    (:func:`warmup_evaluations`); ``on_evaluation``: called once per evaluation (a progress bar); ``on_unit``:
+    before each unit."""
 
-    def __init__(self, chunks, config, *, patches: int, warmup: int, on_evaluation: Callable = lambda: None):
+    def __init__(self, chunks, config, *, patches: int, warmup: int, on_evaluation: Callable = lambda: None,
+                 on_unit: Optional[Callable] = None):
         if len(chunks) != 1:
             raise ValueError("PipeFusion runs one model chunk per stage (no virtual pipeline stages)")
         if warmup < 1:
@@ -159,6 +161,9 @@ class PipeFusion:
         self.chunk, self.config, self.patches, self.warmup = chunks[0], config, patches, warmup
         self.within = self.chunk.token_shard  # the ranks that split every unit's tokens (CP; TP under SP)
         self.on_evaluation = on_evaluation
+        self.on_unit = on_unit
+        """``on_unit(evaluation, patch)`` before this stage runs a unit (``patch`` None: the whole item): a
+        step cache's :meth:`~dit_mcore.generate.cache.StepCache.evaluation`."""
         self.kv = DisplacedKV()
         if not self.kv.install(self.chunk):
             raise ValueError("PipeFusion found no self-attention to displace in this model chunk")
@@ -208,7 +213,7 @@ class PipeFusion:
                     self._reply(runs, waits, j)
                 if self._finished(runs):
                     return
-                waits = [self._unit(None, [r.request for r in runs])] * self.patches
+                waits = [self._unit(None, [r.request for r in runs], evaluation)] * self.patches
             else:  # patch j of this evaluation enters as soon as its previous one came back
                 for j in range(self.patches):
                     self._reply(runs, waits, j)
@@ -217,7 +222,7 @@ class PipeFusion:
                             self._reply(runs, waits, rest)
                         if self._finished(runs):
                             return
-                    waits[j] = self._unit(j, [runs[j].request])
+                    waits[j] = self._unit(j, [runs[j].request], evaluation)
             self.on_evaluation()
             evaluation += 1
 
@@ -233,9 +238,12 @@ class PipeFusion:
             raise RuntimeError("the patches' sampler runs made different numbers of network calls")
         return done == len(runs)
 
-    def _unit(self, patch: Optional[int], requests: list) -> int:
-        """Run this stage's part of one unit (``patch`` None: the whole stream); returns its index."""
+    def _unit(self, patch: Optional[int], requests: list, evaluation: int) -> int:
+        """Run this stage's part of one unit (``patch`` None: the whole stream) of ``evaluation``; returns its
+        index."""
         call = self._call
+        if self.on_unit is not None:
+            self.on_unit(evaluation, patch)
         x = torch.cat([req[0] for req in requests], dim=1)  # [n, the unit's tokens, D]
         _, timestep, labels, text = requests[0]
         if patch is None:
