@@ -46,7 +46,8 @@ def _worker(rank, world_size, port, fn, args, out_dir, environ):
     except BaseException:  # noqa: BLE001 - shipped back to the parent as text
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (a command's main may have ended the group itself, as a launched one does)
+            dist.destroy_process_group()
 
 
 def thread_count() -> int:

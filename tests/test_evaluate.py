@@ -3,6 +3,7 @@ away scores higher, the value equals a float64 NumPy/SciPy computation on the sa
 feature network reads held-out digits, too few samples are refused naming the minimum, and the command
 evaluates a trained checkpoint end to end."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -125,7 +126,12 @@ def _fid_worker(rank, world, run_dir):
     from dit_mcore.evaluate.during_training import FIDDuringTraining
     from dit_mcore.training.trainer import pretrain
     cfg = _fid_run(run_dir)
-    return [h["eval/fid"] for h in pretrain(cfg, hooks=[FIDDuringTraining(cfg)]) if "eval/fid" in h]
+    during = [h["eval/fid"] for h in pretrain(cfg, hooks=[FIDDuringTraining(cfg)]) if "eval/fid" in h]
+    # the command under torchrun: CFG-parallel samples, rank 0 scores and writes
+    out = os.path.join(run_dir, "fid_cfg2.json")
+    code = main(["--checkpoint", run_dir, "--reference", "digits", "--num-samples", "70", "--out", out,
+                 "parallel.cfg_parallel=2"])
+    return during, code, os.path.exists(out)
 
 
 def test_fid_during_training_is_logged_and_equals_the_commands(tmp_path):
@@ -143,9 +149,14 @@ def test_fid_during_training_is_logged_and_equals_the_commands(tmp_path):
     assert json.loads((tmp_path / "fid.json").read_text())["fid"] == pytest.approx(history[-1]["eval/fid"], rel=1e-3)
     # two data-parallel ranks: every rank samples, rank 0 scores alone (no collective of its own), the same number
     from dist_utils import run_distributed
-    per_rank = run_distributed(_fid_worker, 2, str(tmp_path / "dp2"))
-    assert per_rank[0] == pytest.approx([h["eval/fid"] for h in history if "eval/fid" in h], rel=1e-4)
-    assert per_rank[1] == []
+    (during0, code0, wrote0), (during1, code1, _) = run_distributed(_fid_worker, 2, str(tmp_path / "dp2"))
+    assert during0 == pytest.approx([h["eval/fid"] for h in history if "eval/fid" in h], rel=1e-4)
+    assert during1 == []
+    # and the command under torchrun (CFG-parallel over the two ranks): the one-process command's number
+    assert (code0, code1, wrote0) == (0, 0, True)
+    cfg2 = json.loads((tmp_path / "dp2" / "fid_cfg2.json").read_text())
+    assert cfg2["fid"] == pytest.approx(json.loads((tmp_path / "fid.json").read_text())["fid"], rel=1e-3)
+    assert len(list((tmp_path / "dp2" / "fid_cfg2_samples").glob("*.png"))) >= 70
 
 
 def test_fid_during_training_is_refused_for_other_data(tmp_path):

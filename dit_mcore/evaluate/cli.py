@@ -6,10 +6,15 @@ sampler, steps and guidance unless given; every class alike, item ``i``'s noise 
 back as the PNGs it wrote. The reference is the built-in ``digits`` (all 1,797 real scans) or a folder of
 images (searched recursively; resized to the samples' size). Features: ``digits`` (default for the digits
 reference) or ``inception`` (:mod:`dit_mcore.evaluate.features`).
+
+Under ``torchrun`` the samples are generated in the layout given as ``parallel.FIELD=VALUE`` (the generation
+command's: CFG-parallel, sequence, tensor, pipeline parallel, PipeFusion, items over ranks), written to
+``<out>_samples/`` beside the JSON (a folder every rank sees), and rank 0 alone scores them and writes the JSON.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -45,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", default="fid.json", help="the JSON file written")
+    p.add_argument("overrides", nargs="*", metavar="parallel.FIELD=VALUE",
+                   help="under torchrun: the generation layout (python -m dit_mcore.generate's)")
     return p
 
 
@@ -79,10 +86,13 @@ def _read(path: Path, size: Optional[tuple[int, int]] = None) -> torch.Tensor:
         return torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.size[1], im.size[0], 3).permute(2, 0, 1)
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    from dit_mcore.generate.job import GenerateRequest, generate
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("python -m dit_mcore.evaluate runs in one process (launch it with python, not torchrun)")
+def evaluate(args: argparse.Namespace) -> Optional[dict]:
+    """The FID result (rank 0; None on the other ranks of a ``torchrun`` launch)."""
+    import torch.distributed as dist
+
+    from dit_mcore.generate.job import GenerateRequest, generate, layout_from_overrides
+    layout = layout_from_overrides(getattr(args, "overrides", None) or [])
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
     from dit_mcore.training.weights import find_checkpoint, read_run
     features = args.features or ("digits" if args.reference == "digits" else "inception")
     if args.reference != "digits" and not Path(args.reference).is_dir():
@@ -99,10 +109,14 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--num-samples={args.num_samples}: FID on {extractor.num_features} {features} features "
                           f"needs at least {min_samples(extractor)}")
     each = per_class(args.num_samples, classes)
-    with tempfile.TemporaryDirectory(prefix="dit_mcore_eval_") as tmp:
+    out = Path(args.out)
+    with (tempfile.TemporaryDirectory(prefix="dit_mcore_eval_") if ranks == 1 else
+          contextlib.nullcontext(str(out.with_name(out.stem + "_samples")))) as tmp:
         generate(GenerateRequest(checkpoint=str(path), labels=["all"], num_per_prompt=each, out=tmp,
                                  weights=args.weights, steps=args.steps, cfg_scale=args.cfg_scale, sampler=args.sampler,
-                                 seed=args.seed, batch_size=args.batch_size, progress=False, dtype="fp32"))
+                                 seed=args.seed, batch_size=args.batch_size, progress=False, dtype="fp32"), layout)
+        if ranks > 1 and dist.get_rank() != 0:  # (rank 0 has gathered every item's entry and scores them)
+            return None
         index = json.loads((Path(tmp) / "index.json").read_text())
         if any(e["file"].endswith(".gif") for e in index):
             raise ConfigError("--checkpoint: FID is computed for image models; this run generates clips")
@@ -128,6 +142,8 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     finally:
         destroy_distributed()
+    if result is None:  # another rank of a torchrun launch: rank 0 writes
+        return 0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"FID {result['fid']:.3f} ({result['features']} features, {result['num_samples']} samples against "
