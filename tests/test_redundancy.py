@@ -198,7 +198,8 @@ def test_the_analysis_derives_a_plan_the_generate_command_runs(runs, tmp_path):
 
 LAYOUTS = {"dit_cfg2": {"cfg_parallel": 2}, "dit_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
            "dit_cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"}, "dit_pp2": {"pipeline_model_parallel_size": 2},
-           "stdit_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"}}
+           "stdit_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
+           "dit_items2": {}}  # (the two ranks share the items: 2 and 1)
 
 
 def _request(runs, name, out, parallel=None) -> AnalysisRequest:
@@ -214,9 +215,10 @@ def _analyse_layouts(rank, world, runs, root):
         analyse(_request(runs, name, root / name, GenerateParallel(**layout)))
 
 
-def test_under_a_layout_of_one_replica_the_numbers_equal_one_process(runs, tmp_path):
-    """CFG-parallel, tensor + sequence parallel, ring attention and pipeline stages on the DiT, Ulysses on
-    the ST-DiT, at 2 ranks: every relative L1 and cosine (and the indicators) equal the one-process run's."""
+def test_under_every_analysis_layout_the_numbers_equal_one_process(runs, tmp_path):
+    """CFG-parallel, tensor + sequence parallel, ring attention, pipeline stages and the items shared over the
+    ranks on the DiT, Ulysses on the ST-DiT, at 2 ranks: every relative L1 and cosine (and the indicators) equal
+    the one-process run's."""
     from dist_utils import run_distributed
     run_distributed(_analyse_layouts, 2, runs, tmp_path)
     references = {}

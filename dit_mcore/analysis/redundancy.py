@@ -10,9 +10,11 @@ models' maps lie apart.
     python -m dit_mcore.analysis.redundancy --checkpoint runs/digits --labels 0,3,7 --seeds 0,1,2,3 \\
         --steps 16,32 --samplers euler,heun --out runs/digits/redundancy
 
-Under ``torchrun`` with a generation layout of one model replica (``parallel.cfg_parallel``, tensor, context
-and pipeline parallel: every rank samples every item), each rank probes its layers and its part of the tokens
-and guidance halves, and the sums are added over the ranks: the numbers equal the one-process run's.
+Under ``torchrun`` with a generation layout (``parallel.cfg_parallel``, tensor, context and pipeline parallel,
+and the ranks left over sharing the items), each rank probes its layers and its part of the tokens and guidance
+halves, the sums are added over the ranks of its model replica, and the replicas' shares of the items are
+gathered in item order: the numbers equal the one-process run's. (Not PipeFusion: its displaced patches are not
+whole evaluations.)
 
     torchrun --nproc-per-node 2 -m dit_mcore.analysis.redundancy --checkpoint runs/digits --labels 0,3,7 \
         --out runs/digits/redundancy parallel.cfg_parallel=2
@@ -34,7 +36,7 @@ from dit_mcore.analysis.cache_plan import KINDS, derive_plan
 from dit_mcore.analysis.probe import KEYS, StepProbe, cosine, rel_l1
 from dit_mcore.analysis.stability import map_difference, curve_correlation, stability
 from dit_mcore.errors import ConfigError
-from dit_mcore.generate.items import batches
+from dit_mcore.generate.items import batches, share
 
 
 @dataclass
@@ -94,10 +96,10 @@ def plans(r: AnalysisRequest) -> list:
     for sampler in r.samplers or [None]:
         for steps in r.steps or [None]:
             p = plan(_generate_request(r, steps, sampler), r.parallel, world_size=world)
-            if p.parallel.items_parallel_size(world) != 1:
-                raise ConfigError(f"{world} processes for a layout of {world // p.parallel.items_parallel_size(world)}: "
-                                  "the analysis runs one model replica (every rank samples every item); match "
-                                  "tensor x context x pipeline x cfg_parallel to the number of processes")
+            replicas = p.parallel.items_parallel_size(world)
+            if replicas > len(p.items):
+                raise ConfigError(f"{world} processes share {len(p.items)} item(s) over {replicas} model replicas: "
+                                  "give at least as many items as replicas (--num-per-prompt) or fewer processes")
             if p.parallel.patches() > 1:
                 raise ConfigError("parallel.pipefusion: the analysis compares whole evaluations, which PipeFusion's "
                                   "displaced patches are not; use tensor, context, pipeline or CFG-parallel")
@@ -138,14 +140,30 @@ def _other_runs(where: str) -> dict:
     return runs
 
 
-def _merge(evaluations: list[dict], groups, cfg_size: int) -> list[dict]:
-    """Every rank's sums as one process's: added over the ranks of a guidance half (their tokens, their
-    pipeline stages' layers), the halves' rows stacked (conditional first)."""
+def _replica_group(groups):
+    """The ranks of this rank's model replica (tensor, context, pipeline and CFG-parallel: the ranks sampling the
+    same items); None when there is one replica (the whole world). Every rank takes part in creating every group."""
     import torch.distributed as dist
-    if dist.get_world_size() == 1:
-        return evaluations
+    if groups.items_size == 1:
+        return None
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (groups.cfg_rank, evaluations))
+    dist.all_gather_object(everyone, groups.items_rank)
+    mine = None
+    for items_rank in sorted(set(everyone)):
+        group = dist.new_group([rank for rank, i in enumerate(everyone) if i == items_rank])
+        if items_rank == groups.items_rank:
+            mine = group
+    return mine
+
+
+def _merge(evaluations: list[dict], groups, cfg_size: int, replica=None) -> list[dict]:
+    """Every rank's sums as one process's: added over the ranks of a guidance half in this model replica (their
+    tokens, their pipeline stages' layers), the halves' rows stacked (conditional first)."""
+    import torch.distributed as dist
+    if dist.get_world_size(replica) == 1:
+        return evaluations
+    everyone = [None] * dist.get_world_size(replica)
+    dist.all_gather_object(everyone, (groups.cfg_rank, evaluations), group=replica)
     merged = []
     for e in range(len(evaluations)):
         halves = []
@@ -160,9 +178,9 @@ def _merge(evaluations: list[dict], groups, cfg_size: int) -> list[dict]:
     return merged
 
 
-def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> dict:
+def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups, replica=None) -> dict:
     """``{"sums": {key: [seeds, items, branches, E-1, layers, 5]}, "indicators": {name: [..., E-1, 5]},
-    "timesteps": [E]}`` for one run."""
+    "timesteps": [E]}`` for one run: this replica's share of the items, then every replica's in item order."""
     from dit_mcore.diffusion import build_objective
     from dit_mcore.generate.sampling import sample_items
     objective = build_objective(p.run.diffusion.objective)
@@ -177,7 +195,7 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> di
 
     for seed in seeds:
         per_item = []
-        for batch in batches(p.items, p.request.batch_size):
+        for batch in batches(share(p.items, groups.items_rank, groups.items_size), p.request.batch_size):
             probe.start()
             try:
                 sample_items(probed, model_config, objective, batch, shape=p.shape, seed=seed, steps=p.steps,
@@ -185,7 +203,7 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> di
                              device=next(model.parameters()).device, cfg_group=groups.cfg_group)
             finally:
                 evaluations = probe.stop()
-            evaluations = _merge(evaluations, groups, p.parallel.cfg_parallel)
+            evaluations = _merge(evaluations, groups, p.parallel.cfg_parallel, replica)
             timesteps = probe.timesteps
             n = len(batch)
             branches = [slice(0, n), slice(n, 2 * n)] if guided else [slice(0, n)]
@@ -199,9 +217,17 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups) -> di
             per_item.append((sums, ind))
         per_seed.append(({k: torch.cat([s[k] for s, _ in per_item]) for k in per_item[0][0]},
                          {k: torch.cat([i[k] for _, i in per_item]) for k in per_item[0][1]}))
-    return {"sums": {k: torch.stack([s[k] for s, _ in per_seed]).numpy() for k in per_seed[0][0]},
-            "indicators": {k: torch.stack([i[k] for _, i in per_seed]).numpy() for k in per_seed[0][1]},
-            "timesteps": timesteps}
+    sums = {k: torch.stack([s[k] for s, _ in per_seed]).numpy() for k in per_seed[0][0]}
+    indicators = {k: torch.stack([i[k] for _, i in per_seed]).numpy() for k in per_seed[0][1]}
+    if groups.items_size > 1:  # the replicas' shares (contiguous blocks of the items), in item order
+        import torch.distributed as dist
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (groups.items_rank, sums, indicators))
+        shares = {items_rank: (s, i) for items_rank, s, i in everyone}
+        ordered = [shares[items_rank] for items_rank in sorted(shares)]
+        sums = {k: np.concatenate([s[k] for s, _ in ordered], axis=1) for k in sums}
+        indicators = {k: np.concatenate([i[k] for _, i in ordered], axis=1) for k in indicators}
+    return {"sums": sums, "indicators": indicators, "timesteps": timesteps}
 
 
 def _finite(value):
@@ -236,11 +262,12 @@ def analyse(r: AnalysisRequest) -> dict:
     initialize_distributed(first.parallel, seed=0)
     try:
         groups = sampling_groups(first.parallel)
+        replica = _replica_group(groups)
         model, model_config = load_model(first, run_device())
         model_fn = model_function(first, model, model_config)
         runs = []
         for p in all_plans:
-            probed = _probe_run(p, model, model_config, model_fn, r.seeds, groups)
+            probed = _probe_run(p, model, model_config, model_fn, r.seeds, groups, replica)
             rel = {k: _metrics(v)[0] for k, v in probed["sums"].items()}  # [seeds, items, branches, E-1, layers]
             cos = {k: _metrics(v)[1] for k, v in probed["sums"].items()}
             ind_rel = {k: _metrics(v)[0] for k, v in probed["indicators"].items()}  # [seeds, items, branches, E-1]
