@@ -30,6 +30,9 @@ from results_io import device_name, write_result  # noqa: E402
 
 POLICIES = ["fora:2", "fora:3", "fora:4", "teacache:0.05", "teacache:0.1", "teacache:0.2", "teacache:0.4",
             "fbcache:0.02", "fbcache:0.05", "fbcache:0.1", "fbcache:0.2"]
+FITTED = "0.05,0.1,0.2,0.4"
+"""TeaCache with the model's own rescaling (``teacache:T:teacache_fit.json``, the analysis's fit on the calibration
+seeds) at these thresholds (``--fitted``; T then bounds the predicted change of the model's output)."""
 
 
 def _pixels(folder: Path) -> dict:
@@ -91,6 +94,7 @@ def main() -> None:
     ap.add_argument("--calibration-seeds", default="100,101", help="the analysis's seeds for the static plans")
     ap.add_argument("--budgets", default="0.3,0.5,0.6,0.7,0.8", help="static plans: fractions of layer evaluations reused")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--fitted", default=FITTED, help="thresholds of TeaCache rescaled by the analysis's fit ('' none)")
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
@@ -114,10 +118,12 @@ def main() -> None:
             path = work / f"plan_{kind}_{budget}.json"
             path.write_text(json.dumps(plan))
             plans.append(f"static:{path}")
+    fit = work / "analysis" / "teacache_fit.json"
+    fitted = [f"teacache:{t}:{fit}" for t in args.fitted.split(",") if t] if fit.is_file() else []
     reference = run_point(args, work / "none", None)
     ref_pixels = _pixels(work / "none")
     points = [reference]
-    for i, cache in enumerate([p for p in args.policies.split(",") if p] + plans):
+    for i, cache in enumerate([p for p in args.policies.split(",") if p] + fitted + plans):
         folder = work / f"point_{i}"
         point = run_point(args, folder, cache)
         pixels = _pixels(folder)
@@ -126,6 +132,8 @@ def main() -> None:
         if cache.startswith("static:"):
             plan = json.loads(Path(cache[7:]).read_text())
             point["policy"] = f"static {plan['kind']} (budget {plan['budget']})"
+        elif cache in fitted:
+            point["policy"] = f"teacache fitted:{cache.split(':')[1]}"
         points.append(point)
         motion = f"  direction {point['direction']:.2f}" if "direction" in point else ""
         print(f"{point['policy']:24s} layers x{point['layer_speedup']:.2f}  wall x{point['wall_speedup']:.2f}  "
@@ -145,15 +153,15 @@ def plot(points: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for family, marker in (("fora", "o"), ("teacache", "s"), ("fbcache", "^"), ("static layers", "D"),
-                           ("static evaluations", "v")):
+    for family, marker in (("fora", "o"), ("teacache:", "s"), ("teacache fitted", "P"), ("fbcache", "^"),
+                           ("static layers", "D"), ("static evaluations", "v")):
         chosen = sorted((p for p in points if p["policy"].startswith(family)), key=lambda p: p["layer_speedup"])
         if chosen:
             x = [p["layer_speedup"] for p in chosen]
-            left.plot(x, [100 * p["agreement"] for p in chosen], marker + "-", label=family, alpha=0.8)
+            left.plot(x, [100 * p["agreement"] for p in chosen], marker + "-", label=family.rstrip(":"), alpha=0.8)
             differ = [p for p in chosen if p["psnr_db"] < 99]  # (identical images: nothing reused)
             right.plot([p["layer_speedup"] for p in differ], [p["psnr_db"] for p in differ], marker + "-",
-                       label=family, alpha=0.8)
+                       label=family.rstrip(":"), alpha=0.8)
     left.axhline(100 * points[0]["agreement"], color="grey", ls="--", label="uncached")
     left.set_xlabel("speed-up in layer evaluations")
     left.set_ylabel("digit read as requested (%, nearest-neighbour reader)")

@@ -113,6 +113,8 @@ LAYOUTS_2 = {
     "xattn_tp2_sp_tea": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "dit_pp2_fora": {"pipeline_model_parallel_size": 2},
     "dit_pf2_fora": {"pipefusion": 2},  # each patch its own cache
+    "dit_pf2_tea": {"pipefusion": 2},  # each patch decides; the decision goes down with the activations
+    "xattn_pf2x4_fb": {"pipefusion": 2, "pipefusion_patches": 4},
 }
 CACHES = {"tea": {"cache": "teacache", "steps": 6}, "fb": {"cache": "fbcache", "steps": 6},
           "fora": {"cache": "fora:2", "steps": 6}}
@@ -120,15 +122,19 @@ CACHES = {"tea": {"cache": "teacache", "steps": 6}, "fb": {"cache": "fbcache", "
 thresholds are chosen in one process (:func:`_deciding`)."""
 
 
-def _deciding(checkpoints, tmp_path, name, kwargs) -> dict:
-    """``kwargs`` with a threshold at which the one-process run both reuses and computes in the middle
-    evaluations (a random model's changes are large), so the ranks' agreement decides something."""
+def _deciding(checkpoints, tmp_path, name, kwargs, layout) -> dict:
+    """``kwargs`` with a threshold at which the one-process run (PipeFusion's: its patches on one stage, each
+    deciding for itself) both reuses and computes in the middle evaluations (a random model's changes are large),
+    so the ranks' agreement decides something."""
     if ":" in kwargs["cache"]:
         return kwargs
+    p = GenerateParallel(**layout)
+    one = GenerateParallel(pipefusion_patches=p.patches(), pipefusion_warmup_steps=p.pipefusion_warmup_steps) \
+        if p.patches() > 1 else None
     for threshold in (0.25, 0.5, 1, 2, 4, 8, 16, 32):
         out = tmp_path / f"threshold_{name}_{threshold}"
         summary = generate(_request(checkpoints[name.split("_")[0]], out, name,
-                                    **{**kwargs, "cache": f"{kwargs['cache']}:{threshold}"}))
+                                    **{**kwargs, "cache": f"{kwargs['cache']}:{threshold}"}), one)
         if 0 < summary["cache"]["skipped"] < summary["cache"]["layer_evaluations"] * (kwargs["steps"] - 2) / kwargs["steps"]:
             return {**kwargs, "cache": f"{kwargs['cache']}:{threshold}"}
     raise AssertionError(f"{name}: no threshold both reuses and computes")
@@ -201,7 +207,8 @@ def test_every_generation_layout_gives_the_one_process_latents(checkpoints, tmp_
     cases = [(checkpoints[name.split("_")[0]], tmp_path / name, name,
               {"batch_size": 1} if name.endswith("bs1") else CACHES.get(name.split("_")[-1], {}), layout)
              for name, layout in layouts.items()]
-    cases = [(c, o, n, _deciding(checkpoints, tmp_path, n, k) if "cache" in k else k, lay) for c, o, n, k, lay in cases]
+    cases = [(c, o, n, _deciding(checkpoints, tmp_path, n, k, lay) if "cache" in k else k, lay)
+             for c, o, n, k, lay in cases]
     run_distributed(_run_cases, world, cases)
     references = {}
     for _, out, name, kwargs, layout in cases:

@@ -25,10 +25,12 @@ sampler call: nothing crosses items, batches or calls.
 Layouts: the ranks that sample the same items (tensor, context/sequence and CFG-parallel) take the same
 decision, from the indicator's two sums added over them (the one-process decision: a ratio of sums over every
 token and both guidance halves); FORA and static plans decide nothing at run time and run under pipeline
-stages too (each stage caching its own layers), and under PipeFusion, where every patch keeps its own cache
-(a unit's scope: its patch, or the whole item in the warm-up) and a patch unit counts ``1 / M`` of an
-evaluation. TeaCache and First-Block-Cache decide from the whole item at the first layer: under pipeline stages
-and PipeFusion they are refused.
+stages too (each stage caching its own layers). Under PipeFusion every patch keeps its own cache (a unit's
+scope: its patch, or the whole item in the warm-up) and a patch unit counts ``1 / M`` of an evaluation;
+TeaCache and First-Block-Cache decide there per patch, from the patch's own tokens at the first stage's first
+layer, and the decision goes down the stages with the unit's activations, each stage adding the residual of its
+own layers. Under megatron's pipeline schedule (``pipeline_model_parallel_size`` without PipeFusion), which
+carries only activations, they are refused.
 """
 from __future__ import annotations
 
@@ -129,15 +131,13 @@ def parse_cache(text: str, *, evaluations: int, depth: int, sampler: Optional[st
 
 def check_cache_layout(parallel, policy: CachePolicy) -> None:
     """The layouts a policy runs under (the module's docstring)."""
-    refused = {"parallel.pipefusion": parallel.pipefusion, "parallel.pipefusion_patches": parallel.pipefusion_patches}
     if policy.kind not in ("teacache", "fbcache"):  # FORA and static plans decide nothing at run time
         return
-    refused["parallel.pipeline_model_parallel_size"] = parallel.pipeline_model_parallel_size
-    used = [f"{k}={v}" for k, v in refused.items() if (v or 1) > 1]
-    if used:
-        raise ConfigError(f"--cache {policy.text} with {', '.join(used)}: not supported (its decision is taken from "
-                          "the whole item at the first layer, which later pipeline stages and PipeFusion's patches "
-                          "do not see); use tensor, sequence or CFG-parallel, or fora:N / static plans here")
+    if parallel.pipeline_model_parallel_size > 1 and parallel.patches() == 1:
+        raise ConfigError(f"--cache {policy.text} with parallel.pipeline_model_parallel_size="
+                          f"{parallel.pipeline_model_parallel_size}: not supported (its decision is taken at the first "
+                          "stage's first layer, and megatron's pipeline schedule carries only activations to the "
+                          "others); use tensor, sequence, CFG-parallel or PipeFusion, or fora:N / static plans here")
 
 
 def layer_flops(model_config, shape, prompts, encode, *, guided: bool) -> float:
@@ -191,16 +191,21 @@ class StepCache:
         from dit_mcore.models.dit.layer import DiTLayer
         self.policy, self.evaluations, self.groups = policy, evaluations, tuple(groups)
         self.layers = sorted((m for m in model.modules() if isinstance(m, DiTLayer)), key=lambda m: m.layer_number)
-        whole = [m.layer_number for m in self.layers] == list(range(1, len(self.layers) + 1))
-        if policy.kind in ("teacache", "fbcache") and not whole:
-            raise ConfigError(f"--cache {policy.text}: this process does not hold every layer (pipeline stages)")
         self.stats = CacheStats()
         self.start()
+
+    @property
+    def decides(self) -> bool:
+        """Whether the policy decides at run time, at the model's first layer (TeaCache, First-Block-Cache):
+        under PipeFusion the decision then travels down the stages with each unit's activations."""
+        return self.policy.kind in ("teacache", "fbcache")
 
     def start(self) -> None:
         self.index = -1
         self.store: dict = {}
-        self.accumulated, self.skip = 0.0, False
+        self.accumulated: dict = {}
+        self.skip = False
+        """The current unit's decision (set by the first layer, or received from the previous stage)."""
         self.scope, self.weight = None, 1.0
 
     def evaluation(self, index: int, scope: Optional[int] = None, weight: float = 1.0) -> None:
@@ -255,42 +260,52 @@ class StepCache:
 
     # --- TeaCache and First-Block-Cache: the stack's residual, decided at the first layer
     def _stack(self, i: int, forward):
-        last, tea = len(self.layers) - 1, self.policy.kind == "teacache"
+        """Layer ``i`` (global index) of this process's layers, which may be one PipeFusion stage's: the model's
+        first layer decides; each process keeps the residual of its own layers (after the first layer, for
+        First-Block-Cache on the first stage) per scope, and a skipped unit adds it."""
+        first, last = self.layers[0].layer_number - 1, self.layers[-1].layer_number - 1
+        tea, depth = self.policy.kind == "teacache", self.layers[0].config.num_layers
 
         def run(hidden, cond, **kwargs):
-            if i == 0:
-                self.store["input"] = hidden
-                if tea:
+            store = self.store.setdefault(self.scope, {})
+            if i == first:
+                store["input"] = hidden
+                if i != 0:  # a later stage: the decision came with the activations
+                    if self.skip:
+                        self.stats.skipped += self.weight * len(self.layers)
+                        return hidden + store["residual"]
+                elif tea:
                     modulated = self.layers[0].attention_input(hidden, cond)
-                    prev = self.store.get("modulated")
-                    self.store["modulated"] = modulated
+                    prev = store.get("modulated")
+                    store["modulated"] = modulated
+                    accumulated = self.accumulated.get(self.scope, 0.0)
                     if prev is not None and prev.shape == modulated.shape:
-                        self.accumulated += self.policy.rescaled(_rel_l1(modulated, prev, self.groups))
-                    self.skip = not self.forced and "residual" in self.store and \
-                        self.accumulated < self.policy.threshold
+                        accumulated += self.policy.rescaled(_rel_l1(modulated, prev, self.groups))
+                    self.skip = not self.forced and "residual" in store and accumulated < self.policy.threshold
                     if self.skip:
-                        self.stats.skipped += len(self.layers)
-                        return hidden + self.store["residual"]
-                    self.accumulated = 0.0
-                    out = forward(hidden, cond, **kwargs)
-                else:  # First-Block-Cache: the first layer runs, its residual decides
-                    out = forward(hidden, cond, **kwargs)
-                    first = out - hidden
-                    prev = self.store.get("first")
-                    self.skip = not self.forced and last > 0 and prev is not None and "residual" in self.store and \
-                        _rel_l1(first, prev, self.groups) < self.policy.threshold
+                        self.accumulated[self.scope] = accumulated
+                        self.stats.skipped += self.weight * len(self.layers)
+                        return hidden + store["residual"]
+                    self.accumulated[self.scope] = 0.0
+                out = forward(hidden, cond, **kwargs)
+                if i == 0 and not tea:  # First-Block-Cache: the first layer ran, its residual decides
+                    first_residual = out - hidden
+                    prev = store.get("first")
+                    self.skip = not self.forced and depth > 1 and prev is not None and "residual" in store and \
+                        _rel_l1(first_residual, prev, self.groups) < self.policy.threshold
                     if self.skip:
-                        self.stats.skipped += len(self.layers) - 1
-                        return out + self.store["residual"]
-                    self.store["first"], self.store["after_first"] = first, out
-                if last == 0 and tea:  # (one layer: First-Block-Cache has nothing after it to skip)
-                    self.store["residual"] = out - hidden
+                        self.stats.skipped += self.weight * (len(self.layers) - 1)
+                        return out + store["residual"]
+                    store["first"], store["after_first"] = first_residual, out
+                if i == last:  # (one layer here: its own residual; First-Block-Cache's first has nothing after it)
+                    store["residual"] = out - (store["input"] if tea or i != 0 else out)
                 return out
             if self.skip:
                 return hidden
             out = forward(hidden, cond, **kwargs)
             if i == last:
-                self.store["residual"] = out - (self.store["input"] if tea else self.store["after_first"])
+                base = store["after_first"] if first == 0 and not tea else store["input"]
+                store["residual"] = out - base
             return out
         return run
 

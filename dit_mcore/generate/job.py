@@ -412,11 +412,8 @@ def run_plan(p: Plan) -> dict:
     if p.parallel.patches() > 1:
         warmup = warmup_evaluations(p.steps, _evaluations(p.sampler, objective.name, p.steps),
                                     p.parallel.pipefusion_warmup_steps)
-        patches = p.parallel.patches()
-        on_unit = None if step_cache is None else (  # each patch caches apart; a patch unit is 1/M of an evaluation
-            lambda evaluation, patch: step_cache.evaluation(evaluation, patch, 1.0 if patch is None else 1 / patches))
-        pipefusion = PipeFusion(model, model_config, patches=patches, warmup=warmup,
-                                on_evaluation=lambda: bar.update(1), on_unit=on_unit)
+        pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), warmup=warmup,
+                                on_evaluation=lambda: bar.update(1), cache=step_cache)
     index, overview, latent_rows, start, flops_saved, sampling = [], [], [], time.perf_counter(), 0.0, 0.0
     for batch in mine:
         began, calls[0] = time.perf_counter(), 0

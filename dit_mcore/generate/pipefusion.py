@@ -45,7 +45,7 @@ from dit_mcore.models.displaced_attention import DisplacedKV
 from dit_mcore.models.token_shard import TokenShard
 from energon_data.tokens import patchify, unpatchify
 
-_ACTIVATION, _PREDICTION = 11, 12  # p2p tags
+_ACTIVATION, _PREDICTION, _DECISION = 11, 12, 13  # p2p tags
 
 
 @dataclass(frozen=True)
@@ -149,11 +149,11 @@ class _Call:
 class PipeFusion:
     """The displaced patch pipeline of this rank's stage (``chunks``: its one model chunk).
     ``patches``: M; ``warmup``: synchronous network evaluations before the patches run displaced
-    (:func:`warmup_evaluations`); ``on_evaluation``: called once per evaluation (a progress bar); ``on_unit``:
-    before each unit."""
+    (:func:`warmup_evaluations`); ``on_evaluation``: called once per evaluation (a progress bar); ``cache``: a
+    step cache."""
 
     def __init__(self, chunks, config, *, patches: int, warmup: int, on_evaluation: Callable = lambda: None,
-                 on_unit: Optional[Callable] = None):
+                 cache=None):
         if len(chunks) != 1:
             raise ValueError("PipeFusion runs one model chunk per stage (no virtual pipeline stages)")
         if warmup < 1:
@@ -161,9 +161,11 @@ class PipeFusion:
         self.chunk, self.config, self.patches, self.warmup = chunks[0], config, patches, warmup
         self.within = self.chunk.token_shard  # the ranks that split every unit's tokens (CP; TP under SP)
         self.on_evaluation = on_evaluation
-        self.on_unit = on_unit
-        """``on_unit(evaluation, patch)`` before this stage runs a unit (``patch`` None: the whole item): a
-        step cache's :meth:`~dit_mcore.generate.cache.StepCache.evaluation`."""
+        self.cache = cache
+        """A :class:`~dit_mcore.generate.cache.StepCache` on this stage's layers: told each unit's evaluation and
+        patch (each patch caches apart, a patch unit counts 1/M of an evaluation); a run-time decision (TeaCache,
+        First-Block-Cache: the first stage's first layer, from the unit's own tokens) goes down the stages with
+        the unit's activations."""
         self.kv = DisplacedKV()
         if not self.kv.install(self.chunk):
             raise ValueError("PipeFusion found no self-attention to displace in this model chunk")
@@ -242,8 +244,9 @@ class PipeFusion:
         """Run this stage's part of one unit (``patch`` None: the whole stream) of ``evaluation``; returns its
         index."""
         call = self._call
-        if self.on_unit is not None:
-            self.on_unit(evaluation, patch)
+        deciding = self.cache is not None and self.cache.decides
+        if self.cache is not None:
+            self.cache.evaluation(evaluation, patch, 1.0 if patch is None else 1 / self.patches)
         x = torch.cat([req[0] for req in requests], dim=1)  # [n, the unit's tokens, D]
         _, timestep, labels, text = requests[0]
         if patch is None:
@@ -259,6 +262,10 @@ class PipeFusion:
                                  device=x.device)
             dist.recv(hidden, src=self.ranks[self.stage - 1], tag=_ACTIVATION)
             self.chunk.set_input_tensor(hidden)
+            if deciding:  # (sent right after the activations)
+                flag = torch.empty(1, dtype=torch.uint8, device=x.device)
+                dist.recv(flag, src=self.ranks[self.stage - 1], tag=_DECISION)
+                self.cache.skip = bool(flag.item())
         with _shard(self.chunk, shard):
             out = self.chunk(to_model_layout(call.stream).to(self.dtype), timestep, labels, grid=call.grid,
                              context=text)
@@ -267,6 +274,9 @@ class PipeFusion:
         call.uses[unit] = self.patches if patch is None else 1
         if not self.last:
             self._send(unit, out, self.ranks[self.stage + 1], _ACTIVATION)
+            if deciding:
+                flag = torch.tensor([int(self.cache.skip)], dtype=torch.uint8, device=x.device)
+                self._send(unit, flag, self.ranks[self.stage + 1], _DECISION)
             pred = torch.empty((x.shape[0], rows, self.config.patch_dim), dtype=self.dtype, device=x.device)
             call.predictions[unit] = (dist.irecv(pred, src=self.ranks[-1], tag=_PREDICTION), pred)
         else:
