@@ -199,7 +199,8 @@ def test_the_analysis_derives_a_plan_the_generate_command_runs(runs, tmp_path):
 LAYOUTS = {"dit_cfg2": {"cfg_parallel": 2}, "dit_tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
            "dit_cp2_p2p": {"context_parallel_size": 2, "cp_comm_type": "p2p"}, "dit_pp2": {"pipeline_model_parallel_size": 2},
            "stdit_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
-           "dit_items2": {}}  # (the two ranks share the items: 2 and 1)
+           "dit_items2": {},  # (the two ranks share the items: 2 and 1)
+           "dit_pf2": {"pipefusion": 2}}  # (against the same patches on one process)
 
 
 def _request(runs, name, out, parallel=None) -> AnalysisRequest:
@@ -218,15 +219,20 @@ def _analyse_layouts(rank, world, runs, root):
 def test_under_every_analysis_layout_the_numbers_equal_one_process(runs, tmp_path):
     """CFG-parallel, tensor + sequence parallel, ring attention, pipeline stages and the items shared over the
     ranks on the DiT, Ulysses on the ST-DiT, at 2 ranks: every relative L1 and cosine (and the indicators) equal
-    the one-process run's."""
+    the one-process run's; 2-stage PipeFusion's equal its patches' on one process, and with every step
+    synchronous those equal the plain run's."""
     from dist_utils import run_distributed
     run_distributed(_analyse_layouts, 2, runs, tmp_path)
+    from dit_mcore.generate.layout import GenerateParallel
     references = {}
     for name in LAYOUTS:
         family = name.split("_")[0]
-        if family not in references:
-            references[family] = analyse(_request(runs, name, tmp_path / f"one_{family}"))["runs"][0]
-        want = references[family]
+        patches = GenerateParallel(**LAYOUTS[name]).patches()
+        if (family, patches) not in references:
+            one = GenerateParallel(pipefusion_patches=patches) if patches > 1 else None
+            references[family, patches] = analyse(_request(runs, name, tmp_path / f"one_{family}_{patches}",
+                                                           one))["runs"][0]
+        want = references[family, patches]
         got = json.loads((tmp_path / name / "redundancy.json").read_text())["runs"][0]
         assert set(got["rel_l1"]) == set(want["rel_l1"]), name
         for metric in ("rel_l1", "cosine"):
@@ -237,6 +243,12 @@ def test_under_every_analysis_layout_the_numbers_equal_one_process(runs, tmp_pat
         for key in want["indicators"]:
             np.testing.assert_allclose(np.array(got["indicators"][key]["rel_l1"], dtype=np.float64),
                                        np.array(want["indicators"][key]["rel_l1"], dtype=np.float64), rtol=2e-4)
+    synchronous = analyse(_request(runs, "dit", tmp_path / "pf_sync",
+                                   GenerateParallel(pipefusion_patches=2, pipefusion_warmup_steps=4)))["runs"][0]
+    for key in references["dit", 1]["rel_l1"]:  # (every unit the whole stream: the plain run's numbers)
+        np.testing.assert_allclose(np.array(synchronous["rel_l1"][key], dtype=np.float64),
+                                   np.array(references["dit", 1]["rel_l1"][key], dtype=np.float64), rtol=1e-6)
+    assert references["dit", 2]["rel_l1"] != references["dit", 1]["rel_l1"]  # (displaced patches change things)
 
 
 def test_the_teacache_fit_is_numpys_polyfit_of_the_output_change_on_the_indicator(runs, tmp_path):

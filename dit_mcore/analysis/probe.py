@@ -64,20 +64,28 @@ class StepProbe:
             raise ValueError("no DiT layers in this model: the redundancy probe reads dit_mcore's DiTLayer")
         self.evaluations: list[dict[str, torch.Tensor]] = []
         self.timesteps: list[float] = []
-        self._prev: dict[str, torch.Tensor] = {}
+        self._prev: dict[tuple, torch.Tensor] = {}
         self._now: Optional[dict[str, torch.Tensor]] = None
         self._handles = []
+        self._scope, self._bounds, self._index = None, None, -1
 
-    def _record(self, name: str, value: torch.Tensor, batch_dim: int = 1) -> None:
+    def _record(self, name: str, value: torch.Tensor, batch_dim: int = 1, token_dim: int = 0) -> None:
+        """Add ``value``'s change from the previous evaluation of the same tokens (per scope: a PipeFusion patch's
+        tokens; its first patch unit compares with the warm-up's whole stream there) to this evaluation's sums."""
         if self._now is None:
             return
-        prev = self._prev.get(name)
+        prev = self._prev.get((self._scope, name))
+        if prev is None and self._scope is not None and (None, name) in self._prev:
+            start, end = self._bounds
+            prev = self._prev[None, name].narrow(token_dim, start, end - start)
         if prev is not None and prev.shape == value.shape:
-            self._now[name] = row_sums(value, prev, batch_dim).cpu()
-        self._prev[name] = value.detach().clone()
+            sums = row_sums(value, prev, batch_dim).cpu()
+            self._now[name] = self._now[name] + sums if name in self._now else sums
+        self._prev[self._scope, name] = value.detach().clone()
 
     def start(self) -> "StepProbe":
         self.evaluations, self.timesteps, self._prev = [], [], {}
+        self._scope, self._bounds, self._index = None, None, -1
         for layer in self.layers:
             i = layer.layer_number - 1
             self._handles.append(layer.register_forward_hook(
@@ -100,17 +108,26 @@ class StepProbe:
         if i == 0:
             self._record("fbcache", y - x)
 
-    def output(self, out) -> None:
+    def output(self, out, token_dim: int = 1) -> None:
         """Call with each evaluation's model output ``[rows, ...]`` (``model_output``: what TeaCache's
-        rescaling polynomial predicts from its indicator)."""
+        rescaling polynomial predicts from its indicator; ``token_dim``: where a patch's tokens lie)."""
         if isinstance(out, torch.Tensor):
-            self._record("model_output", out, batch_dim=0)
+            self._record("model_output", out, batch_dim=0, token_dim=token_dim)
 
     def evaluation(self, timestep: torch.Tensor) -> None:
         """Call before each model evaluation: closes the previous one's record."""
         self._close()
         self._now = {}
         self.timesteps.append(float(timestep.flatten()[0]))
+
+    def unit(self, evaluation: int, timestep: torch.Tensor, patch: Optional[int], bounds: tuple) -> None:
+        """PipeFusion's call before each unit it runs on this stage (in evaluation order): the whole stream
+        (``patch`` None) or the tokens ``bounds`` of patch ``patch``. The patches' sums of one evaluation add up to
+        the evaluation's (sums over tokens)."""
+        if evaluation != self._index:
+            self.evaluation(timestep)
+            self._index = evaluation
+        self._scope, self._bounds = patch, bounds
 
     def _close(self) -> None:
         if self._now:  # (the first evaluation has nothing to compare with)

@@ -13,8 +13,9 @@ models' maps lie apart.
 Under ``torchrun`` with a generation layout (``parallel.cfg_parallel``, tensor, context and pipeline parallel,
 and the ranks left over sharing the items), each rank probes its layers and its part of the tokens and guidance
 halves, the sums are added over the ranks of its model replica, and the replicas' shares of the items are
-gathered in item order: the numbers equal the one-process run's. (Not PipeFusion: its displaced patches are not
-whole evaluations.)
+gathered in item order: the numbers equal the one-process run's. Under PipeFusion each stage probes its layers
+patch by patch (each patch against its own previous unit, the first against the warm-up's stream) and a patch's
+sums add to its evaluation's: the numbers equal those of the same patches on one process.
 
     torchrun --nproc-per-node 2 -m dit_mcore.analysis.redundancy --checkpoint runs/digits --labels 0,3,7 \
         --out runs/digits/redundancy parallel.cfg_parallel=2
@@ -100,9 +101,10 @@ def plans(r: AnalysisRequest) -> list:
             if replicas > len(p.items):
                 raise ConfigError(f"{world} processes share {len(p.items)} item(s) over {replicas} model replicas: "
                                   "give at least as many items as replicas (--num-per-prompt) or fewer processes")
-            if p.parallel.patches() > 1:
-                raise ConfigError("parallel.pipefusion: the analysis compares whole evaluations, which PipeFusion's "
-                                  "displaced patches are not; use tensor, context, pipeline or CFG-parallel")
+            if p.parallel.patches() > 1 and (p.parallel.context_parallel_size > 1 or p.parallel.sequence_parallel):
+                raise ConfigError("parallel.pipefusion with context_parallel_size or sequence_parallel: the analysis "
+                                  "compares each patch with the warm-up's whole stream, which a sequence split cuts "
+                                  "elsewhere; analyse PipeFusion with tensor, CFG-parallel and items")
             if out:
                 p.encode = out[0].encode  # one text encoder for every run
             if p.steps < 2:
@@ -193,6 +195,13 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups, repli
         probe.output(out[:, :x.shape[1]])  # the prediction, without DDPM's learned-variance channels
         return out
 
+    pipefusion = None
+    if p.parallel.patches() > 1:  # each patch's changes, added up per evaluation (sums over tokens)
+        from dit_mcore.generate.job import _evaluations
+        from dit_mcore.generate.pipefusion import PipeFusion, warmup_evaluations
+        evaluations = _evaluations(p.sampler, objective.name, p.steps)
+        pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), probe=probe,
+                                warmup=warmup_evaluations(p.steps, evaluations, p.parallel.pipefusion_warmup_steps))
     for seed in seeds:
         per_item = []
         for batch in batches(share(p.items, groups.items_rank, groups.items_size), p.request.batch_size):
@@ -200,7 +209,7 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups, repli
             try:
                 sample_items(probed, model_config, objective, batch, shape=p.shape, seed=seed, steps=p.steps,
                              cfg_scale=p.cfg_scale, sampler=p.sampler, encode=p.encode,
-                             device=next(model.parameters()).device, cfg_group=groups.cfg_group)
+                             device=next(model.parameters()).device, cfg_group=groups.cfg_group, pipefusion=pipefusion)
             finally:
                 evaluations = probe.stop()
             evaluations = _merge(evaluations, groups, p.parallel.cfg_parallel, replica)

@@ -150,10 +150,10 @@ class PipeFusion:
     """The displaced patch pipeline of this rank's stage (``chunks``: its one model chunk).
     ``patches``: M; ``warmup``: synchronous network evaluations before the patches run displaced
     (:func:`warmup_evaluations`); ``on_evaluation``: called once per evaluation (a progress bar); ``cache``: a
-    step cache."""
+    step cache; ``probe``: the redundancy analysis's probe."""
 
     def __init__(self, chunks, config, *, patches: int, warmup: int, on_evaluation: Callable = lambda: None,
-                 cache=None):
+                 cache=None, probe=None):
         if len(chunks) != 1:
             raise ValueError("PipeFusion runs one model chunk per stage (no virtual pipeline stages)")
         if warmup < 1:
@@ -166,6 +166,9 @@ class PipeFusion:
         patch (each patch caches apart, a patch unit counts 1/M of an evaluation); a run-time decision (TeaCache,
         First-Block-Cache: the first stage's first layer, from the unit's own tokens) goes down the stages with
         the unit's activations."""
+        self.probe = probe
+        """A :class:`~dit_mcore.analysis.probe.StepProbe` on this stage's layers, told each unit (the redundancy
+        analysis: a patch's sums add to its evaluation's)."""
         self.kv = DisplacedKV()
         if not self.kv.install(self.chunk):
             raise ValueError("PipeFusion found no self-attention to displace in this model chunk")
@@ -247,6 +250,8 @@ class PipeFusion:
         deciding = self.cache is not None and self.cache.decides
         if self.cache is not None:
             self.cache.evaluation(evaluation, patch, 1.0 if patch is None else 1 / self.patches)
+        if self.probe is not None:
+            self.probe.unit(evaluation, requests[0][1], patch, None if patch is None else call.bounds[patch])
         x = torch.cat([req[0] for req in requests], dim=1)  # [n, the unit's tokens, D]
         _, timestep, labels, text = requests[0]
         if patch is None:
@@ -282,6 +287,8 @@ class PipeFusion:
         else:
             pred = prediction(out, self.config).contiguous()
             call.predictions[unit] = pred
+            if self.probe is not None:
+                self.probe.output(pred)  # [n, the unit's tokens, D]
             for rank in self.ranks[:-1]:
                 self._send(unit, pred, rank, _PREDICTION)
             self._settle(unit - 2 * self.patches)  # every stage has read these long since
