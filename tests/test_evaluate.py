@@ -90,6 +90,31 @@ def test_the_command_writes_the_fid_of_a_checkpoint_with_its_settings(trained, t
     assert "FID " in capsys.readouterr().out
 
 
+def test_reference_statistics_give_the_fid_of_their_images(trained, tmp_path, capsys):
+    """--save-reference-stats writes the reference's mu and sigma (with n and the extractor's name); an .npz of
+    them, ours or pytorch-fid's (mu and sigma alone), is a reference giving the images' FID; statistics of other
+    features are refused in one line."""
+    args = ["--checkpoint", str(trained), "--num-samples", "70", "--steps", "2"]
+    stats = tmp_path / "digits.npz"
+    assert main(args + ["--reference", "digits", "--out", str(tmp_path / "a.json"),
+                        "--save-reference-stats", str(stats)]) == 0
+    want = json.loads((tmp_path / "a.json").read_text())["fid"]
+    saved = np.load(stats)
+    assert saved["mu"].shape == (64,) and saved["sigma"].shape == (64, 64) and int(saved["n"]) == 1797
+    assert str(saved["features"]) == "digits"
+    np.savez(tmp_path / "pytorch_fid.npz", mu=saved["mu"], sigma=saved["sigma"])
+    for reference in (stats, tmp_path / "pytorch_fid.npz"):
+        assert main(args + ["--reference", str(reference), "--features", "digits", "--out", str(tmp_path / "b.json")]) == 0
+        assert json.loads((tmp_path / "b.json").read_text())["fid"] == pytest.approx(want, rel=1e-9)
+    capsys.readouterr()
+    assert main(args + ["--reference", str(stats), "--features", "inception", "--out", str(tmp_path / "c.json")]) == 2
+    assert "statistics of digits features; --features inception" in capsys.readouterr().err
+    np.savez(tmp_path / "wide.npz", mu=np.zeros(8), sigma=np.eye(8))
+    assert main(args + ["--reference", str(tmp_path / "wide.npz"), "--features", "digits", "--out",
+                        str(tmp_path / "c.json")]) == 2
+    assert "statistics of 8 features; the extractor has 64" in capsys.readouterr().err
+
+
 def test_a_folder_of_images_is_a_reference(tmp_path):
     """The digits written as PNGs (in sub-folders) read back as the built-in reference does."""
     from PIL import Image
@@ -109,7 +134,7 @@ def test_bad_evaluation_requests_are_one_line(trained, tmp_path, capsys):
                                                "least 65")
     assert main(["--checkpoint", str(trained), "--reference", str(tmp_path / "none"), "--num-samples", "70",
                  "--out", str(tmp_path / "x.json")]) == 2
-    assert "neither 'digits' nor a folder of images" in capsys.readouterr().err
+    assert "neither 'digits', a folder of images nor an .npz" in capsys.readouterr().err
 
 
 def _fid_run(run_dir) -> RunConfig:

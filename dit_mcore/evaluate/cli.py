@@ -3,8 +3,10 @@ class-conditional image checkpoint's samples against real images, written with i
 
 The samples are made by the generation command's code (:func:`dit_mcore.generate.job.generate`: the run's
 sampler, steps and guidance unless given; every class alike, item ``i``'s noise from ``(seed, i)``), then read
-back as the PNGs it wrote. The reference is the built-in ``digits`` (all 1,797 real scans) or a folder of
-images (searched recursively; resized to the samples' size). Features: ``digits`` (default for the digits
+back as the PNGs it wrote. The reference is the built-in ``digits`` (all 1,797 real scans), a folder of
+images (searched recursively; resized to the samples' size), or their feature statistics in an ``.npz`` file
+(``mu`` and ``sigma``, as pytorch-fid and torch-fidelity write them; ``--save-reference-stats FILE.npz`` writes
+one from images, recording ``n`` and the extractor's name). Features: ``digits`` (default for the digits
 reference) or ``inception`` (:mod:`dit_mcore.evaluate.features`).
 
 Under ``torchrun`` the samples are generated in the layout given as ``parallel.FIELD=VALUE`` (the generation
@@ -28,7 +30,7 @@ import torch
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.evaluate.features import FEATURES, build_extractor
-from dit_mcore.evaluate.fid import fid, min_samples
+from dit_mcore.evaluate.fid import fid, min_samples, statistics
 from dit_mcore.generate.grid import to_uint8
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -37,7 +39,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dit_mcore.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a run directory, its checkpoints/ or one step_* folder")
-    p.add_argument("--reference", required=True, help="'digits' (the built-in scans) or a folder of real images")
+    p.add_argument("--reference", required=True,
+                   help="'digits' (the built-in scans), a folder of real images, or their statistics (.npz: mu, sigma)")
+    p.add_argument("--save-reference-stats", metavar="FILE.npz", help="also write the reference images' statistics")
     p.add_argument("--num-samples", type=int, default=1000, help="images to generate (rounded up to every class alike)")
     p.add_argument("--features", choices=FEATURES, default=None,
                    help="feature extractor (default: digits for --reference digits, else inception)")
@@ -58,6 +62,23 @@ def parser() -> argparse.ArgumentParser:
 def per_class(num_samples: int, classes: int) -> int:
     """Images per class for ``num_samples`` (every class alike, rounded up)."""
     return math.ceil(num_samples / classes)
+
+
+def _reference_stats(path: str) -> dict:
+    """``{"mu", "sigma"[, "n", "features"]}`` of a statistics file (one line naming what is missing)."""
+    import numpy as np
+    if not Path(path).is_file():
+        raise ConfigError(f"--reference={path!r}: no such statistics file")
+    try:
+        with np.load(path) as data:
+            stats = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--reference={path!r}: not a readable .npz ({e})") from None
+    if "mu" not in stats or "sigma" not in stats:
+        raise ConfigError(f"--reference={path!r}: holds {sorted(stats)}; FID statistics need 'mu' and 'sigma'")
+    if "n" in stats:
+        stats["n"] = int(stats["n"])
+    return stats
 
 
 def reference_images(reference: str, size: tuple[int, int]) -> torch.Tensor:
@@ -94,9 +115,17 @@ def evaluate(args: argparse.Namespace) -> Optional[dict]:
     layout = layout_from_overrides(getattr(args, "overrides", None) or [])
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     from dit_mcore.training.weights import find_checkpoint, read_run
-    features = args.features or ("digits" if args.reference == "digits" else "inception")
-    if args.reference != "digits" and not Path(args.reference).is_dir():
-        raise ConfigError(f"--reference={args.reference!r}: neither 'digits' nor a folder of images")
+    stats = _reference_stats(args.reference) if args.reference.endswith(".npz") else None
+    recorded = str(stats.pop("features")) if stats is not None and "features" in stats else None
+    features = args.features or recorded or ("digits" if args.reference == "digits" else "inception")
+    if recorded is not None and recorded != features:
+        raise ConfigError(f"--reference={args.reference!r}: statistics of {recorded} features; --features {features} "
+                          "measures others (give the same --features, or statistics made with it)")
+    if stats is None and args.reference != "digits" and not Path(args.reference).is_dir():
+        raise ConfigError(f"--reference={args.reference!r}: neither 'digits', a folder of images nor an .npz of "
+                          "their statistics")
+    if stats is not None and args.save_reference_stats:
+        raise ConfigError("--save-reference-stats: the reference is statistics already; give images to save theirs")
     extractor = build_extractor(features, args.inception_weights)
     path = find_checkpoint(Path(args.checkpoint), args.step)
     run = read_run(path)
@@ -122,11 +151,17 @@ def evaluate(args: argparse.Namespace) -> Optional[dict]:
             raise ConfigError("--checkpoint: FID is computed for image models; this run generates clips")
         fake = torch.stack([_read(Path(tmp) / e["file"]) for e in index])
         first = index[0]
-    real = reference_images(args.reference, tuple(fake.shape[-2:]))
+    real = stats if stats is not None else reference_images(args.reference, tuple(fake.shape[-2:]))
+    if args.save_reference_stats:
+        import numpy as np
+        saved = {k: v.numpy() if torch.is_tensor(v) else v for k, v in statistics(real, extractor).items()}
+        Path(args.save_reference_stats).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.save_reference_stats, **saved, features=features)
     value = fid(real, fake, extractor)
     return {"fid": value, "features": features, "feature_dim": int(extractor.num_features),
             "num_samples": len(fake), "per_class": each, "reference": args.reference,
-            "reference_samples": len(real), "checkpoint": str(path), "weights": args.weights,
+            "reference_samples": real.get("n") if stats is not None else len(real), "checkpoint": str(path),
+            "weights": args.weights,
             "steps": first["steps"], "sampler": first["sampler"], "cfg_scale": first["cfg_scale"], "seed": args.seed,
             "image_size": list(fake.shape[-2:])}
 
@@ -147,5 +182,5 @@ def main(argv: Optional[list] = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"FID {result['fid']:.3f} ({result['features']} features, {result['num_samples']} samples against "
-          f"{result['reference_samples']} of {result['reference']}) -> {args.out}")
+          f"{result['reference_samples'] or 'the statistics'} of {result['reference']}) -> {args.out}")
     return 0
