@@ -45,9 +45,10 @@ def _pixels(folder: Path) -> dict:
 def _conditioning(args) -> dict:
     """A text model's ``moving_digits`` prompts, else every class."""
     from dit_mcore.generate.preview import moving_digits_prompts
-    from dit_mcore.training.weights import find_checkpoint, read_run
-    text = read_run(find_checkpoint(args.checkpoint, None)).model.family != "dit"
-    return {"prompts": moving_digits_prompts()} if text else {"labels": ["all"]}
+    from dit_mcore.parallel.config import ParallelConfig
+    from dit_mcore.training.weights import find_checkpoint, read_run, weights_model_config
+    model = weights_model_config(read_run(find_checkpoint(args.checkpoint, None)).model).build(ParallelConfig())
+    return {"prompts": moving_digits_prompts()} if model.text_dim else {"labels": ["all"]}
 
 
 def _quality(out: Path) -> dict:

@@ -30,6 +30,7 @@ BAD = [  # (section, field, value, expected text of the one-line problem)
     ("log", "sample_interval", -1, "log.sample_interval=-1: must be >= 0 (0: only a final grid)"),
     ("diffusion", "objective", "flwo", "diffusion.objective='flwo': use one of ['ddpm', 'edm', 'flow']; did you mean 'flow'?"),
     ("diffusion", "sample_steps", 0, "diffusion.sample_steps=0: must be >= 1"),
+    ("diffusion", "ddpm_variance", "learned", "diffusion.ddpm_variance='learned': use 'learned_range' or 'fixed_small'"),
     ("model", "preset", "DiT-XL/3", "model.preset='DiT-XL/3': unknown preset"),
     ("model", "family", "ditt", "did you mean 'dit'?"),
     ("model", "backend", "tee", "did you mean 'te'?"),

@@ -248,3 +248,12 @@ def test_the_training_loss_reads_the_variance_channels_of_each_token_as_the_imag
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     plain = obj.loss(image_out[:, :4], obj.prepare(images, noise, level)).mean((1, 2, 3)).sum()
     assert (got - plain).abs() > 1e-2  # the variational term is in it
+
+
+def test_the_runs_ddpm_variance_setting_reaches_its_objective():
+    """``diffusion.ddpm_variance``: DiT's learned range by default, the posterior's on request (a run whose
+    variance channels were never trained samples as it did)."""
+    from dit_mcore.training.config import DiffusionConfig
+    assert DiffusionConfig(objective="ddpm").build().learns_variance
+    assert not DiffusionConfig(objective="ddpm", ddpm_variance="fixed_small").build().learns_variance
+    assert DiffusionConfig(objective="flow", ddpm_variance="fixed_small").build().name == "flow"

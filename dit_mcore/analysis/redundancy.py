@@ -183,9 +183,8 @@ def _merge(evaluations: list[dict], groups, cfg_size: int, replica=None) -> list
 def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups, replica=None) -> dict:
     """``{"sums": {key: [seeds, items, branches, E-1, layers, 5]}, "indicators": {name: [..., E-1, 5]},
     "timesteps": [E]}`` for one run: this replica's share of the items, then every replica's in item order."""
-    from dit_mcore.diffusion import build_objective
     from dit_mcore.generate.sampling import sample_items
-    objective = build_objective(p.run.diffusion.objective)
+    objective = p.run.diffusion.build()
     probe, guided = StepProbe(model), p.cfg_scale != 1.0
     depth, per_seed, timesteps = model_config.num_layers, [], None
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.diffusion import build_objective
 from dit_mcore.diffusion.samplers import SAMPLERS
 from dit_mcore.generate import checkpoint as source
 from dit_mcore.generate.cache import CachePolicy, StepCache, check_cache_layout, layer_flops, parse_cache
@@ -230,7 +229,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
         raise ConfigError(f"--sampler {sampler}: the model was trained with the {objective_name!r} objective; "
                           f"use one of {', '.join(SAMPLERS[objective_name])}")
     steps = r.steps or run.diffusion.sample_steps
-    objective = build_objective(objective_name)
+    objective = run.diffusion.build()
     if objective_name == "ddpm" and steps > objective.config.num_train_timesteps:
         raise ConfigError(f"--steps {steps}: a DDPM model samples at most its "
                           f"{objective.config.num_train_timesteps} training steps")
@@ -380,7 +379,7 @@ def run_plan(p: Plan) -> dict:
     groups = sampling_groups(p.parallel)
     device = run_device()
     model, model_config = load_model(p, device)
-    objective = build_objective(p.run.diffusion.objective)
+    objective = p.run.diffusion.build()
     model_fn = model_function(p, model, model_config)
     encode = p.encode
     decoder = None

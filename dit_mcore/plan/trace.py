@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from dit_mcore.diffusion import build_objective, drop_labels
+from dit_mcore.diffusion import drop_labels
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.pipeline import ModelChunks
@@ -86,7 +86,7 @@ def run_parts(cfg, num_layers: int) -> tuple:
     model_config = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
     if model_config.num_moe_experts:  # balanced routing, in static shapes (see balanced_experts)
         model_config.moe_expert_capacity_factor, model_config.moe_pad_expert_input_to_capacity = 1.0, True
-    return model_config, build_objective(cfg.diffusion.objective), torch.bfloat16 if cfg.trainer.bf16 else torch.float32
+    return model_config, cfg.diffusion.build(), torch.bfloat16 if cfg.trainer.bf16 else torch.float32
 
 
 def fake_chunks(cfg, model_config) -> ModelChunks:

@@ -11,6 +11,7 @@ last checkpoint before a divergence).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -203,7 +204,8 @@ def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> N
     failed publishing (rank 0's), becomes a :class:`SaveFailed` on every rank naming its step and reason, its
     partial files under ``root`` removed."""
     try:
-        finalized = queue.maybe_finalize_async_calls(blocking=blocking)
+        with _agreeing():  # (metadata.json is written in the finalization)
+            finalized = queue.maybe_finalize_async_calls(blocking=blocking)
     except CheckpointException as e:
         partials = sorted(Path(root).glob(".partial_step_*"))  # (one save is in flight at a time)
         # (torch's wrapped failures: (exception, stack) per rank, known on the coordinator only)
@@ -231,6 +233,17 @@ _published: list = []  # (step, publishing's error or None) of finalized asynchr
 
 
 _rank0_errors: list = []  # errors of megatron's rank-0 writes (common.pt, metadata.json), until a save agrees on them
+_recording = [False]  # whether a save of ours is on, which agrees on them (else the recorders raise, as megatron would)
+
+
+@contextlib.contextmanager
+def _agreeing():
+    """Keep megatron's rank-0 write errors for :func:`_rank0_error` while a save of ours runs."""
+    _recording[0] = True
+    try:
+        yield
+    finally:
+        _recording[0] = False
 
 
 class _AgreedCommonStrategy(TorchCommonSaveStrategy):
@@ -242,6 +255,8 @@ class _AgreedCommonStrategy(TorchCommonSaveStrategy):
         try:
             super().save_common(common_state_dict, checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - whatever it is, every rank learns it
+            if not _recording[0]:
+                raise
             _rank0_errors.append(e)
 
 
@@ -251,13 +266,16 @@ def _agreed_save_config(config, checkpoint_dir) -> None:
     try:
         dist_checkpointing.core.save_config(config, checkpoint_dir)
     except Exception as e:  # noqa: BLE001
+        if not _recording[0]:
+            raise
         _rank0_errors.append(e)
 
 
 def _agree_on_rank0_writes() -> None:
     """Route megatron's rank-0 writes through the recorders above. ``dist_checkpointing.save`` takes no common
     strategy of ours (only its default) and writes ``metadata.json`` through a module function, so both are
-    swapped in its ``serialization`` module, where it looks them up at each save."""
+    swapped in its ``serialization`` module, where it looks them up at each save; outside our saves
+    (:func:`_agreeing`) the recorders raise as megatron's own functions do."""
     serialization.get_default_save_common_strategy = lambda backend="torch", version=1: _AgreedCommonStrategy(
         backend, version)
     serialization.save_config = _agreed_save_config
@@ -341,7 +359,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
                                                 ema_partial=ema_partial, per_rank={**per_rank, "rng": rng_state()}))
             _agree_on_rank0_writes()  # (rank 0's own writes: their errors are agreed on too)
             try:  # (torch's DCP hands a rank's write error to every rank)
-                request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
+                with _agreeing():
+                    request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
             except (OSError, CheckpointException) as e:  # agreed on below, then raised as SaveFailed
                 error = e
         failed(error or _rank0_error())  # (an asynchronous save's metadata.json is written at its finalization)

@@ -273,6 +273,15 @@ class DiffusionConfig:
     """Sampler steps for preview grids."""
     cfg_scale: float = 1.5
     """Classifier-free guidance scale for preview grids."""
+    ddpm_variance: str = "learned_range"
+    """With ``objective="ddpm"``: "learned_range" (DiT's: a model with variance channels, ``model.learn_sigma``,
+    learns them with the variational term and the DDPM sampler uses them) or "fixed_small" (the posterior
+    variance; the variance channels neither trained nor used)."""
+
+    def build(self):
+        """The objective these settings describe (:func:`dit_mcore.diffusion.build_objective`)."""
+        from dit_mcore.diffusion import build_objective
+        return build_objective(self.objective, **({"variance": self.ddpm_variance} if self.objective == "ddpm" else {}))
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from dit_mcore.diffusion import build_objective, drop_labels
+from dit_mcore.diffusion import drop_labels
 from dit_mcore.errors import ConfigError
 from dit_mcore.kernels.host_copy import to_device
 from dit_mcore.kernels.planned_attention import forget_plans
@@ -112,7 +112,7 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = cfg.data.num_microbatches(self.dp_size)
-        self.objective = build_objective(cfg.diffusion.objective)
+        self.objective = cfg.diffusion.build()
         self.step_loss = StepLoss(self.model_config, self.objective, self.compute_dtype, cfg.model.family)
         if self.model_config.num_moe_experts:
             reset_moe_state()

@@ -257,6 +257,8 @@ def _check_split_main_params(cfg) -> None:
 def _diffusion_rules(r: _Rules, d) -> None:
     r.need(d.objective in OBJECTIVES, "diffusion.objective", d.objective,
            f"use one of {sorted(OBJECTIVES)}{did_you_mean(d.objective, OBJECTIVES)}")
+    r.need(d.ddpm_variance in ("learned_range", "fixed_small"), "diffusion.ddpm_variance", d.ddpm_variance,
+           "use 'learned_range' or 'fixed_small'")
     r.need(d.sample_steps >= 1, "diffusion.sample_steps", d.sample_steps, "must be >= 1 (sampler steps of previews)")
     r.need(_finite(d.cfg_scale) and d.cfg_scale >= 0, "diffusion.cfg_scale", d.cfg_scale,
            "must be >= 0 (1: no guidance)")
