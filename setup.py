@@ -36,7 +36,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
         "fp8": ["torchao==0.18.0"],  # model.fp8: float8 training of the transformer linears
-        "test": ["pytest", "pytest-xdist", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "wandb"],
+        "test": ["pytest", "pytest-xdist", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "wandb",
+                 "torch-fidelity"],
         "plot": ["matplotlib"],  # python -m dit_mcore.plot
         "inception": ["torch-fidelity"],  # FID on InceptionV3 features (python -m dit_mcore.evaluate --features inception)
         "wandb": ["wandb"],  # log.wandb=true

@@ -115,6 +115,26 @@ def test_reference_statistics_give_the_fid_of_their_images(trained, tmp_path, ca
     assert "statistics of 8 features; the extractor has 64" in capsys.readouterr().err
 
 
+def test_the_inception_extractor_builds_offline_from_a_weights_file(tmp_path, monkeypatch, capsys):
+    """--features inception with --inception-weights FILE (an offline cluster): torchmetrics' InceptionV3 from the
+    file, 2,048 features per uint8 image of any size; a missing file is one line. (Random weights of the
+    published layout: the published FID file cannot be downloaded here.)"""
+    pytest.importorskip("torch_fidelity")
+    import torch_fidelity.feature_extractor_inceptionv3 as tf_inception
+
+    from dit_mcore.evaluate.features import build_extractor
+    with monkeypatch.context() as patch:  # the layout's state dict, randomly initialised, without a download
+        patch.setattr(tf_inception, "load_state_dict_from_url", lambda *a, **k: {})
+        patch.setattr(tf_inception.FeatureExtractorInceptionV3, "load_state_dict", lambda self, *a, **k: None)
+        state = tf_inception.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"]).state_dict()
+    torch.save(state, tmp_path / "inception.pth")
+    extractor = build_extractor("inception", str(tmp_path / "inception.pth"))
+    features = extractor(_u8(_digits(16)[:3]))
+    assert extractor.num_features == 2048 and features.shape == (3, 2048) and torch.isfinite(features).all()
+    with pytest.raises(ConfigError, match="--features=inception: its weights could not be read"):
+        build_extractor("inception", str(tmp_path / "missing.pth"))
+
+
 def test_a_folder_of_images_is_a_reference(tmp_path):
     """The digits written as PNGs (in sub-folders) read back as the built-in reference does."""
     from PIL import Image
