@@ -36,10 +36,11 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "encoders": ["diffusers", "transformers", "safetensors"],
         "fp8": ["torchao==0.18.0"],  # model.fp8: float8 training of the transformer linears
-        "test": ["pytest", "pytest-xdist", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "wandb",
-                 "torch-fidelity"],
+        "test": ["pytest", "pytest-xdist", "diffusers", "transformers", "safetensors", "torchao==0.18.0", "matplotlib", "wandb"],
         "plot": ["matplotlib"],  # python -m dit_mcore.plot
-        "inception": ["torch-fidelity"],  # FID on InceptionV3 features (python -m dit_mcore.evaluate --features inception)
+        # FID on InceptionV3 features (python -m dit_mcore.evaluate --features inception). torch-fidelity needs
+        # torchvision, and pip then picks torch and torchvision together: install it with your torch's torchvision.
+        "inception": ["torch-fidelity"],
         "wandb": ["wandb"],  # log.wandb=true
         "bench": ["matplotlib", "diffusers"],  # benchmarks/throughput.py plots, the diffusers side by side
     },

@@ -118,7 +118,8 @@ def test_reference_statistics_give_the_fid_of_their_images(trained, tmp_path, ca
 def test_the_inception_extractor_builds_offline_from_a_weights_file(tmp_path, monkeypatch, capsys):
     """--features inception with --inception-weights FILE (an offline cluster): torchmetrics' InceptionV3 from the
     file, 2,048 features per uint8 image of any size; a missing file is one line. (Random weights of the
-    published layout: the published FID file cannot be downloaded here.)"""
+    published layout: the published FID file cannot be downloaded here. Skipped without torch-fidelity, which
+    the test extras leave out: it needs torchvision, whose install moves torch off the pinned CPU build.)"""
     pytest.importorskip("torch_fidelity")
     import torch_fidelity.feature_extractor_inceptionv3 as tf_inception
 
