@@ -8,6 +8,7 @@ energon's CLI can only name sample types exported by ``megatron.energon``.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -116,8 +117,17 @@ def prepare_energon(out: Path, shard_names: list[str], splits: dict[str, list[in
     patterns = [
         (name, "|".join(f"^{re.escape(shard_names[i])}$" for i in idx) or "(?!)") for name, idx in splits.items()
     ]
-    BaseWebdatasetFactory.prepare_dataset(
-        out, shard_names, split_parts_patterns=patterns, workers=max(1, min(workers, len(shard_names)))
-    )
+    # energon's index workers are forked from this process: a collection in one of them would finalize garbage
+    # cycles it inherited (a process group's, anything bound to threads the fork did not copy), and crashed a
+    # worker in the test suite with a segmentation fault while energon waited for it forever. Collected here,
+    # where their threads live, and the rest frozen for the duration, the workers collect only their own.
+    gc.collect()
+    gc.freeze()
+    try:
+        BaseWebdatasetFactory.prepare_dataset(
+            out, shard_names, split_parts_patterns=patterns, workers=max(1, min(workers, len(shard_names)))
+        )
+    finally:
+        gc.unfreeze()
     with open(out / META_DIR / "dataset.yaml", "w") as f:
         yaml.safe_dump(DATASET_YAML, f, sort_keys=False)
