@@ -192,19 +192,15 @@ def test_imported_learned_sigma_dit_samples_with_ddpm_as_dit_does_with_guidance(
     """A diffusers ``DiTTransformer2DModel`` with learned sigma, our DDPM sampler against diffusers' model
     and ``DDPMScheduler(variance_type="learned_range")`` in a guided loop as DiT's ``sample.py`` runs it
     (epsilon guided, the variance channels the conditional half's)."""
-    from diffusers import DDPMScheduler, DiTTransformer2DModel
+    from diffusers import DDPMScheduler
 
     from dit_mcore.models.dit.interop import load_diffusers
     from megatron_env import single_process_world
     from dit_mcore.models.adapter import image_model_fn
-    from test_interop import _fill_random
+    from test_interop import _tiny_diffusers
     single_process_world()
-    d = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
-                              num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_eps=1e-6)
-    _fill_random(d.parameters(), seed=8)
-    for block in d.transformer_blocks[1:]:
-        block.norm1.emb.load_state_dict(d.transformer_blocks[0].norm1.emb.state_dict())
-    d.eval().save_pretrained(tmp_path)
+    d = _tiny_diffusers(seed=8)
+    d.save_pretrained(tmp_path)
     labels, scale = torch.tensor([3, 7]), 3.0
     noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", clip_sample=False,

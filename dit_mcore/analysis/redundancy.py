@@ -196,9 +196,9 @@ def _probe_run(p, model, model_config, model_fn, seeds: list[int], groups, repli
 
     pipefusion = None
     if p.parallel.patches() > 1:  # each patch's changes, added up per evaluation (sums over tokens)
-        from dit_mcore.generate.job import _evaluations
+        from dit_mcore.generate.job import sampler_evaluations
         from dit_mcore.generate.pipefusion import PipeFusion, warmup_evaluations
-        evaluations = _evaluations(p.sampler, objective.name, p.steps)
+        evaluations = sampler_evaluations(p.sampler, objective.name, p.steps)
         pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), probe=probe,
                                 warmup=warmup_evaluations(p.steps, evaluations, p.parallel.pipefusion_warmup_steps))
     for seed in seeds:

@@ -151,14 +151,13 @@ class DDPMObjective(Objective):
         x0, noise = inputs.x0.to(dtype), inputs.target.to(dtype)
         t = inputs.level.long()
         abar = broadcast_level(self.abar(inputs.level).to(dtype), x0)
-        c0, _, log_q, log_beta = (broadcast_level(row.to(dtype), x0)
-                                  for row in to_device(self._posterior, t.device)[:, t])
+        c0, c1, log_q, log_beta = (broadcast_level(row.to(dtype), x0)
+                                   for row in to_device(self._posterior, t.device)[:, t])
         x0_model = ((1 - abar).sqrt() * (noise - eps)) / abar.sqrt() + x0  # (x_t - sqrt(1 - abar) eps) / sqrt(abar)
         frac = (v.to(dtype) + 1) / 2
         log_p = frac * log_beta + (1 - frac) * log_q
         mean_gap = c0 * (x0 - x0_model)  # posterior mean at x0 minus at the model's x0 (the x_t terms cancel)
         kl = 0.5 * (log_p - log_q - 1 + (log_q - log_p).exp() + mean_gap.square() * (-log_p).exp())
-        c1 = broadcast_level(to_device(self._posterior[1], t.device)[t].to(dtype), x0)
         mean = c0 * x0_model + c1 * (abar.sqrt() * x0 + (1 - abar).sqrt() * noise)
         nll = -_discretised_gaussian_log_likelihood(x0, mean, 0.5 * log_p)
         return torch.where(broadcast_level(t == 0, x0), nll, kl) / math.log(2.0)

@@ -264,7 +264,7 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     check_generation_layout(parallel, model_config, world, shape=shape, cfg_scale=cfg_scale)
     cache = None
     if r.cache:
-        cache = parse_cache(r.cache, evaluations=_evaluations(sampler, objective_name, steps),
+        cache = parse_cache(r.cache, evaluations=sampler_evaluations(sampler, objective_name, steps),
                             depth=model_config.num_layers, sampler=sampler, steps=steps)
         check_cache_layout(parallel, cache)
     parallel = parallel.staged()
@@ -326,7 +326,7 @@ def _agree(problem: Optional[BaseException], device) -> None:
         raise ConfigError("another rank failed to load the model (its error names the cause)")
 
 
-def _evaluations(sampler: str, objective: str, steps: int) -> int:
+def sampler_evaluations(sampler: str, objective: str, steps: int) -> int:
     """Network calls of one sampler run (the progress bar's unit)."""
     if sampler == "heun":
         return 2 * steps - (1 if objective == "edm" else 0)
@@ -390,10 +390,10 @@ def run_plan(p: Plan) -> dict:
     out = Path(r.out)
 
     from tqdm import tqdm
-    bar = tqdm(total=len(mine) * _evaluations(p.sampler, objective.name, p.steps), unit="eval",
+    evaluations = sampler_evaluations(p.sampler, objective.name, p.steps)
+    bar = tqdm(total=len(mine) * evaluations, unit="eval",
                disable=not (r.progress and dist.get_rank() == 0), desc="generate", leave=False)
 
-    evaluations = _evaluations(p.sampler, objective.name, p.steps)
     step_cache = None
     if p.cache is not None:
         step_cache = StepCache(p.cache, model, evaluations, groups=decision_groups(groups))
@@ -409,8 +409,7 @@ def run_plan(p: Plan) -> dict:
 
     pipefusion = None
     if p.parallel.patches() > 1:
-        warmup = warmup_evaluations(p.steps, _evaluations(p.sampler, objective.name, p.steps),
-                                    p.parallel.pipefusion_warmup_steps)
+        warmup = warmup_evaluations(p.steps, evaluations, p.parallel.pipefusion_warmup_steps)
         pipefusion = PipeFusion(model, model_config, patches=p.parallel.patches(), warmup=warmup,
                                 on_evaluation=lambda: bar.update(1), cache=step_cache)
     index, overview, latent_rows, start, flops_saved, sampling = [], [], [], time.perf_counter(), 0.0, 0.0
