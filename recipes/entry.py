@@ -46,6 +46,9 @@ def train(model: Optional[ModelConfig] = None, data: Optional[DataConfig] = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every parameter
     try:
+        if cfg.parallel.layout or cfg.parallel.layout_gpu:
+            from dit_mcore.recipes.auto_layout import choose_layout
+            cfg = choose_layout(cfg)
         hooks = [Previews(cfg.log.sample_interval)]  # (previews sample: the generation layer's)
         if cfg.trainer.fid_interval:
             from dit_mcore.evaluate.during_training import FIDDuringTraining

@@ -73,7 +73,8 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           init_model_with_meta_device=parallel.pop("meta_init", None),
                           aten_linears=parallel.pop("aten_linears", None),
                           fuse_wgrad_accumulation=parallel.pop("fuse_wgrad_accumulation", None),
-                          st_attention=parallel.pop("st_attention", None), compile=compile),
+                          st_attention=parallel.pop("st_attention", None), compile=compile,
+                          chunk_tokens=parallel.pop("chunk_tokens", None)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
                           adam_impl=parallel.pop("adam_impl", "fused")),
@@ -335,7 +336,9 @@ def _cases(world: int):
            ("dp2_distopt_flat_adam", {"distopt": True, "adam_impl": "flat"}),
            ("ep2_flat_adam", {"expert_model_parallel_size": 2, "adam_impl": "flat"}),
            ("fsdp2", {"fsdp": "torch"}),
-           ("fsdp2_meta_init", {"fsdp": "torch", "meta_init": True})]
+           ("fsdp2_meta_init", {"fsdp": "torch", "meta_init": True}),
+           # chunked MLPs (model.chunk_tokens; chunks of 5 tokens, ragged) on the sequence-parallel shards
+           ("tp2_sp_chunked", {"tensor_model_parallel_size": 2, "sequence_parallel": True, "chunk_tokens": 5})]
     four = [("cp4_a2a_p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                              "hierarchical_context_parallel_sizes": [2, 2]}),
             ("tp2_sp_cp2_a2a", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
@@ -385,13 +388,13 @@ def _text_cases(world: int):
              for name, parallel in (two if world == 2 else four).items()]
     llama = {2: [("tp2_sp", "packed"), ("cp2_p2p", "packed"), ("cp2_a2a", "dense"), ("cp2_all_gather", "packed"),
                  ("pp2", "packed"), ("fsdp2", "dense"), ("mfsdp2", "dense"), ("cp2_p2p_compiled", "packed"),
-                 ("cp2_a2a_compiled", "dense")],
+                 ("cp2_a2a_compiled", "dense"), ("cp2_p2p_chunked", "packed")],
              4: [("tp2_sp_cp2_a2a", "packed"), ("cp4_a2a_p2p", "packed")]}[world]
     # ST-DiT: CP switches frames <-> positions (dense video); one rank's spatial/temporal patterns of
     # mixed grids under SP and PP (packed).
     stdit = {2: [("cp2_p2p", "video"), ("cp2_p2p", "packed"), ("cp2_mesh", "video"), ("tp2_sp", "packed"),
                  ("pp2", "packed"), ("fsdp2", "packed"), ("mfsdp2", "video"), ("cp2_p2p_compiled", "video"),
-                 ("cp2_dsp_overlap_compiled", "video"), ("cp2_p2p_compiled", "packed")],
+                 ("cp2_dsp_overlap_compiled", "video"), ("cp2_p2p_compiled", "packed"), ("cp2_p2p_chunked", "video")],
              4: [("tp2_sp_cp2_a2a", "video"), ("tp2_sp_cp2_a2a", "packed"), ("cp4_mesh", "video")]}[world]
     # The two-level ST mesh: positions over the inner ranks (Ulysses), frames over the outer ones.
     mesh = {"cp2_mesh": {"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1],
@@ -399,6 +402,7 @@ def _text_cases(world: int):
             "cp4_mesh": {"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 2],
                          "st_attention": "mesh"}}
     more = {"cp2_all_gather": {"context_parallel_size": 2, "cp_comm_type": "all_gather"},
+            "cp2_p2p_chunked": {**two["cp2_p2p"], "chunk_tokens": 5},  # (chunks of each rank's CP piece)
             "cp4_a2a_p2p": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                             "hierarchical_context_parallel_sizes": [2, 2]}}
     # compiled, each layer one graph: the ST-DiT's switches as functional all-to-alls (dsp_overlap's pipelined ones

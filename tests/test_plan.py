@@ -17,7 +17,9 @@ from dit_mcore.plan import cli
 from dit_mcore.plan.gpus import gpu
 from dit_mcore.plan.memory import predict_memory
 from dit_mcore.plan.search import Layout, Planner
-from dit_mcore.plan.step_time import BUS_FACTOR
+from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.plan.op_costs import group_names
+from dit_mcore.plan.step_time import BUS_FACTOR, span
 from dit_mcore.plan.trace import trace_microbatch
 from dit_mcore.plan.world import traced_world
 from dit_mcore.recipes.pretrain_xl import pretrain_tiny
@@ -36,7 +38,7 @@ def _batch(rows=ROWS):
 def _per_layer_wire_bytes(cfg, world=2) -> float:
     with traced_world(cfg.parallel, world):
         one, two = (trace_microbatch(cfg, _batch(), num_layers=n) for n in (1, 2))
-    return sum(BUS_FACTOR[kind](n) * b for kind, n, b in (two + one * -1).comm)
+    return sum(BUS_FACTOR[kind](n) * b for kind, _, n, b in (two + one * -1).comm)
 
 
 @pytest.mark.parametrize("method", ["tp_sp", "p2p", "a2a"])
@@ -58,6 +60,27 @@ def test_the_traced_collectives_are_the_analytic_volumes(tmp_path, method):
     assert traced == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.parametrize("world, parallel", [
+    (32, dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=4, cp_comm_type="a2a+p2p",
+              hierarchical_context_parallel_sizes=[2, 2])),
+    (32, dict(tensor_model_parallel_size=2, expert_model_parallel_size=4, pipeline_model_parallel_size=2)),
+    (16, dict(context_parallel_size=2, pipeline_model_parallel_size=4)),
+])
+def test_each_group_is_priced_on_the_link_megatron_puts_it(world, parallel):
+    """A collective goes over NVLink when all of its group's ranks are in one node: the step-time model's
+    span of each named group against the ranks megatron's parallel state gives it, for every node size."""
+    p = ParallelConfig(**parallel)
+    with traced_world(p, world):
+        groups = group_names()
+        assert {"tp", "cp", "pp", "dp"} <= set(groups.values())
+        for group, name in groups.items():
+            ranks = torch.distributed.get_process_group_ranks(group)
+            for per_node in (1, 2, 4, 8, 16, 32):
+                same_node = len({r // per_node for r in ranks}) == 1
+                assert (span(name, len(ranks), p, world) <= per_node) == same_node, (name, ranks, per_node)
+    single_process_world()
+
+
 def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):
     """The planner traces one sample without pipeline stages and scales; the memory it predicts for 4
     samples per micro-batch on two stages is within 5% of the whole micro-batch's trace on stage 0 (which
@@ -74,20 +97,44 @@ def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):
 
 
 TINY = ["--preset", "tiny", "--seq", "16", "--global-batch", "32", "--gpu", "H100-80GB"]
+# 4 layers (two chunks on each of two stages), 128 x 128 tokens: long enough for chunked MLPs
+LONG = ["--preset", "tiny", "--seq", "16384", "--global-batch", "8", "--gpu", "H100-80GB", "model.num_layers=4"]
 
 
 def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, capsys):
+    """Every layout the search evaluates (among them interleaved stages, all-to-all groups inside a ring,
+    chunked MLPs and selective recompute) passes the layout check and is priced as its mechanism says: the
+    interleaved schedule halves the bubble, chunking and selective recompute lower the activations, the
+    latter for more compute; the best layout's overrides train."""
     out = tmp_path / "layouts.jsonl"
-    assert cli.main([*TINY, "--gpus", "4", "--json", str(out)]) == 0
+    assert cli.main([*LONG, "--gpus", "4", "--json", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records and {"overrides", "fits", "memory_gib", "step_s", "tflops_per_gpu", "mfu",
                         "tokens_per_s_per_gpu"} <= set(records[0])
-    args = cli.parse_args([*TINY, "--gpus", "4"])
-    base, _ = cli.run_config(args)
+    base, _ = cli.run_config(cli.parse_args([*LONG, "--gpus", "4"]))
+    by_layout = {}
     for record in records:
-        cfg = Layout(**_fields(record["overrides"])).apply(base)
+        layout = Layout.of(record["overrides"])
+        assert layout.overrides() == record["overrides"]
+        by_layout[layout] = record
+        cfg = layout.apply(base)
         check_layout(cfg.parallel, cfg.model.build(cfg.parallel), cfg.data, 4,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    assert {"a2a+p2p", "a2a", "p2p"} <= {layout.cp_comm_type for layout in by_layout}
+    twins = lambda field, value: [(by_layout[layout.__class__(**{**vars(layout), field: value})], by_layout[layout])  # noqa: E731
+                                  for layout in by_layout if getattr(layout, field) != value]
+    interleaved, chunked, selective = twins("vpp", 1), twins("chunk_tokens", 0), twins("recompute", "none")
+    for fsdp, hsdp in twins("fsdp_shard", 0):  # (HSDP: the state sharded over fewer ranks)
+        assert hsdp["memory_gib"]["optimizer"] == pytest.approx(2 * fsdp["memory_gib"]["optimizer"], rel=0.05)
+    assert interleaved and chunked and twins("fsdp_shard", 0) and any(r["overrides"]["model.recompute_granularity"] == "selective" for _, r in selective)
+    for plain, other in interleaved:
+        assert other["step_parts_s"]["bubble"] == pytest.approx(plain["step_parts_s"]["bubble"] / 2, rel=0.02)
+    for pairs in (chunked, [t for t in selective if t[1]["overrides"]["model.recompute_granularity"] == "selective"]):
+        # (never more; less wherever the peak is in the layers, not in the parts outside them)
+        assert all(other["memory_gib"]["activations"] <= plain["memory_gib"]["activations"] for plain, other in pairs)
+        assert any(other["memory_gib"]["activations"] < plain["memory_gib"]["activations"] for plain, other in pairs)
+    for plain, other in selective:
+        assert other["step_parts_s"]["compute"] > plain["step_parts_s"]["compute"]
     fitting = [float(f"{r['tokens_per_s_per_gpu']:.4g}") for r in records if r["fits"]]
     assert fitting == sorted(fitting, reverse=True)  # best first (to 4 digits: ties go to larger micro-batches)
     assert records[0]["memory_gib"]["total"] == pytest.approx(sum(v for k, v in records[0]["memory_gib"].items()
@@ -102,14 +149,54 @@ def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, cap
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
 
 
-def _fields(overrides: dict) -> dict:
-    """The :class:`Layout` fields behind its overrides."""
-    p = lambda name: overrides[f"parallel.{name}"]  # noqa: E731
-    return dict(tp=p("tensor_model_parallel_size"), cp=p("context_parallel_size"),
-                cp_comm_type=overrides.get("parallel.cp_comm_type", "p2p"), pp=p("pipeline_model_parallel_size"),
-                ep=p("expert_model_parallel_size"), fsdp=p("fsdp"), distopt=overrides["optim.use_distributed_optimizer"],
-                recompute="full" if overrides["model.recompute_granularity"] else "none",
-                micro_batch=overrides["data.micro_batch_size"])
+def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, caplog):
+    """``parallel.layout=auto`` through the recipes' ``train``: the run trains on the layout the planner
+    ranks first for it (its model, its data's samples, its global batch, this world), logs it with its
+    prediction and writes ``plan.json`` beside ``metrics.jsonl``."""
+    import fiddle as fdl
+    from nemo_run.cli.cli_parser import parse_cli_args
+    from dit_mcore.recipes.auto_layout import choose_layout, sample_grid, text_tokens
+    from dit_mcore.recipes.entry import train
+    from dit_mcore.training.data_fit import fit_model_to_data
+
+    run_dir = tmp_path / "run"
+    args = ["parallel.layout=auto", "parallel.layout_gpu=H100-80GB", "trainer.max_steps=1", f"log.dir={run_dir}"]
+    cfg = resolve(pretrain_tiny, args)
+    fit_model_to_data(cfg)
+    side = 8 // cfg.model.build(ParallelConfig()).patch_size  # (the recipe's 8x8 digits)
+    assert sample_grid(cfg) == (1, side, side)
+    done, _ = Planner(cfg, 1, gpu("H100-80GB"), 1, cli.batch_maker(cfg, sample_grid(cfg), text_tokens(cfg))).plan()
+    want = done[0].layout
+    task = pretrain_tiny()
+    parse_cli_args(task, args, task)
+    with caplog.at_level("INFO", logger="recipes"):
+        train(**fdl.build(task).keywords)
+    record = json.loads((run_dir / "plan.json").read_text())
+    assert Layout.of(record["prediction"]["overrides"]) == want and record["world"] == 1
+    assert record["replaced"]["data.micro_batch_size"] == 16  # (the recipe's, replaced by the planner's)
+    assert f"parallel.layout=auto chose {want.describe(1)}" in caplog.text
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and metrics[-1]["step"] == 1
+    chosen = choose_layout(resolve(pretrain_tiny, args), world=1)
+    assert chosen.data.micro_batch_size == want.micro_batch and chosen.parallel.layout is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["parallel.layout=auto"], "parallel.layout=auto plans for a GPU and this job has none: set parallel.layout_gpu"),
+    (["parallel.layout=auto", "parallel.layout_gpu=H100-80GB", "parallel.context_parallel_size=2"],
+     "parallel.layout=auto chooses the layout, and parallel.context_parallel_size=2 is set too"),
+    (["parallel.layout=best"], "parallel.layout='best' is unknown; use parallel.layout=auto"),
+    (["parallel.layout_gpu=H200"], "parallel.layout_gpu='H200' is read only with parallel.layout=auto"),
+    (["parallel.layout=auto", "parallel.layout_gpu=V100"], "parallel.layout_gpu='V100' is not in the planner's table"),
+])
+def test_layout_auto_bad_input_gets_one_line(args, message):
+    from dit_mcore.errors import ConfigError
+    from dit_mcore.recipes.auto_layout import choose_layout
+    if torch.cuda.is_available() and args == ["parallel.layout=auto"]:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError) as e:
+        choose_layout(resolve(pretrain_tiny, args), world=1)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -118,7 +205,7 @@ def _fields(overrides: dict) -> dict:
     (["--explain", "tp=3"], "--explain 'tp=3': the layout check refuses it:"),
     (["--explain", "pipes=2"], "'pipes=2' is not name=value with a name among"),
     (["--explain", "tp=two"], "tp takes int values, not 'two'"),
-    (["--explain", "recompute=selective"], "recompute is one of ['full', 'none']"),
+    (["--explain", "recompute=some"], "recompute is one of ['full', 'none', 'selective', 'selective_mlp']"),
     (["model.depth=3"], "model.depth=3: give model.<field>=<value> with a field of ModelConfig"),
 ])
 def test_bad_input_gets_one_line(args, message, capsys):

@@ -59,6 +59,14 @@ class ParallelConfig:
     fsdp_shard_size: Optional[int] = None
     """HSDP: shard within groups of this many data x context parallel ranks and replicate across the
     groups (keep a group inside a node); None: shard over all of them."""
+    layout: Optional[str] = None
+    """"auto": the layout planner's first choice for this run on this job's GPUs (``python -m dit_mcore.plan``)
+    sets the layout fields above, ``data.micro_batch_size``, ``model.recompute_*`` and ``model.chunk_tokens``;
+    it is logged with its prediction and written to ``<log.dir>/plan.json`` (``docs/planning.md``). None: the
+    fields as given."""
+    layout_gpu: Optional[str] = None
+    """With ``layout="auto"``: the planner's GPU to plan for (``H100-80GB``, ``H200``, ``B200``, ``A100-80GB``);
+    None: this job's CUDA device, by its name."""
 
     def __post_init__(self):
         if self.virtual_pipeline_model_parallel_size == 1:  # one chunk per stage: megatron's None

@@ -15,6 +15,13 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
     with the run's sizes; its parallel fields are ignored), ``data`` (a ``DataConfig``) and whether
     the optimizer is megatron's distributed one."""
     p = parallel
+    if p.layout is not None or p.layout_gpu is not None:
+        raise ConfigError(
+            "parallel.layout=auto is chosen before training, by the recipes' train() (recipes/pretrain_xl.py); a "
+            "direct pretrain() call takes a concrete layout: resolve it first with "
+            "dit_mcore.recipes.auto_layout.choose_layout(cfg)" if p.layout == "auto" else
+            f"parallel.layout={p.layout!r} is unknown; use parallel.layout=auto or leave it unset" if p.layout else
+            f"parallel.layout_gpu={p.layout_gpu!r} is read only with parallel.layout=auto; set that too or remove it")
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")

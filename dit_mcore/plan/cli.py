@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--emit", action="store_true", help="print the best layout's fields as overrides to add to the "
                     "run's recipe command (the layout only: the run's own model and data fields stay the user's)")
     ap.add_argument("--explain", metavar="LAYOUT", help="break one layout down instead of ranking (e.g. "
-                    "'tp=2,cp=4,recompute=full'; fields: tp cp cp_comm_type pp ep fsdp distopt recompute micro_batch)")
+                    "'tp=2,cp=4,recompute=full'; fields: tp cp cp_comm_type cp_a2a pp vpp ep fsdp distopt "
+                    "recompute (none, selective, selective_mlp, full) chunk_tokens micro_batch)")
     ap.add_argument("overrides", nargs="*", help="model.<field>=<value>")
     return ap.parse_args(argv)
 
@@ -91,8 +92,9 @@ def run_config(args):
                      parallel=ParallelConfig()), side
 
 
-def batch_maker(cfg, side: int, frames: int, text_len: int):
-    """One data-parallel rank's micro-batch of ``micro`` samples of the planned shape (values do not matter)."""
+def batch_maker(cfg, grid: tuple, text_len: int):
+    """One data-parallel rank's micro-batch of ``micro`` samples, each a ``grid`` (frames, rows, columns) of
+    tokens with ``text_len`` text tokens for a text model (values do not matter)."""
     from energon_data.batch import MicroBatch, cumsum0
     from dit_mcore.parallel.config import ParallelConfig
     mc = cfg.model.build(ParallelConfig())
@@ -101,7 +103,7 @@ def batch_maker(cfg, side: int, frames: int, text_len: int):
         extra = {}
         if mc.text_dim:
             extra = dict(text_emb=torch.zeros(micro * text_len, mc.text_dim), cu_seqlens_text=cumsum0([text_len] * micro))
-        return MicroBatch.dense(torch.zeros(micro, frames * side * side, mc.patch_dim), (frames, side, side),
+        return MicroBatch.dense(torch.zeros(micro, math.prod(grid), mc.patch_dim), tuple(grid),
                                 torch.zeros(micro, dtype=torch.long), **extra)
     return make
 
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
         if args.gpus < 1 or args.gpus_per_node < 1:
             raise ConfigError("--gpus and --gpus-per-node must be >= 1")
         planner = Planner(cfg, args.gpus, device, args.gpus_per_node,
-                          batch_maker(cfg, side, args.frames, args.text_len))
+                          batch_maker(cfg, (args.frames, side, side), args.text_len))
         if args.explain:
             layout = Layout.parse(args.explain)
             problem = accepted(cfg, layout, args.gpus)

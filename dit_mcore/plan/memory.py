@@ -46,7 +46,7 @@ class MemoryPrediction:
         s = self.state
         parts = dict(weights=s.weights, gradients=s.gradients, optimizer=s.main_weights + s.adam, ema=s.ema,
                      activations=self.activations, gathered=self.gathered, workspace=self.workspace)
-        return {name: round(b / GiB, 3) for name, b in parts.items()} | {"total": round(self.total / GiB, 3)}
+        return {name: float(f"{b / GiB:.5g}") for name, b in (parts | {"total": self.total}).items()}
 
 
 def in_flight(pipeline: int, virtual: int, microbatches: int) -> float:

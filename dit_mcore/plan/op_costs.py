@@ -24,6 +24,30 @@ COLLECTIVES = {"_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather
 _CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": 1, "_scaled_dot_product_flash_attention_for_cpu_backward": 2}
 
 
+def group_names() -> dict:
+    """``{process group: name}`` for the groups of megatron's parallel state a rank's work can talk over
+    ("tp", "cp", "cp_inner" and "cp_outer" (a2a+p2p's levels), "tp_cp", "ep", "etp", "pp", "dp"); empty
+    outside an initialised state."""
+    from megatron.core import parallel_state as ps
+    if not ps.is_initialized():
+        return {}
+    getters = [("tp", ps.get_tensor_model_parallel_group), ("cp", ps.get_context_parallel_group),
+               ("tp_cp", ps.get_tensor_and_context_parallel_group), ("ep", ps.get_expert_model_parallel_group),
+               ("etp", ps.get_expert_tensor_parallel_group), ("pp", ps.get_pipeline_model_parallel_group),
+               ("dp", ps.get_data_parallel_group)]
+    names = {}
+    for name, get in getters:
+        try:
+            group = get()
+        except (AssertionError, RuntimeError):  # (a group this layout does not have)
+            group = None
+        if group is not None and group not in names:
+            names[group] = name
+    for name, group in zip(("cp_inner", "cp_outer"), ps.get_hierarchical_context_parallel_groups(False) or ()):
+        names.setdefault(group, name)
+    return names
+
+
 def _nbytes(values) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
 
@@ -32,8 +56,8 @@ class OpCosts(TorchDispatchMode):
     """``with OpCosts() as c: work()``; then ``c.gemm_flops``, ``c.attention_flops`` (forward ``4 s_q s_k d``
     per head, backward twice that), ``c.memory_bytes`` (read + written by the other operators; views cost
     nothing) and ``c.comm``
-    (``{(collective, group size): bytes}``: the whole gathered or reduced buffer, an all-to-all's local part,
-    what a rank sends)."""
+    (``{(collective, group name, group size): bytes}``: the whole gathered or reduced buffer, an all-to-all's
+    local part, what a rank sends; the group's name from :func:`group_names`, "other" for a group of its own)."""
 
     def __init__(self):
         super().__init__()
@@ -41,6 +65,7 @@ class OpCosts(TorchDispatchMode):
         self.attention_flops = 0.0
         self.memory_bytes = 0.0
         self.comm: dict = collections.defaultdict(float)
+        self._names = group_names()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -50,8 +75,9 @@ class OpCosts(TorchDispatchMode):
             if name in COLLECTIVES:  # (a receive is its sender's send)
                 kind, index = COLLECTIVES[name]
                 groups = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.ScriptObject)]
-                size = dist.ProcessGroup.unbox(groups[0]).size() if groups else 0
-                self.comm[kind, size] += _nbytes(args[index])
+                group = dist.ProcessGroup.unbox(groups[0]) if groups else None
+                name = self._names.get(group, "other") if group is not None else "other"
+                self.comm[kind, name, group.size() if group is not None else 0] += _nbytes(args[index])
         elif packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
             attention = "attention" in name

@@ -20,12 +20,21 @@ from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan.gpus import GPU
 from dit_mcore.plan.memory import MemoryPrediction, RankModel, gpu_optimizer, rank_memory
 from dit_mcore.plan.step_time import StepTime, step_time
-from dit_mcore.plan.trace import layer_profile
+from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
 from dit_mcore.training.memory import GiB
 
-RECOMPUTE = {"none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+_OFF = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
+RECOMPUTE = {"none": _OFF,
+             "selective": _OFF | dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+             "selective_mlp": _OFF | dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+             "full": _OFF | dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+SEARCHED_RECOMPUTE = ("none", "selective_mlp", "full")
+"""What the search tries (core attention alone is not: the fused attention kernels keep only their output
+and log-sum-exp, so recomputing it buys little memory; ``--explain`` takes every mode)."""
+CHUNK_TOKENS = 4096
+"""The chunk the search offers (``model.chunk_tokens``) where a micro-batch puts more than twice as many
+tokens on a rank; ``--explain`` takes any."""
 
 
 @dataclass(frozen=True)
@@ -35,46 +44,77 @@ class Layout:
     tp: int = 1
     cp: int = 1
     cp_comm_type: str = "p2p"
+    cp_a2a: int = 1
+    """With ``cp_comm_type="a2a+p2p"``: the Ulysses groups' size (inside a ring of ``cp / cp_a2a``)."""
     pp: int = 1
+    vpp: int = 1
+    """Model chunks per pipeline stage (interleaved 1F1B)."""
     ep: int = 1
     fsdp: str = "none"
+    fsdp_shard: int = 0
+    """HSDP (``parallel.fsdp_shard_size``): FSDP shards within groups of this many data x context parallel ranks
+    and replicates across them (0: shards over all of them)."""
     distopt: bool = False
     recompute: str = "none"
+    chunk_tokens: int = 0
+    """``model.chunk_tokens`` (0: off)."""
     micro_batch: int = 1
 
     def overrides(self) -> dict:
         """The fields of ``recipes/pretrain_xl.py`` this layout sets."""
         out = {"parallel.tensor_model_parallel_size": self.tp, "parallel.sequence_parallel": self.tp > 1,
                "parallel.context_parallel_size": self.cp, "parallel.pipeline_model_parallel_size": self.pp,
-               "parallel.virtual_pipeline_model_parallel_size": None,
+               "parallel.virtual_pipeline_model_parallel_size": self.vpp if self.vpp > 1 else None,
                "parallel.expert_model_parallel_size": self.ep, "parallel.fsdp": self.fsdp,
+               "parallel.fsdp_shard_size": self.fsdp_shard or None,
                "parallel.overlap_grad_reduce": self.fsdp == "none", "parallel.overlap_param_gather": self.distopt,
                "optim.use_distributed_optimizer": self.distopt, "data.micro_batch_size": self.micro_batch}
         if self.cp > 1:
             out["parallel.cp_comm_type"] = self.cp_comm_type
+        if self.cp_comm_type == "a2a+p2p":
+            out["parallel.hierarchical_context_parallel_sizes"] = [self.cp_a2a, self.cp // max(self.cp_a2a, 1)]
         out.update({f"model.{k}": v for k, v in RECOMPUTE[self.recompute].items()})
+        out["model.chunk_tokens"] = self.chunk_tokens or None
         return out
+
+    @classmethod
+    def of(cls, overrides: dict) -> "Layout":
+        """The layout whose :meth:`overrides` these are."""
+        p = lambda name, default=None: overrides.get(f"parallel.{name}", default)  # noqa: E731
+        model = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("model.")}
+        recompute = next(name for name, fields in RECOMPUTE.items() if all(model.get(k) == v for k, v in fields.items()))
+        return cls(tp=p("tensor_model_parallel_size"), cp=p("context_parallel_size"), cp_comm_type=p("cp_comm_type", "p2p"),
+                   cp_a2a=(p("hierarchical_context_parallel_sizes") or [1])[0], pp=p("pipeline_model_parallel_size"),
+                   vpp=p("virtual_pipeline_model_parallel_size") or 1, ep=p("expert_model_parallel_size"),
+                   fsdp=p("fsdp"), fsdp_shard=p("fsdp_shard_size") or 0, distopt=overrides["optim.use_distributed_optimizer"], recompute=recompute,
+                   chunk_tokens=model.get("chunk_tokens") or 0, micro_batch=overrides["data.micro_batch_size"])
 
     def apply(self, cfg):
         cfg = copy.deepcopy(cfg)
         for key, value in self.overrides().items():
             section, name = key.split(".")
             setattr(getattr(cfg, section), name, value)
+        cfg.parallel.layout = cfg.parallel.layout_gpu = None  # (a concrete layout now)
         return cfg
 
     def describe(self, world: int) -> str:
         dp = world // (self.tp * self.cp * self.pp)
         parts = [f"TP{self.tp}" + ("+SP" if self.tp > 1 else "")]
-        parts += [f"CP{self.cp}({self.cp_comm_type})"] if self.cp > 1 else []
-        parts += [f"PP{self.pp}"] if self.pp > 1 else []
+        method = f"a2a{self.cp_a2a}+p2p" if self.cp_comm_type == "a2a+p2p" else self.cp_comm_type
+        parts += [f"CP{self.cp}({method})"] if self.cp > 1 else []
+        parts += [f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")] if self.pp > 1 else []
         parts += [f"EP{self.ep}"] if self.ep > 1 else []
-        parts += [f"DP{dp}" + ("/FSDP" if self.fsdp != "none" else "/distopt" if self.distopt else "")]
-        parts += [f"mb{self.micro_batch}"] + (["recompute"] if self.recompute != "none" else [])
+        sharding = (f"/HSDP{self.fsdp_shard}" if self.fsdp_shard else "/FSDP") if self.fsdp != "none" else \
+            "/distopt" if self.distopt else ""
+        parts += [f"DP{dp}" + sharding]
+        parts += [f"mb{self.micro_batch}"] + ([f"recompute:{self.recompute}"] if self.recompute != "none" else [])
+        parts += [f"chunk{self.chunk_tokens}"] if self.chunk_tokens else []
         return " ".join(parts)
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """``tp=2,cp=4,cp_comm_type=a2a,recompute=full,...`` (the names of this class's fields)."""
+        """``tp=2,cp=4,cp_comm_type=a2a,recompute=full,...`` (the names of this class's fields; ``cp_comm_type=a2a+p2p``
+        takes ``cp_a2a``)."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
@@ -105,18 +145,24 @@ class Evaluation:
         """One line of ``--json``."""
         return {"layout": self.layout.describe(world), "overrides": self.layout.overrides(), "fits": self.fits,
                 "memory_gib": self.memory.parts_gib(),
-                "step_s": round(self.step.total, 4),
-                "step_parts_s": {k: round(getattr(self.step, k), 4) for k in ("compute", "exposed_comm", "bubble",
-                                                                              "optimizer")},
+                "step_s": _digits(self.step.total),
+                "step_parts_s": {k: _digits(getattr(self.step, k)) for k in ("compute", "exposed_comm", "bubble",
+                                                                             "optimizer")},
                 "tflops_per_gpu": round(self.tflops_per_gpu, 1), "mfu": round(self.mfu, 4),
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1)}
 
 
-def candidate_layouts(cfg, world: int, gpus_per_node: int) -> Iterator[Layout]:
-    """Layouts of ``world`` ranks: TP up to a node (always with SP), CP up to 16 over ring or all-to-all,
-    up to 8 pipeline stages dividing the layers, experts, FSDP or the distributed optimizer, full recompute
-    or none, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share of the
-    global batch."""
+def _digits(x: float) -> float:
+    return float(f"{x:.5g}")
+
+
+def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> Iterator[Layout]:
+    """Layouts of ``world`` ranks: TP up to a node (always with SP), CP up to 16 over ring, all-to-all or
+    all-to-all groups inside a ring, up to 8 pipeline stages dividing the layers (one or two model chunks
+    per stage), experts, FSDP (HSDP over every group size) or the distributed optimizer, no, selective (core attention; and the MLP) or
+    full recompute, chunked MLPs where a micro-batch puts more than ``2 x CHUNK_TOKENS`` of its ``tokens``
+    per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share
+    of the global batch."""
     mc = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
     powers = [2 ** i for i in range(12) if 2 ** i <= world]
     for tp, cp, pp in itertools.product([t for t in powers if t <= gpus_per_node], powers[:5], powers[:4]):
@@ -126,11 +172,18 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int) -> Iterator[Layout]:
         experts = [e for e in powers if mc.num_moe_experts and mc.num_moe_experts % e == 0] or [1]
         per_rank = cfg.data.global_batch_size // dp if cfg.data.global_batch_size % dp == 0 else 0
         micro = [m for m in (1, 2, 4, 8) if per_rank % m == 0] if per_rank else []
-        methods = ["p2p", "a2a"] if cp > 1 else ["p2p"]
-        shards = [("none", False), ("none", True), ("torch", False)] if dp * cp > 1 else [("none", False)]
-        for ep, method, (fsdp, distopt), recompute, mb in itertools.product(experts, methods, shards,
-                                                                          RECOMPUTE, micro):
-            yield Layout(tp, cp, method, pp, ep, fsdp, distopt, recompute, mb)
+        methods = [("p2p", 1), ("a2a", 1)] + [("a2a+p2p", a) for a in powers if 1 < a < cp and cp % a == 0] \
+            if cp > 1 else [("p2p", 1)]
+        chunks = [0, CHUNK_TOKENS] if not mc.num_moe_experts and tokens // (cp * tp) > 2 * CHUNK_TOKENS else [0]
+        virtual = [1, 2] if pp > 1 and mc.num_layers % (2 * pp) == 0 else [1]
+        shards = [("none", False, 0), ("none", True, 0), ("torch", False, 0)] + \
+            [("torch", False, s) for s in powers if 1 < s < dp * cp and (dp * cp) % s == 0] if dp * cp > 1 \
+            else [("none", False, 0)]
+        for ep, (method, a2a), vpp, (fsdp, distopt, shard), recompute, chunk, mb in itertools.product(
+                experts, methods, virtual, shards, SEARCHED_RECOMPUTE, chunks, micro):
+            if chunk and recompute == "selective_mlp":
+                continue  # (a chunked MLP branch is recomputed already: the same run)
+            yield Layout(tp, cp, method, a2a, pp, vpp, ep, fsdp, shard, distopt, recompute, chunk, mb)
 
 
 def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
@@ -153,6 +206,10 @@ class Planner:
         self.cfg, self.world, self.gpu, self.gpus_per_node, self.batch = gpu_optimizer(cfg), world, gpu, gpus_per_node, batch
         self._profiles: dict = {}
         self._models: dict = {}
+        self.tokens = sum(batch(1).seqlens)
+        """Tokens per sample."""
+        self._wanted: set = set()
+        """The trace keys of the layouts :meth:`plan` will evaluate (traced together by split)."""
 
     def evaluate(self, layout: Layout) -> Evaluation:
         cfg = layout.apply(self.cfg)
@@ -187,19 +244,30 @@ class Planner:
         without pipeline stages (a stage's layers cost what they cost anywhere; its outside part is taken
         whole, embeddings and final layer both: an over-count of the first stage's by the final layer),
         and for one sample: every part of a dense micro-batch's cost is per sample (checked against the
-        whole micro-batch's trace in ``tests/test_plan.py``)."""
-        key = (layout.tp, layout.cp, layout.cp_comm_type, layout.ep, layout.recompute)
-        if key not in self._profiles:
-            one = dataclasses.replace(layout, pp=1, micro_batch=1).apply(self.cfg)
-            with traced_world(one.parallel, self.world):
-                self._profiles[key] = layer_profile(one, self.batch(1))
-        return self._profiles[key]
+        whole micro-batch's trace in ``tests/test_plan.py``). The search's recompute and chunking variants
+        of the same split are traced together (one warm-up)."""
+        if self._key(layout) not in self._profiles:
+            variants = [layout] + [v for v in {dataclasses.replace(layout, recompute=r, chunk_tokens=c)
+                                               for r in RECOMPUTE for c in (0, CHUNK_TOKENS)}
+                                   if v != layout and self._key(v) in self._wanted and self._key(v) not in self._profiles]
+            runs = [dataclasses.replace(v, pp=1, vpp=1, micro_batch=1).apply(self.cfg) for v in variants]
+            with traced_world(runs[0].parallel, self.world):
+                for v, profile in zip(variants, layer_profiles(runs, self.batch(1))):
+                    self._profiles[self._key(v)] = profile
+        return self._profiles[self._key(layout)]
+
+    @staticmethod
+    def _key(layout: Layout) -> tuple:
+        return (layout.tp, layout.cp, layout.cp_comm_type, layout.cp_a2a, layout.ep, layout.recompute,
+                layout.chunk_tokens)
 
     def plan(self, on_each: Optional[Callable[[Evaluation], None]] = None) -> tuple[list[Evaluation], int]:
         """Every accepted layout evaluated, best first (those that fit, by tokens/s per GPU, then the larger
         micro-batch, then less memory); and how many candidates the layout check refused."""
         done, refused = [], 0
-        for layout in candidate_layouts(self.cfg, self.world, self.gpus_per_node):
+        candidates = list(candidate_layouts(self.cfg, self.world, self.gpus_per_node, self.tokens))
+        self._wanted = {self._key(c) for c in candidates}
+        for layout in candidates:
             if accepted(self.cfg, layout, self.world) is not None:
                 refused += 1
                 continue
@@ -219,11 +287,13 @@ class Planner:
 
     def smallest_fitting(self, factors=(2, 4, 8, 16, 32, 64)) -> Optional[tuple[int, Evaluation]]:
         """The smallest cluster ``factor`` times larger where a layout fits, and there the layout that needs the
-        least memory among the frugal ones (full recompute, one sample per micro-batch, state sharded)."""
+        least memory among the frugal ones (full recompute, one sample per micro-batch, state sharded over all the
+        data-parallel ranks, one model chunk per stage, the ring or Ulysses alone)."""
         for factor in factors:
             bigger = self.resized(self.world * factor)
-            frugal = [layout for layout in candidate_layouts(self.cfg, bigger.world, self.gpus_per_node)
-                      if layout.recompute == "full" and layout.micro_batch == 1
+            frugal = [layout for layout in candidate_layouts(self.cfg, bigger.world, self.gpus_per_node, self.tokens)
+                      if layout.recompute == "full" and layout.micro_batch == 1 and layout.vpp == 1
+                      and not layout.fsdp_shard and layout.cp_comm_type != "a2a+p2p"
                       and (layout.distopt or layout.fsdp != "none" or bigger.world == layout.tp * layout.cp * layout.pp)
                       and accepted(self.cfg, layout, bigger.world) is None]
             fitting = [e for e in map(bigger.evaluate, frugal) if e.fits]

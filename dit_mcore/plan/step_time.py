@@ -49,6 +49,18 @@ def link(span: int, gpu: GPU, gpus_per_node: int) -> float:
     return gpu.nvlink_gbs if span <= gpus_per_node else gpu.network_gbs
 
 
+def span(name: str, size: int, parallel, world: int) -> int:
+    """How many consecutive ranks a group named ``name`` (:func:`~dit_mcore.plan.op_costs.group_names`) of
+    ``size`` ranks spans in megatron's rank order (TP fastest, then CP, then data parallel, pipeline
+    outermost; experts: expert TP, then EP): a group inside a node talks over NVLink."""
+    if size <= 1:
+        return 1
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp
+    return {"tp": tp, "etp": etp, "cp_inner": tp * size, "ep": etp * size, "pp": world,
+            "dp": world // parallel.pipeline_model_parallel_size}.get(name, tp * cp)
+
+
 def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, gpus_per_node: int,
               world: int, grad_bytes: float, weight_bytes: float, stepped_elements: float, ema_elements: float,
               distributed_optimizer: bool) -> StepTime:
@@ -62,16 +74,8 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     attention = micro.attention_flops / (r.attention_tflops * 1e12)
     kernels = micro.gemm_flops / (r.gemm_tflops * 1e12) + attention + micro.memory_bytes / (r.memory_gbs * GB)
     exposed = 0.0
-    for kind, group, nbytes in micro.comm:
-        if kind == "p2p" or (kind == "all_to_all" and group == cp and cp > 1 and not p.expert_model_parallel_size > 1):
-            span = tp * cp
-        elif kind in ("all_gather", "reduce_scatter", "all_reduce") and group == tp:
-            span = tp
-        elif kind == "all_to_all":  # experts' tokens over the expert-parallel group
-            span = tp * cp * group
-        else:
-            span = tp * cp
-        t = seconds(kind, group, nbytes, link(span, gpu, gpus_per_node))
+    for kind, name, group, nbytes in micro.comm:
+        t = seconds(kind, group, nbytes, link(span(name, group, parallel, world), gpu, gpus_per_node))
         exposed += max(0.0, t - attention) if kind == "p2p" else t  # (ring attention overlaps its exchange)
     per_micro = kernels + exposed
     # data parallel over DP x CP: gradients reduced (scattered under the distributed optimizer or FSDP), weights gathered
@@ -81,7 +85,13 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     reduce = seconds("reduce_scatter" if distributed_optimizer or fsdp else "all_reduce", replicas, grad_bytes, dp_gbs)
     gather = seconds("all_gather", replicas, weight_bytes, dp_gbs) if distributed_optimizer or fsdp else 0.0
     if fsdp:  # every micro-batch gathers the weights twice (forward, backward) and scatters the gradients
-        comm = microbatches * (2 * gather + reduce)
+        shard = p.fsdp_shard_size or replicas  # (HSDP: within groups of consecutive data x context ranks)
+        if shard < replicas:
+            gather, reduce = (seconds(kind, shard, grad_bytes if kind == "reduce_scatter" else weight_bytes,
+                                      link(tp * shard, gpu, gpus_per_node)) for kind in ("all_gather", "reduce_scatter"))
+        # HSDP: each shard's gradients all-reduced across the replicas once a step
+        across = seconds("all_reduce", replicas // shard, grad_bytes / shard, dp_gbs)
+        comm = microbatches * (2 * gather + reduce) + across
         dp_exposed = max(0.0, comm - microbatches * kernels)
     else:  # overlapped with the last micro-batch's backward (~2/3 of it) and the next forward (~1/3)
         dp_exposed = (max(0.0, reduce - 2 * kernels / 3) if p.overlap_grad_reduce else reduce) \

@@ -43,19 +43,20 @@ class MicroBatchTrace:
     memory_bytes: float = 0.0
     """Read and written by every other operator."""
     comm: tuple = ()
-    """``((collective, group size, bytes), ...)`` sent inside the micro-batch (TP/SP, CP, EP)."""
+    """``((collective, group name, group size, bytes), ...)`` sent inside the micro-batch (TP/SP, CP, EP; the
+    names of :func:`~dit_mcore.plan.op_costs.group_names`)."""
 
     def __add__(self, other: "MicroBatchTrace") -> "MicroBatchTrace":
-        comm = dict(((k, g), b) for k, g, b in self.comm)
-        for k, g, b in other.comm:
-            comm[k, g] = comm.get((k, g), 0.0) + b
+        comm = {(k, name, n): b for k, name, n, b in self.comm}
+        for k, name, n, b in other.comm:
+            comm[k, name, n] = comm.get((k, name, n), 0.0) + b
         return MicroBatchTrace(self.saved + other.saved, self.peak + other.peak, self.gemm_flops + other.gemm_flops,
                                self.attention_flops + other.attention_flops, self.memory_bytes + other.memory_bytes,
-                               tuple((k, g, b) for (k, g), b in sorted(comm.items())))
+                               tuple((*key, b) for key, b in sorted(comm.items())))
 
     def __mul__(self, x: float) -> "MicroBatchTrace":
         return MicroBatchTrace(self.saved * x, self.peak * x, self.gemm_flops * x, self.attention_flops * x,
-                               self.memory_bytes * x, tuple((k, g, b * x) for k, g, b in self.comm))
+                               self.memory_bytes * x, tuple((*key, b * x) for *key, b in self.comm))
 
 
 @dataclass(frozen=True)
@@ -170,17 +171,27 @@ def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True) -> Mic
         if forget:
             forget_cached_tables()
     return MicroBatchTrace(saved, live.peak, costs.gemm_flops, costs.attention_flops, costs.memory_bytes,
-                           tuple((k, g, b) for (k, g), b in sorted(costs.comm.items())))
+                           tuple((*key, b) for key, b in sorted(costs.comm.items())))
 
 
 def layer_profile(cfg, batch) -> LayerProfile:
     """The run ``cfg``'s cost per micro-batch like ``batch`` on this rank's pipeline stage, from traces
     one and two layers per stage deep."""
-    stages = cfg.parallel.pipeline_model_parallel_size
+    return layer_profiles([cfg], batch)[0]
+
+
+def layer_profiles(cfgs: list, batch) -> list[LayerProfile]:
+    """:func:`layer_profile` of each of ``cfgs``, runs that split a micro-batch alike (the same layout of
+    ranks; their recompute or chunking may differ): the tables the model caches are built once, by a
+    warm-up trace of the first."""
+    stages = cfgs[0].parallel.pipeline_model_parallel_size
+    out = []
     try:  # a step after the first: the model's cached tables (positions, plans) are built already
-        trace_microbatch(cfg, batch, num_layers=stages, forget=False)
-        one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False) for n in (1, 2))
+        trace_microbatch(cfgs[0], batch, num_layers=stages, forget=False)
+        for cfg in cfgs:
+            one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False) for n in (1, 2))
+            per_layer = two + one * -1
+            out.append(LayerProfile(one + per_layer * -1, per_layer))
     finally:
         forget_cached_tables()
-    per_layer = two + one * -1
-    return LayerProfile(one + per_layer * -1, per_layer)
+    return out

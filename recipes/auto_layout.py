@@ -1,0 +1,124 @@
+"""``parallel.layout=auto``: a run takes the layout planner's first choice (``python -m dit_mcore.plan``) for
+its own model, data and global batch on this job's GPUs, before anything is built.
+
+Every rank plans alone, before torch.distributed starts (the planner traces in a fake world of its own;
+it is deterministic, so every rank picks the same layout). The choice replaces the layout fields, the
+micro-batch size, recompute and chunking; the parallel fields a user set beside ``layout=auto`` are refused,
+the others are reported as replaced. Rank 0 logs the choice with its prediction and writes
+``<log.dir>/plan.json``, next to the measured ``metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+from dit_mcore.errors import ConfigError
+from dit_mcore.parallel.config import ParallelConfig
+
+_LOGGER = logging.getLogger("recipes")
+PLAN_FILE = "plan.json"
+
+
+def plan_gpu(parallel: ParallelConfig) -> str:
+    """The planner's table entry to plan for: ``parallel.layout_gpu``, or this job's CUDA device by name."""
+    from dit_mcore.plan.gpus import GPUS
+    if parallel.layout_gpu:
+        if parallel.layout_gpu not in GPUS:
+            raise ConfigError(f"parallel.layout_gpu={parallel.layout_gpu!r} is not in the planner's table; use one of "
+                              f"{sorted(GPUS)} (the nearest)")
+        return parallel.layout_gpu
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError(f"parallel.layout=auto plans for a GPU and this job has none: set parallel.layout_gpu to "
+                          f"one of {sorted(GPUS)} to plan as if on it, or remove parallel.layout")
+    name = torch.cuda.get_device_name()
+    for entry in GPUS:
+        if entry.split("-")[0] in name:
+            return entry
+    raise ConfigError(f"parallel.layout=auto: this job's device {name!r} is not in the planner's table; set "
+                      f"parallel.layout_gpu to the nearest of {sorted(GPUS)}")
+
+
+def sample_grid(cfg) -> tuple[int, int, int]:
+    """The token grid the planner traces for one sample of the run: a packed stream as one
+    ``data.max_seq_len``-token sequence (its rows x columns the nearest to square), a dense source's
+    frames x rows x columns."""
+    model = cfg.model.build(ParallelConfig())
+    if cfg.data.packs:
+        tokens = cfg.data.max_seq_len
+        rows = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
+        return 1, rows, tokens // rows
+    side = (cfg.data.image_size if not cfg.data.uses_energon else model.input_size) // model.patch_size
+    tokens = cfg.data.dense_tokens_per_sample(model.patch_size, model.patch_size_t) if not cfg.data.uses_energon \
+        else side * side
+    return tokens // (side * side), side, side
+
+
+def text_tokens(cfg) -> int:
+    """Text tokens per sample the planner assumes for a text model: the built-in captions' encoder's
+    length, else 256 (the planner's default)."""
+    if cfg.data.name == "moving_digits" and not cfg.data.uses_energon:
+        from energon_data.datasets import moving_digits_text_encoder
+        return moving_digits_text_encoder().max_length
+    return 256
+
+
+def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = None):
+    """``cfg`` (a ``RunConfig``) with its layout chosen by the planner when ``parallel.layout=auto`` (else
+    unchanged); ``world`` / ``gpus_per_node``: torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` by default."""
+    p = cfg.parallel
+    if p.layout is None and p.layout_gpu is None:
+        return cfg
+    if p.layout != "auto":
+        raise ConfigError(f"parallel.layout={p.layout!r} is unknown; use parallel.layout=auto or leave it unset"
+                          if p.layout else f"parallel.layout_gpu={p.layout_gpu!r} is read only with "
+                          "parallel.layout=auto; set that too or remove it")
+    from dit_mcore.plan.cli import batch_maker
+    from dit_mcore.plan.gpus import gpu
+    from dit_mcore.plan.search import Layout, Planner
+    from dit_mcore.training.data_fit import fit_model_to_data
+
+    world = world or int(os.environ.get("WORLD_SIZE", 1))
+    gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    chosen_by_planner = set(Layout().overrides()) | {"parallel.cp_comm_type", "parallel.hierarchical_context_parallel_sizes"}
+    defaults = ParallelConfig()
+    set_here = [f"parallel.{f.name}={getattr(p, f.name)!r}" for f in dataclasses.fields(p)
+                if f"parallel.{f.name}" in chosen_by_planner and getattr(p, f.name) != getattr(defaults, f.name)]
+    if set_here:
+        raise ConfigError(f"parallel.layout=auto chooses the layout, and {', '.join(set_here)} is set too: remove "
+                          "it, or remove parallel.layout=auto to keep your own layout")
+    device = gpu(plan_gpu(p))
+    planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
+    fit_model_to_data(planned)  # (the shape the trainer will give the model)
+    _LOGGER.info("parallel.layout=auto: planning %d x %s (%d per node) ...", world, device.name, gpus_per_node)
+    planner = Planner(planned, world, device, gpus_per_node, batch_maker(planned, sample_grid(planned),
+                                                                          text_tokens(planned)))
+    done, refused = planner.plan()
+    fitting = [e for e in done if e.fits]
+    if not fitting:
+        raise ConfigError(f"parallel.layout=auto: no layout of this run fits {world} x {device.name} "
+                          f"({len(done)} evaluated, {refused} refused by the layout check); run python -m "
+                          "dit_mcore.plan for the smallest cluster that fits, or shorten the sequences")
+    best = fitting[0]
+    overrides = best.layout.overrides()
+    replaced = {k: v for k, v in _current(cfg, overrides).items() if v != overrides[k] and not k.startswith("parallel.")}
+    out = best.layout.apply(cfg)
+    record = {"layout": best.layout.describe(world), "gpu": device.name, "world": world, "gpus_per_node": gpus_per_node,
+              "evaluated": len(done), "fit": len(fitting), "replaced": replaced, "prediction": best.record(world)}
+    _LOGGER.info("parallel.layout=auto chose %s of %d layouts that fit: predicted %.1f GiB per GPU, %.4g s per step, "
+                 "%.1f TFLOPS/GPU, %.4g tokens/s/GPU on %s%s", record["layout"], len(fitting),
+                 best.memory.total / 2**30, best.step.total, best.tflops_per_gpu, best.tokens_per_s_per_gpu,
+                 device.name, "; replaced " + ", ".join(f"{k}={v!r} by {overrides[k]!r}" for k, v in replaced.items()) if replaced else "")
+    if int(os.environ.get("RANK", 0)) == 0:
+        run_dir = Path(cfg.log.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / PLAN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return out
+
+
+def _current(cfg, overrides: dict) -> dict:
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in overrides}
