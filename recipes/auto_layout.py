@@ -23,39 +23,50 @@ _LOGGER = logging.getLogger("recipes")
 PLAN_FILE = "plan.json"
 
 
-def plan_gpu(parallel: ParallelConfig) -> str:
-    """The planner's table entry to plan for: ``parallel.layout_gpu``, or this job's CUDA device by name."""
-    from dit_mcore.plan.gpus import GPUS
+def plan_gpu(parallel: ParallelConfig):
+    """The planner's GPU: the table's ``parallel.layout_gpu``, or this job's CUDA device found by name in the
+    table, with the memory the device reports."""
+    from dit_mcore.plan.gpus import GPUS, gpu
     if parallel.layout_gpu:
         if parallel.layout_gpu not in GPUS:
             raise ConfigError(f"parallel.layout_gpu={parallel.layout_gpu!r} is not in the planner's table; use one of "
                               f"{sorted(GPUS)} (the nearest)")
-        return parallel.layout_gpu
+        return gpu(parallel.layout_gpu)
     import torch
     if not torch.cuda.is_available():
         raise ConfigError(f"parallel.layout=auto plans for a GPU and this job has none: set parallel.layout_gpu to "
                           f"one of {sorted(GPUS)} to plan as if on it, or remove parallel.layout")
-    name = torch.cuda.get_device_name()
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    name = torch.cuda.get_device_name(device)
     for entry in GPUS:
-        if entry.split("-")[0] in name:
-            return entry
+        if entry.split("-")[0] in name:  # (the table's rates and links; the memory this device has)
+            return gpu(entry, memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
     raise ConfigError(f"parallel.layout=auto: this job's device {name!r} is not in the planner's table; set "
                       f"parallel.layout_gpu to the nearest of {sorted(GPUS)}")
 
 
 def sample_grid(cfg) -> tuple[int, int, int]:
     """The token grid the planner traces for one sample of the run: a packed stream as one
-    ``data.max_seq_len``-token sequence (its rows x columns the nearest to square), a dense source's
-    frames x rows x columns."""
+    ``data.max_seq_len``-token sequence (its rows x columns the nearest to square); a built-in source's
+    frames x rows x columns; a prepared dataset's largest latent (from its ``prepare_state.json``)."""
     model = cfg.model.build(ParallelConfig())
     if cfg.data.packs:
         tokens = cfg.data.max_seq_len
         rows = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
         return 1, rows, tokens // rows
-    side = (cfg.data.image_size if not cfg.data.uses_energon else model.input_size) // model.patch_size
-    tokens = cfg.data.dense_tokens_per_sample(model.patch_size, model.patch_size_t) if not cfg.data.uses_energon \
-        else side * side
-    return tokens // (side * side), side, side
+    if not cfg.data.uses_energon:
+        side = cfg.data.image_size // model.patch_size
+        return cfg.data.dense_tokens_per_sample(model.patch_size, model.patch_size_t) // (side * side), side, side
+    from energon_data.prepare import prepare_record
+    record = prepare_record(cfg.data.path) if cfg.data.path and Path(cfg.data.path).is_dir() else None
+    shapes = [shape for shard in (record or {}).get("shards", [])
+              for shape in shard.get("latent_shapes", [shard.get("latent_shape")]) if shape]
+    if not shapes:
+        raise ConfigError("parallel.layout=auto needs a sample's shape, and data.path has no prepare record listing "
+                          "its latents (a metadataset, a blend, or data prepared elsewhere): pack the data "
+                          "(data.packing=true plans data.max_seq_len tokens) or set the layout yourself")
+    _, t, h, w = max(shapes, key=lambda s: s[1] * s[2] * s[3])
+    return max(1, t // (model.patch_size_t or 1)), h // model.patch_size, w // model.patch_size
 
 
 def text_tokens(cfg) -> int:
@@ -78,10 +89,11 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
                           if p.layout else f"parallel.layout_gpu={p.layout_gpu!r} is read only with "
                           "parallel.layout=auto; set that too or remove it")
     from dit_mcore.plan.cli import batch_maker
-    from dit_mcore.plan.gpus import gpu
     from dit_mcore.plan.search import Layout, Planner
     from dit_mcore.training.data_fit import fit_model_to_data
 
+    from dit_mcore.parallel.initialize import adopt_slurm_launch
+    adopt_slurm_launch()  # (tasks srun starts itself: torchrun's variables from Slurm's)
     world = world or int(os.environ.get("WORLD_SIZE", 1))
     gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     chosen_by_planner = set(Layout().overrides()) | {"parallel.cp_comm_type", "parallel.hierarchical_context_parallel_sizes"}
@@ -91,7 +103,7 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
     if set_here:
         raise ConfigError(f"parallel.layout=auto chooses the layout, and {', '.join(set_here)} is set too: remove "
                           "it, or remove parallel.layout=auto to keep your own layout")
-    device = gpu(plan_gpu(p))
+    device = plan_gpu(p)
     planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
     fit_model_to_data(planned)  # (the shape the trainer will give the model)
     _LOGGER.info("parallel.layout=auto: planning %d x %s (%d per node) ...", world, device.name, gpus_per_node)

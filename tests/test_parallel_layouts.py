@@ -32,6 +32,7 @@ RESHARDED = ("tp2_sp_cp2_a2a_packed", "tp2_sp_pp2_distopt_dense", "hsdp_2x2_dens
              "tp2_sp_mfsdp2_dense")  # resumed on one process
 EXPERT_RESHARDED = "ep2_tp2_sp_dense"  # resumed under EP4
 EXPERT_TO_ONE = "ep2_dense"  # resumed on one process (EP = 1)
+EXPERT_FSDP = "ep2_mfsdp2_dense"  # Megatron-FSDP x EP2 (DP4) resumed under Megatron-FSDP x EP2 x CP2
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
 
 
@@ -194,7 +195,7 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
     for name, data, parallel in cases:
         results[name] = _train(layout_run(f"{run_dir}/{name}", data, moe=name.startswith("ep"),
                                           family=family_of(name), **parallel),
-                               save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE, ENERGON_DP2[0]),
+                               save=name in RESHARDED or name in (EXPERT_RESHARDED, EXPERT_TO_ONE, EXPERT_FSDP, ENERGON_DP2[0]),
                                samples=(parallel.get("fsdp", "none") != "none" or parallel.get("distopt", False))
                                and family_of(name) == "dit")
         release_model_parallel_groups()  # (what the next case's Trainer does first)
@@ -283,6 +284,12 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         # ... and into Megatron-FSDP's (uneven) shards, HSDP over two replicas.
         resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="megatron", fsdp_shard_size=2))
         results["resumed_megatron_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
+        # Megatron-FSDP's expert and dense shards (EP2 x expert-DP2, dense over DP4) loaded under EP2 x CP2 (dense
+        # over DP2 x CP2). (Into megatron DDP they do not load yet: DDP chains the dense and expert optimizers,
+        # "chained_0/1.optimizer.*", where Megatron-FSDP keeps one, "optimizer.*".)
+        resumed = Trainer(layout_run(f"{run_dir}/{EXPERT_FSDP}", "dense", moe=True, expert_model_parallel_size=2,
+                                     context_parallel_size=2, fsdp="megatron"))
+        results["resumed_mfsdp_ep_cp2"] = {"step": resumed.step, "next": resumed.train_step()}
     return results
 
 
@@ -361,7 +368,9 @@ def _cases(world: int):
                     ("tp2_sp_mfsdp2", "dense", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                                 "fsdp": "megatron"}),
                     ("cp2_a2a_mfsdp2", "packed", {"context_parallel_size": 2, "cp_comm_type": "a2a",
-                                                  "fsdp": "megatron"})]}[world]
+                                                  "fsdp": "megatron"}),
+                    # experts sharded over the expert-data-parallel group (EP2 x 2), the rest over all four ranks
+                    ("ep2_mfsdp2", "dense", {"expert_model_parallel_size": 2, "fsdp": "megatron"})]}[world]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)] + \
         [(f"{name}_{data}", data, dict(parallel)) for name, data, parallel in megatron]
@@ -692,11 +701,12 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_pa
 @spawn(4)
 @pytest.mark.parametrize("key, data, moe", [("resumed_pp2_dp2", "dense", False), ("resumed_ep4", "dense", True),
                                             ("resumed_hsdp", "packed", False),
-                                            ("resumed_megatron_hsdp", "packed", False)])
+                                            ("resumed_megatron_hsdp", "packed", False),
+                                            ("resumed_mfsdp_ep_cp2", "dense", True)])
 def test_checkpoint_resumes_under_another_model_parallel_layout(world_results, tmp_path_factory, key, data, moe):
     """TP2+SP x PP2 -> PP2 x DP2 (each stage loads its own layers by global index),
     EP2 x TP2+SP -> EP4 (each rank loads its own experts) and TP2+SP x CP2 -> HSDP 2x2, FSDP2's
-    and Megatron-FSDP's (each rank keeps its shard of the whole tensors)."""
+    and Megatron-FSDP's (each rank keeps its shard of the whole tensors), Megatron-FSDP x EP2 -> x CP2."""
     per_rank, _ = world_results(4)
     ref = reference(tmp_path_factory, data, moe=moe)
     for result in per_rank:
@@ -755,7 +765,9 @@ def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data,
     ({"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2}, 4,
      "world size 4 is not divisible by expert_model_parallel_size x expert_tensor_parallel_size"),
     ({"expert_model_parallel_size": 2, "fsdp": "torch"}, 2, "experts differ per expert-parallel rank"),
-    ({"expert_model_parallel_size": 2, "fsdp": "megatron"}, 2, "experts differ per expert-parallel rank"),
+    ({"expert_model_parallel_size": 2, "fsdp": "megatron"}, 2, "with no rank sharing an expert"),
+    ({"pipeline_model_parallel_size": 2, "fsdp": "megatron"}, 4, "FSDP wrappers have no pipeline dimension"),
+    ({"pipeline_model_parallel_size": 2, "fsdp": "torch"}, 4, "FSDP wrappers have no pipeline dimension"),
 ])
 def test_bad_expert_layouts_fail_before_compute(parallel, world, match):
     cfg = layout_run("/tmp/unused", "dense", moe=True)

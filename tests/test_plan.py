@@ -149,6 +149,17 @@ def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, cap
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
 
 
+def test_the_search_offers_fsdp_with_experts_where_the_layout_check_takes_it():
+    """An MoE model on 4 GPUs: Megatron-FSDP with EP2 (experts over two expert-data-parallel ranks) is among
+    the accepted candidates; FSDP2 with EP, and EP with no rank sharing an expert under FSDP, are not."""
+    from dit_mcore.plan.search import accepted, candidate_layouts
+    base, _ = cli.run_config(cli.parse_args([*TINY, "--gpus", "4", "model.num_moe_experts=4", "model.moe_router_topk=2"]))
+    taken = [layout for layout in candidate_layouts(base, 4, 8) if accepted(base, layout, 4) is None]
+    assert any(layout.fsdp == "megatron" and layout.ep == 2 for layout in taken)
+    assert not any(layout.fsdp == "torch" and layout.ep > 1 for layout in taken)
+    assert not any(layout.fsdp != "none" and layout.ep * layout.tp * layout.pp == 4 and layout.ep > 1 for layout in taken)
+
+
 def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, caplog):
     """``parallel.layout=auto`` through the recipes' ``train``: the run trains on the layout the planner
     ranks first for it (its model, its data's samples, its global batch, this world), logs it with its
@@ -179,6 +190,25 @@ def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, ca
     assert metrics and metrics[-1]["step"] == 1
     chosen = choose_layout(resolve(pretrain_tiny, args), world=1)
     assert chosen.data.micro_batch_size == want.micro_batch and chosen.parallel.layout is None
+
+
+def test_layout_auto_plans_the_world_slurm_or_torchrun_launched(tmp_path, monkeypatch):
+    """A task ``srun`` started itself (no torchrun variables yet): the world comes from Slurm's, the layout chosen
+    fits 4 ranks, and only rank 0 writes ``plan.json``."""
+    from dit_mcore.recipes.auto_layout import PLAN_FILE, choose_layout
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # (so that monkeypatch restores what adopting Slurm's variables sets)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-02]")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    cfg = choose_layout(resolve(pretrain_tiny, ["parallel.layout=auto", "parallel.layout_gpu=H100-80GB",
+                                                f"log.dir={tmp_path}"]))
+    check_layout(cfg.parallel, cfg.model.build(cfg.parallel), cfg.data, 4,
+                 use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    assert cfg.parallel.data_parallel_size(4) * cfg.parallel.model_parallel_size() == 4
+    assert not (tmp_path / PLAN_FILE).exists()  # (rank 1)
 
 
 @pytest.mark.parametrize("args, message", [

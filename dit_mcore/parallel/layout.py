@@ -185,6 +185,12 @@ def _check_tp_comm_overlap(p: ParallelConfig, model, data) -> None:
                           "TE has no userbuffer for the text cross-attention's projections; set it to False")
 
 
+def _expert_replicas(p: ParallelConfig, world_size: int) -> int:
+    """Ranks holding the same experts (megatron's expert data parallel size)."""
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    return world_size // (etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
+
+
 def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: bool) -> None:
     if p.fsdp not in FSDP_KINDS:
         raise ConfigError(f"parallel.fsdp={p.fsdp!r} is unknown; use one of {FSDP_KINDS}")
@@ -195,11 +201,23 @@ def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: b
         return
     refusals = [
         (p.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size > 1",
-         "FSDP shards whole models over data-parallel ranks; use pipeline_model_parallel_size=1 or "
-         "parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
-        (p.expert_model_parallel_size > 1, "expert_model_parallel_size > 1",
-         "experts differ per expert-parallel rank and cannot share an FSDP group yet; use "
-         "parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
+         "megatron-core 0.16's FSDP wrappers have no pipeline dimension (Megatron-FSDP builds its device mesh as "
+         "data x expert x tensor parallel over the whole world; TorchFullyShardedDataParallel shards the whole model); "
+         "use pipeline_model_parallel_size=1 or parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
+        (p.expert_model_parallel_size > 1 and p.fsdp == "torch", "expert_model_parallel_size > 1",
+         "megatron's TorchFullyShardedDataParallel shards every parameter over one data-parallel mesh, and experts "
+         "differ per expert-parallel rank; use parallel.fsdp='megatron' (it shards experts over the "
+         "expert-data-parallel group) or parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
+        (p.expert_model_parallel_size > 1 and p.fsdp == "megatron" and _expert_replicas(p, world_size) == 1,
+         f"expert_model_parallel_size={p.expert_model_parallel_size} with no rank sharing an expert (expert data "
+         "parallel size 1)",
+         "Megatron-FSDP then leaves the experts' gradients unscaled (measured: the gradient norm off one process's); "
+         "use fewer expert-parallel ranks than data x context parallel ones, or parallel.fsdp='none' with "
+         "optim.use_distributed_optimizer=True"),
+        (p.expert_model_parallel_size > 1 and p.fsdp == "megatron" and p.fsdp_shard_size is not None,
+         f"expert_model_parallel_size={p.expert_model_parallel_size} and fsdp_shard_size={p.fsdp_shard_size} (HSDP)",
+         "Megatron-FSDP's HSDP with experts crashed a rank on CPU/gloo (megatron-core 0.16.1); shard over all data x "
+         "context parallel ranks (remove parallel.fsdp_shard_size)"),
         (use_distributed_optimizer, "optim.use_distributed_optimizer=True",
          "FSDP already shards the optimizer state; set optim.use_distributed_optimizer=False"),
         (p.overlap_grad_reduce or p.overlap_param_gather, "overlap_grad_reduce / overlap_param_gather",

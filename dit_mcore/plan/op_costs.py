@@ -26,14 +26,15 @@ _CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": 1, "_scaled_dot_pro
 
 def group_names() -> dict:
     """``{process group: name}`` for the groups of megatron's parallel state a rank's work can talk over
-    ("tp", "cp", "cp_inner" and "cp_outer" (a2a+p2p's levels), "tp_cp", "ep", "etp", "pp", "dp"); empty
+    ("tp", "cp", "cp_inner" and "cp_outer" (a2a+p2p's levels), "tp_cp", "ep", "etp", "tp_ep", "pp", "dp"); empty
     outside an initialised state."""
     from megatron.core import parallel_state as ps
     if not ps.is_initialized():
         return {}
     getters = [("tp", ps.get_tensor_model_parallel_group), ("cp", ps.get_context_parallel_group),
                ("tp_cp", ps.get_tensor_and_context_parallel_group), ("ep", ps.get_expert_model_parallel_group),
-               ("etp", ps.get_expert_tensor_parallel_group), ("pp", ps.get_pipeline_model_parallel_group),
+               ("etp", ps.get_expert_tensor_parallel_group), ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
+               ("pp", ps.get_pipeline_model_parallel_group),
                ("dp", ps.get_data_parallel_group)]
     names = {}
     for name, get in getters:

@@ -82,11 +82,14 @@ class Layout:
         """The layout whose :meth:`overrides` these are."""
         p = lambda name, default=None: overrides.get(f"parallel.{name}", default)  # noqa: E731
         model = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("model.")}
-        recompute = next(name for name, fields in RECOMPUTE.items() if all(model.get(k) == v for k, v in fields.items()))
-        return cls(tp=p("tensor_model_parallel_size"), cp=p("context_parallel_size"), cp_comm_type=p("cp_comm_type", "p2p"),
+        recompute = next(name for name, fields in RECOMPUTE.items()
+                         if all(model.get(k) == v for k, v in fields.items()))
+        return cls(tp=p("tensor_model_parallel_size"), cp=p("context_parallel_size"),
+                   cp_comm_type=p("cp_comm_type", "p2p"),
                    cp_a2a=(p("hierarchical_context_parallel_sizes") or [1])[0], pp=p("pipeline_model_parallel_size"),
                    vpp=p("virtual_pipeline_model_parallel_size") or 1, ep=p("expert_model_parallel_size"),
-                   fsdp=p("fsdp"), fsdp_shard=p("fsdp_shard_size") or 0, distopt=overrides["optim.use_distributed_optimizer"], recompute=recompute,
+                   fsdp=p("fsdp"), fsdp_shard=p("fsdp_shard_size") or 0,
+                   distopt=overrides["optim.use_distributed_optimizer"], recompute=recompute,
                    chunk_tokens=model.get("chunk_tokens") or 0, micro_batch=overrides["data.micro_batch_size"])
 
     def apply(self, cfg):
@@ -104,7 +107,8 @@ class Layout:
         parts += [f"CP{self.cp}({method})"] if self.cp > 1 else []
         parts += [f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")] if self.pp > 1 else []
         parts += [f"EP{self.ep}"] if self.ep > 1 else []
-        sharding = (f"/HSDP{self.fsdp_shard}" if self.fsdp_shard else "/FSDP") if self.fsdp != "none" else \
+        kind = "/MFSDP" if self.fsdp == "megatron" else "/FSDP"
+        sharding = (f"{kind}:HSDP{self.fsdp_shard}" if self.fsdp_shard else kind) if self.fsdp != "none" else \
             "/distopt" if self.distopt else ""
         parts += [f"DP{dp}" + sharding]
         parts += [f"mb{self.micro_batch}"] + ([f"recompute:{self.recompute}"] if self.recompute != "none" else [])
@@ -159,8 +163,9 @@ def _digits(x: float) -> float:
 def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> Iterator[Layout]:
     """Layouts of ``world`` ranks: TP up to a node (always with SP), CP up to 16 over ring, all-to-all or
     all-to-all groups inside a ring, up to 8 pipeline stages dividing the layers (one or two model chunks
-    per stage), experts, FSDP (HSDP over every group size) or the distributed optimizer, no, selective (core attention; and the MLP) or
-    full recompute, chunked MLPs where a micro-batch puts more than ``2 x CHUNK_TOKENS`` of its ``tokens``
+    per stage), experts, FSDP (HSDP over every group size; Megatron-FSDP for MoE models, the FSDP that shards
+    experts) or the distributed optimizer, no recompute, selective recompute of the MLP or full recompute,
+    chunked MLPs where a micro-batch puts more than ``2 x CHUNK_TOKENS`` of its ``tokens``
     per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share
     of the global batch."""
     mc = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
@@ -177,8 +182,8 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> I
         chunks = [0, CHUNK_TOKENS] if not mc.num_moe_experts and tokens // (cp * tp) > 2 * CHUNK_TOKENS else [0]
         virtual = [1, 2] if pp > 1 and mc.num_layers % (2 * pp) == 0 else [1]
         shards = [("none", False, 0), ("none", True, 0), ("torch", False, 0)] + \
-            [("torch", False, s) for s in powers if 1 < s < dp * cp and (dp * cp) % s == 0] if dp * cp > 1 \
-            else [("none", False, 0)]
+            [("torch", False, s) for s in powers if 1 < s < dp * cp and (dp * cp) % s == 0] + \
+            ([("megatron", False, 0)] if mc.num_moe_experts else []) if dp * cp > 1 else [("none", False, 0)]
         for ep, (method, a2a), vpp, (fsdp, distopt, shard), recompute, chunk, mb in itertools.product(
                 experts, methods, virtual, shards, SEARCHED_RECOMPUTE, chunks, micro):
             if chunk and recompute == "selective_mlp":
@@ -216,7 +221,7 @@ class Planner:
         p = cfg.parallel
         profile = self._profile(layout) * layout.micro_batch  # (traced in a world of its own, once per split)
         with traced_world(p, self.world):
-            model_key = (layout.tp, layout.pp, layout.ep)
+            model_key = (layout.tp, layout.pp, layout.vpp, layout.ep)
             if model_key not in self._models:
                 self._models[model_key] = RankModel.build(cfg)
             model = self._models[model_key]

@@ -57,7 +57,7 @@ def span(name: str, size: int, parallel, world: int) -> int:
         return 1
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     etp = parallel.expert_tensor_parallel_size or tp
-    return {"tp": tp, "etp": etp, "cp_inner": tp * size, "ep": etp * size, "pp": world,
+    return {"tp": tp, "etp": etp, "cp_inner": tp * size, "ep": etp * size, "tp_ep": size, "pp": world,
             "dp": world // parallel.pipeline_model_parallel_size}.get(name, tp * cp)
 
 
@@ -91,8 +91,8 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
                                       link(tp * shard, gpu, gpus_per_node)) for kind in ("all_gather", "reduce_scatter"))
         # HSDP: each shard's gradients all-reduced across the replicas once a step
         across = seconds("all_reduce", replicas // shard, grad_bytes / shard, dp_gbs)
-        comm = microbatches * (2 * gather + reduce) + across
-        dp_exposed = max(0.0, comm - microbatches * kernels)
+        # (the gathers and scatters hide behind the micro-batches' kernels; the all-reduce follows the last backward)
+        dp_exposed = max(0.0, microbatches * (2 * gather + reduce) - microbatches * kernels) + across
     else:  # overlapped with the last micro-batch's backward (~2/3 of it) and the next forward (~1/3)
         dp_exposed = (max(0.0, reduce - 2 * kernels / 3) if p.overlap_grad_reduce else reduce) \
             + (max(0.0, gather - kernels / 3) if p.overlap_param_gather else gather)
