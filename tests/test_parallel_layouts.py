@@ -370,6 +370,7 @@ def _cases(world: int):
                     ("cp2_a2a_mfsdp2", "packed", {"context_parallel_size": 2, "cp_comm_type": "a2a",
                                                   "fsdp": "megatron"}),
                     # experts sharded over the expert-data-parallel group (EP2 x 2), the rest over all four ranks
+                    # (last: it leaves gloo groups behind, KNOWN_THREAD_LEAKS)
                     ("ep2_mfsdp2", "dense", {"expert_model_parallel_size": 2, "fsdp": "megatron"})]}[world]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)] + \
@@ -505,6 +506,12 @@ THREADS_BOUND = 6
 a few per process group: a leak grows by dozens per case)."""
 
 
+# megatron-core 0.16.1's Megatron-FSDP with experts builds an expert device mesh whose 16 gloo groups (3 threads
+# each) outlive the release of every group we hold (no Python object references them); the case runs last in its
+# spawn, and docs/parallelism.md names the leak. Bounded here, so that it cannot grow unnoticed.
+KNOWN_THREAD_LEAKS = {"ep2_mfsdp2_dense": 16 * 3}
+
+
 @pytest.mark.parametrize("world, kind", [pytest.param(w, k, marks=spawn(w, k)) for w in (2, 4) for k in ("dit", "text")])
 def test_a_rank_holds_no_more_threads_after_many_layouts_than_after_one(world_results, text_results, world, kind):
     """Every case builds megatron's groups (and FSDP's, CP's, the optimizer's) and the next one destroys
@@ -515,7 +522,7 @@ def test_a_rank_holds_no_more_threads_after_many_layouts_than_after_one(world_re
     for rank, result in enumerate(per_rank):
         counts = result["threads"]
         first = counts[0][1]
-        grown = [f"{name}: {n}" for name, n in counts if n > first + THREADS_BOUND]
+        grown = [f"{name}: {n}" for name, n in counts if n > first + THREADS_BOUND + KNOWN_THREAD_LEAKS.get(name, 0)]
         assert not grown, f"world {world} {kind} rank {rank}: {first} threads after {counts[0][0]}, then {grown}"
 
 
@@ -767,6 +774,7 @@ def test_bad_layouts_fail_before_compute_naming_the_field(parallel, world, data,
     ({"expert_model_parallel_size": 2, "fsdp": "torch"}, 2, "experts differ per expert-parallel rank"),
     ({"expert_model_parallel_size": 2, "fsdp": "megatron"}, 2, "with no rank sharing an expert"),
     ({"pipeline_model_parallel_size": 2, "fsdp": "megatron"}, 4, "FSDP wrappers have no pipeline dimension"),
+    ({"expert_model_parallel_size": 2, "fsdp": "megatron", "fsdp_shard_size": 2}, 4, "HSDP with experts crashed"),
     ({"pipeline_model_parallel_size": 2, "fsdp": "torch"}, 4, "FSDP wrappers have no pipeline dimension"),
 ])
 def test_bad_expert_layouts_fail_before_compute(parallel, world, match):

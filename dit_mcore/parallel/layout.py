@@ -30,7 +30,7 @@ def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
                           "(without it megatron reduces one bucket) and >= 1 parameters per bucket; or None "
                           "for megatron's choice")
     p.data_parallel_size(world_size)
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    tp = p.tensor_model_parallel_size
     if p.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=True needs parallel.tensor_model_parallel_size > 1 "
                           "(it shards the activations TP leaves replicated); set it to False or raise TP")
