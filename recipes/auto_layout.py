@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.parallel.layout import check_layout_request
 
 _LOGGER = logging.getLogger("recipes")
 PLAN_FILE = "plan.json"
@@ -58,9 +59,9 @@ def sample_grid(cfg) -> tuple[int, int, int]:
         side = cfg.data.image_size // model.patch_size
         return cfg.data.dense_tokens_per_sample(model.patch_size, model.patch_size_t) // (side * side), side, side
     from energon_data.prepare import prepare_record
+    from dit_mcore.training.data_fit import latent_shapes
     record = prepare_record(cfg.data.path) if cfg.data.path and Path(cfg.data.path).is_dir() else None
-    shapes = [shape for shard in (record or {}).get("shards", [])
-              for shape in shard.get("latent_shapes", [shard.get("latent_shape")]) if shape]
+    shapes = latent_shapes(record) if record and record.get("shards") else set()
     if not shapes:
         raise ConfigError("parallel.layout=auto needs a sample's shape, and data.path has no prepare record listing "
                           "its latents (a metadataset, a blend, or data prepared elsewhere): pack the data "
@@ -82,12 +83,9 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
     """``cfg`` (a ``RunConfig``) with its layout chosen by the planner when ``parallel.layout=auto`` (else
     unchanged); ``world`` / ``gpus_per_node``: torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` by default."""
     p = cfg.parallel
-    if p.layout is None and p.layout_gpu is None:
+    check_layout_request(p)
+    if p.layout is None:
         return cfg
-    if p.layout != "auto":
-        raise ConfigError(f"parallel.layout={p.layout!r} is unknown; use parallel.layout=auto or leave it unset"
-                          if p.layout else f"parallel.layout_gpu={p.layout_gpu!r} is read only with "
-                          "parallel.layout=auto; set that too or remove it")
     from dit_mcore.plan.cli import batch_maker
     from dit_mcore.plan.search import Layout, Planner
     from dit_mcore.training.data_fit import fit_model_to_data

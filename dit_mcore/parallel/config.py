@@ -85,6 +85,15 @@ class ParallelConfig:
             return 1
         return self.data_parallel_size(world_size) * self.context_parallel_size // self.fsdp_shard_size
 
+    def expert_tensor_size(self) -> int:
+        """The tensor-parallel degree inside each expert (``expert_tensor_parallel_size``, else TP's)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Ranks holding the same experts (megatron's expert data parallel size)."""
+        return world_size // (self.expert_tensor_size() * self.expert_model_parallel_size
+                              * self.pipeline_model_parallel_size)
+
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.model_parallel_size()
         if world_size % mp:

@@ -9,19 +9,26 @@ from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import CP_COMM_TYPES, FSDP_KINDS, ParallelConfig
 
 
+def check_layout_request(p: ParallelConfig) -> None:
+    """``parallel.layout`` is None or "auto", and ``parallel.layout_gpu`` comes only with "auto"."""
+    if p.layout not in (None, "auto"):
+        raise ConfigError(f"parallel.layout={p.layout!r} is unknown; use parallel.layout=auto or leave it unset")
+    if p.layout_gpu is not None and p.layout is None:
+        raise ConfigError(f"parallel.layout_gpu={p.layout_gpu!r} is read only with parallel.layout=auto; set that "
+                          "too or remove it")
+
+
 def check_layout(parallel: ParallelConfig, model, data, world_size: int, *,
                  use_distributed_optimizer: bool = False) -> None:
     """Check ``parallel`` for ``world_size`` processes, the model config ``model`` (a ``DiTConfig``
     with the run's sizes; its parallel fields are ignored), ``data`` (a ``DataConfig``) and whether
     the optimizer is megatron's distributed one."""
     p = parallel
-    if p.layout is not None or p.layout_gpu is not None:
-        raise ConfigError(
-            "parallel.layout=auto is chosen before training, by the recipes' train() (recipes/pretrain_xl.py); a "
-            "direct pretrain() call takes a concrete layout: resolve it first with "
-            "dit_mcore.recipes.auto_layout.choose_layout(cfg)" if p.layout == "auto" else
-            f"parallel.layout={p.layout!r} is unknown; use parallel.layout=auto or leave it unset" if p.layout else
-            f"parallel.layout_gpu={p.layout_gpu!r} is read only with parallel.layout=auto; set that too or remove it")
+    check_layout_request(p)
+    if p.layout == "auto":
+        raise ConfigError("parallel.layout=auto is chosen before training, by the recipes' train() "
+                          "(recipes/pretrain_xl.py); a direct pretrain() call takes a concrete layout: resolve it "
+                          "first with dit_mcore.recipes.auto_layout.choose_layout(cfg)")
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
@@ -133,7 +140,7 @@ def _check_pipeline(p: ParallelConfig, num_layers: int, data, world_size: int) -
 
 
 def _check_experts(p: ParallelConfig, experts, world_size: int) -> None:
-    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_size()
     if ep < 1 or etp < 1:
         raise ConfigError(f"parallel.expert_model_parallel_size ({ep}) and expert_tensor_parallel_size ({etp}) "
                           "must be >= 1")
@@ -185,12 +192,6 @@ def _check_tp_comm_overlap(p: ParallelConfig, model, data) -> None:
                           "TE has no userbuffer for the text cross-attention's projections; set it to False")
 
 
-def _expert_replicas(p: ParallelConfig, world_size: int) -> int:
-    """Ranks holding the same experts (megatron's expert data parallel size)."""
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-    return world_size // (etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
-
-
 def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: bool) -> None:
     if p.fsdp not in FSDP_KINDS:
         raise ConfigError(f"parallel.fsdp={p.fsdp!r} is unknown; use one of {FSDP_KINDS}")
@@ -208,7 +209,7 @@ def _check_fsdp(p: ParallelConfig, world_size: int, use_distributed_optimizer: b
          "megatron's TorchFullyShardedDataParallel shards every parameter over one data-parallel mesh, and experts "
          "differ per expert-parallel rank; use parallel.fsdp='megatron' (it shards experts over the "
          "expert-data-parallel group) or parallel.fsdp='none' with optim.use_distributed_optimizer=True"),
-        (p.expert_model_parallel_size > 1 and p.fsdp == "megatron" and _expert_replicas(p, world_size) == 1,
+        (p.expert_model_parallel_size > 1 and p.fsdp == "megatron" and p.expert_data_parallel_size(world_size) == 1,
          f"expert_model_parallel_size={p.expert_model_parallel_size} with no rank sharing an expert (expert data "
          "parallel size 1)",
          "Megatron-FSDP then leaves the experts' gradients unscaled (measured: the gradient norm off one process's); "

@@ -56,7 +56,7 @@ def span(name: str, size: int, parallel, world: int) -> int:
     if size <= 1:
         return 1
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    etp = parallel.expert_tensor_parallel_size or tp
+    etp = parallel.expert_tensor_size()
     return {"tp": tp, "etp": etp, "cp_inner": tp * size, "ep": etp * size, "tp_ep": size, "pp": world,
             "dp": world // parallel.pipeline_model_parallel_size}.get(name, tp * cp)
 

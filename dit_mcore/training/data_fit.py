@@ -39,8 +39,7 @@ def data_shape(data) -> Optional[DataShape]:
         record = prepare_record(data.path) if Path(data.path).is_dir() else None
         if not record or not record.get("shards"):
             return None  # a metadataset yaml, or a dataset prepared elsewhere
-        shapes = {tuple(shape) for shard in record["shards"]
-                  for shape in shard.get("latent_shapes", [shard["latent_shape"]])}
+        shapes = latent_shapes(record)
         sides = {(h, w) for _, _, h, w in shapes}
         (height, width), = sides if len(sides) == 1 else [(None, None)]
         labels = record.get("labels", ...)  # (absent: prepared before labels were recorded)
@@ -53,6 +52,12 @@ def data_shape(data) -> Optional[DataShape]:
     from energon_data.datasets import moving_digits_text_encoder
     return DataShape(f"data.name={data.name}", in_channels=1, input_size=data.image_size, num_classes=10,
                      text_dim=moving_digits_text_encoder().dim if data.name == "moving_digits" else None)
+
+
+def latent_shapes(record: dict) -> set[tuple]:
+    """The latent shapes (channels, frames, rows, columns) a prepared dataset's record (``prepare_record``)
+    lists over its shards."""
+    return {tuple(shape) for shard in record["shards"] for shape in shard.get("latent_shapes", [shard["latent_shape"]])}
 
 
 def _preset_classes(model) -> Optional[int]:
