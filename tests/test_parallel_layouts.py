@@ -34,6 +34,7 @@ EXPERT_RESHARDED = "ep2_tp2_sp_dense"  # resumed under EP4
 EXPERT_TO_ONE = "ep2_dense"  # resumed on one process (EP = 1)
 EXPERT_FSDP = "ep2_mfsdp2_dense"  # Megatron-FSDP x EP2 (DP4) resumed under Megatron-FSDP x EP2 x CP2
 PACKED_SHAPES = [[1, 8, 8], [2, 8, 8], [1, 4, 4], [3, 4, 4]]
+LORA = {"adaln_lora_rank": 4}  # the ``lora_*`` cases' model: AdaLN-LoRA, its shared modulation on every stage
 
 
 TEXT_FAMILIES = {"xattn": "dit_xattn", "llama": "llama", "stdit": "stdit"}  # case-name prefix -> family
@@ -75,7 +76,8 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           aten_linears=parallel.pop("aten_linears", None),
                           fuse_wgrad_accumulation=parallel.pop("fuse_wgrad_accumulation", None),
                           st_attention=parallel.pop("st_attention", None), compile=compile,
-                          chunk_tokens=parallel.pop("chunk_tokens", None)),
+                          chunk_tokens=parallel.pop("chunk_tokens", None),
+                          adaln_lora_rank=parallel.pop("adaln_lora_rank", None)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
                           adam_impl=parallel.pop("adam_impl", "fused")),
@@ -314,15 +316,16 @@ def _bf16_grads(cfg: RunConfig, split_mains: bool = False) -> RunConfig:
 _REFERENCES = {}
 
 
-def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit") -> dict:
+def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit", lora: bool = False) -> dict:
     """The one-process run of the same model and data (MoE layouts compare with the same MoE, text
-    layouts with the same family)."""
-    if (data, moe, family) not in _REFERENCES:
-        kind = "moe" if moe else family
+    layouts with the same family, ``lora_*`` cases with the same AdaLN-LoRA model)."""
+    if (data, moe, family, lora) not in _REFERENCES:
+        kind = "moe" if moe else family + ("_lora" if lora else "")
         run_dir = tmp_path_factory.mktemp(f"single_{data.split(':')[0]}_{kind}")
-        _REFERENCES[data, moe, family] = _train(layout_run(run_dir, data, moe=moe, family=family), steps=STEPS + 1,
-                                                samples=family == "dit")
-    return _REFERENCES[data, moe, family]
+        _REFERENCES[data, moe, family, lora] = _train(
+            layout_run(run_dir, data, moe=moe, family=family, **(LORA if lora else {})), steps=STEPS + 1,
+            samples=family == "dit")
+    return _REFERENCES[data, moe, family, lora]
 
 
 def _cases(world: int):
@@ -372,9 +375,14 @@ def _cases(world: int):
                     # experts sharded over the expert-data-parallel group (EP2 x 2), the rest over all four ranks
                     # (last: it leaves gloo groups behind, KNOWN_THREAD_LEAKS)
                     ("ep2_mfsdp2", "dense", {"expert_model_parallel_size": 2, "fsdp": "megatron"})]}[world]
+    # AdaLN-LoRA: the shared modulation's gradients summed over the stages (PP) and over the sequence shards
+    # (SP), like the conditioning embedders'
+    lora = {2: [("lora_pp2", "packed", {"pipeline_model_parallel_size": 2, **LORA}),
+                ("lora_tp2_sp", "dense", {"tensor_model_parallel_size": 2, "sequence_parallel": True, **LORA})],
+            4: []}[world]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)] + \
-        [(f"{name}_{data}", data, dict(parallel)) for name, data, parallel in megatron]
+        [(f"{name}_{data}", data, dict(parallel)) for name, data, parallel in megatron + lora]
 
 
 def _text_cases(world: int):
@@ -479,7 +487,7 @@ def spawn(world: int, kind: str = "dit"):
 def test_layout_equals_one_process(world_results, text_results, tmp_path_factory, world, name, data):
     family = family_of(name)
     per_rank, _ = (world_results if family == "dit" else text_results)(world)
-    ref = reference(tmp_path_factory, data, moe=name.startswith("ep"), family=family)
+    ref = reference(tmp_path_factory, data, moe=name.startswith("ep"), family=family, lora=name.startswith("lora_"))
     for rank, result in enumerate(per_rank):
         got = result[name]
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][:STEPS]), rtol=1e-5,

@@ -87,6 +87,8 @@ def _mark_varying_sizes(cond: Conditioning, context: Optional[torch.Tensor]) -> 
     checkpoint passes copies of the inputs, which do not carry the marks (the layers recompile as before)."""
     if cond.token_to_sample is not None:
         torch._dynamo.maybe_mark_dynamic(cond.emb, 0)
+        if cond.shared is not None:
+            torch._dynamo.maybe_mark_dynamic(cond.shared, 0)
     if context is not None:
         torch._dynamo.maybe_mark_dynamic(context, 0)
 
@@ -163,8 +165,8 @@ class LayerStack(nn.ModuleList):
             # Tensors that may need gradients (conditioning, cross-attention memory, rotary tables) are
             # explicit arguments: the reentrant checkpoint returns their gradients instead of
             # backpropagating into their producers from inside the recomputation.
-            def fn(h, emb, context, rotary_pos_emb):
-                c = Conditioning(emb, cond.token_to_sample)
+            def fn(h, emb, shared, context, rotary_pos_emb):
+                c = Conditioning(emb, cond.token_to_sample, shared)
                 for layer in list(self)[start:end]:
                     with te_fp8.layer_context(self.config, layer):
                         h = layer(h, c, context=context, context_params=context_params,
@@ -172,7 +174,7 @@ class LayerStack(nn.ModuleList):
                 return h
             return fn
 
-        args = (cond.emb, kwargs["context"], kwargs["rotary_pos_emb"])
+        args = (cond.emb, cond.shared, kwargs["context"], kwargs["rotary_pos_emb"])
         for start, end, recompute in self._chunks():
             if recompute:
                 hidden = te_fp8.checkpoint(self.config, run(start, end), hidden, *args)

@@ -26,12 +26,15 @@ class Conditioning:
 
     emb: torch.Tensor
     token_to_sample: Optional[torch.Tensor] = None
+    shared: Optional[torch.Tensor] = None
+    """AdaLN-LoRA (``model.adaln_lora_rank``): the per-sample modulation ``[n, 3 * hidden]`` every
+    sub-block adds to its own (shift, scale, gate); None otherwise."""
 
     def narrow(self, start: int, length: int) -> "Conditioning":
         """The conditioning of tokens ``start .. start + length`` of the stream (dim 0 of ``[s, b, h]``)."""
         if self.token_to_sample is None:
             return self
-        return Conditioning(self.emb, self.token_to_sample.narrow(0, start, length))
+        return Conditioning(self.emb, self.token_to_sample.narrow(0, start, length), self.shared)
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``x * (1 + scale) + shift`` with per-sample ``shift``/``scale [n, h]``."""
@@ -100,18 +103,30 @@ class AdaLNModulation(nn.Module):
     """``SiLU -> Linear(hidden, chunks*hidden)`` on the per-sample conditioning, zero-initialised so
     every layer starts as the identity (the "Zero" in adaLN-Zero). Replicated across tensor-parallel
     ranks: its input, the conditioning vector, is the same on all of them. Returns ``chunks``
-    per-sample tensors ``[n, hidden]``; :class:`Conditioning` applies them to tokens."""
+    per-sample tensors ``[n, hidden]``; :class:`Conditioning` applies them to tokens.
 
-    def __init__(self, hidden_size: int, chunks: int):
+    ``lora_rank`` > 0 (AdaLN-LoRA): ``SiLU -> Linear(hidden, rank, no bias) -> Linear(rank, chunks*hidden)``,
+    the second zero-initialised, plus the conditioning's shared modulation repeated over the chunks'
+    sub-blocks (a final layer's two chunks take its first two)."""
+
+    def __init__(self, hidden_size: int, chunks: int, lora_rank: int = 0):
         super().__init__()
         self.chunks = chunks
+        self.down = MainGradLinear(hidden_size, lora_rank, bias=False) if lora_rank else None
         # Its weight gradient may go into megatron DDP's main_grad inside the GEMM
         # (model.fuse_wgrad_accumulation): a sixth to a third of a DiT's parameters (MovieGen-3B: 28%),
         # whose gradient GEMM has the batch's sample count as K (memory-bound) and otherwise writes a
         # bf16 gradient for DDP's hook to add (12 bytes per parameter against 8).
-        self.linear = MainGradLinear(hidden_size, chunks * hidden_size)
+        self.linear = MainGradLinear(lora_rank or hidden_size, chunks * hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, cond: Conditioning) -> list[torch.Tensor]:
-        return list(self.linear(nn.functional.silu(cond.emb)).chunk(self.chunks, dim=-1))
+        x = nn.functional.silu(cond.emb)
+        if self.down is not None:
+            x = self.down(x)
+        out = self.linear(x)
+        if cond.shared is not None:
+            width = out.shape[-1]
+            out = out + cond.shared.repeat(1, -(-width // cond.shared.shape[-1]))[:, :width]
+        return list(out.chunk(self.chunks, dim=-1))

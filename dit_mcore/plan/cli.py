@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--preset", default="DiT-XL/2", help="a preset of the family")
     ap.add_argument("--seq", type=int, required=True, help="tokens per sample (a packed sequence's length)")
     ap.add_argument("--frames", type=int, default=1, help="latent frames per sample (the token grid's t)")
+    ap.add_argument("--frame-width", type=int, help="tokens across a frame (default: a square frame); the height is "
+                    "the frame's tokens over it")
     ap.add_argument("--text-len", type=int, default=256, help="text tokens per sample (text families)")
     ap.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     ap.add_argument("--gpus", type=int, required=True)
@@ -77,11 +79,14 @@ def run_config(args):
     if args.seq < 1 or args.seq % args.frames:
         raise ConfigError(f"--seq {args.seq} must be a positive multiple of --frames {args.frames}")
     built = model.build(ParallelConfig())
-    side = math.isqrt(args.seq // args.frames)
-    if side * side != args.seq // args.frames:
-        raise ConfigError(f"--seq {args.seq} / --frames {args.frames} = {args.seq // args.frames} tokens per frame "
-                          "is not a square grid; give a square number of tokens per frame")
-    model.input_size = side * built.patch_size  # (the families compute positions from the grid: no length limit)
+    per_frame = args.seq // args.frames
+    width = args.frame_width or math.isqrt(per_frame)
+    if width < 1 or per_frame % width or (not args.frame_width and width * width != per_frame):
+        raise ConfigError(f"--seq {args.seq} / --frames {args.frames} = {per_frame} tokens per frame "
+                          + (f"do not split into rows of --frame-width {args.frame_width}" if args.frame_width else
+                             "is not a square grid; give a square number of tokens per frame or --frame-width"))
+    frame = (per_frame // width, width)
+    model.input_size = max(frame) * built.patch_size  # (the families compute positions from the grid: no length limit)
     return RunConfig(model=model,
                      data=DataConfig(name="mock", image_size=model.input_size, global_batch_size=args.global_batch,
                                      micro_batch_size=1),
@@ -89,7 +94,7 @@ def run_config(args):
                      trainer=TrainerConfig(bf16=True),  # (the rates are bf16 runs')
                      log=LogConfig(dir=str(Path(tempfile.gettempdir()) / "dit_plan"), tensorboard=False,
                                    progress_bar=False),  # (never written: nothing trains)
-                     parallel=ParallelConfig()), side
+                     parallel=ParallelConfig()), frame
 
 
 def batch_maker(cfg, grid: tuple, text_len: int):
@@ -119,8 +124,7 @@ HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'step s':>8} {'compute':>7} {
           f"{'TFLOPS':>7} {'MFU':>6} {'tok/s/GPU':>9}")
 
 
-def explain(planner: Planner, layout: Layout, world: int) -> str:
-    e = planner.evaluate(layout)
+def explain(planner: Planner, e, world: int) -> str:
     m, s = e.memory, e.step
     lines = [HEADER, _row(e, world), "", "memory per GPU (GiB): " + ", ".join(f"{k} {v}" for k, v in m.parts_gib().items()),
              f"  {m.stage_layers} layers on the first stage, {m.microbatches_in_flight} micro-batch(es) in flight; "
@@ -129,26 +133,37 @@ def explain(planner: Planner, layout: Layout, world: int) -> str:
                 f"short by {m.total / GiB - planner.gpu.memory_gib:.1f} GiB"),
              f"step (s): compute {s.compute:.4f}, exposed communication {s.exposed_comm:.4f}, bubble {s.bubble:.4f}, "
              f"optimizer and EMA {s.optimizer:.4f}",
+             f"  compute: matrix products {s.gemm:.4f}, attention {s.attention:.4f}, other operators {s.memory_bound:.4f}",
              f"  rates from {planner.gpu.rates.source}"]
     return "\n".join(lines)
+
+
+def planner_of(args) -> Planner:
+    """The planner of the parsed command line ``args`` (:func:`parse_args`)."""
+    device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
+                       nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib)
+    cfg, frame = run_config(args)
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise ConfigError("--gpus and --gpus-per-node must be >= 1")
+    return Planner(cfg, args.gpus, device, args.gpus_per_node, batch_maker(cfg, (args.frames, *frame), args.text_len))
+
+
+def explained(planner: Planner, text: str):
+    """``--explain``'s layout evaluated (refused in one line if the layout check refuses it)."""
+    layout = Layout.parse(text)
+    problem = accepted(planner.cfg, layout, planner.world)
+    if problem:
+        raise ConfigError(f"--explain {text!r}: the layout check refuses it: {problem}")
+    return planner.evaluate(layout)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
-                           nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib)
-        cfg, side = run_config(args)
-        if args.gpus < 1 or args.gpus_per_node < 1:
-            raise ConfigError("--gpus and --gpus-per-node must be >= 1")
-        planner = Planner(cfg, args.gpus, device, args.gpus_per_node,
-                          batch_maker(cfg, (args.frames, side, side), args.text_len))
+        planner = planner_of(args)
+        device = planner.gpu
         if args.explain:
-            layout = Layout.parse(args.explain)
-            problem = accepted(cfg, layout, args.gpus)
-            if problem:
-                raise ConfigError(f"--explain {args.explain!r}: the layout check refuses it: {problem}")
-            print(explain(planner, layout, args.gpus))
+            print(explain(planner, explained(planner, args.explain), args.gpus))
             return 0
         done, refused = planner.plan()
     except ConfigError as e:

@@ -84,11 +84,12 @@ def predict_memory(cfg, world_size: int, batches, *, workspace: float = 0.0, on_
     """Rank 0's memory at the peak of a training step of ``cfg`` on ``world_size`` ranks whose
     micro-batches are ``batches`` (one or several of this data-parallel rank's, before the layout splits
     their tokens: the peak is the worst one's).
-    ``on_gpu``: the optimizer the trainer picks on a GPU (``optim.adam_impl=auto``: the flat AdamW)."""
+    ``on_gpu``: the optimizer the trainer picks on a GPU (``optim.adam_impl=auto``: the flat AdamW) and the
+    GPU's fused kernels in the trace (:func:`~dit_mcore.plan.device_kernels.gpu_kernels`)."""
     cfg = gpu_optimizer(cfg) if on_gpu else cfg
     with traced_world(cfg.parallel, world_size):
         shapes = {_shape(b): b for b in (batches if isinstance(batches, (list, tuple)) else [batches])}
-        profiles = [layer_profile(cfg, b) for b in shapes.values()]
+        profiles = [layer_profile(cfg, b, on_gpu=on_gpu) for b in shapes.values()]
         model = RankModel.build(cfg)
         return rank_memory(cfg, profiles, model, workspace)
 

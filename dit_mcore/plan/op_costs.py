@@ -54,8 +54,8 @@ def _nbytes(values) -> int:
 
 
 class OpCosts(TorchDispatchMode):
-    """``with OpCosts() as c: work()``; then ``c.gemm_flops``, ``c.attention_flops`` (forward ``4 s_q s_k d``
-    per head, backward twice that), ``c.memory_bytes`` (read + written by the other operators; views cost
+    """``with OpCosts() as c: work()``; then ``c.gemm_flops``, ``c.attention`` (``{s_k: FLOPs}`` by the length
+    of the keys each query attends to, forward ``4 s_q s_k d`` per head, backward twice that), ``c.memory_bytes`` (read + written by the other operators; views cost
     nothing) and ``c.comm``
     (``{(collective, group name, group size): bytes}``: the whole gathered or reduced buffer, an all-to-all's
     local part, what a rank sends; the group's name from :func:`group_names`, "other" for a group of its own)."""
@@ -63,7 +63,7 @@ class OpCosts(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.gemm_flops = 0.0
-        self.attention_flops = 0.0
+        self.attention: dict = collections.defaultdict(float)
         self.memory_bytes = 0.0
         self.comm: dict = collections.defaultdict(float)
         self._names = group_names()
@@ -81,18 +81,26 @@ class OpCosts(TorchDispatchMode):
                 self.comm[kind, name, group.size() if group is not None else 0] += _nbytes(args[index])
         elif packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-            attention = "attention" in name
-            if attention:
-                self.attention_flops += flops
+            if "attention" in name:
+                self.attention[_keys_length(name, args)] += flops
             else:
                 self.gemm_flops += flops
         elif name in _CPU_FLASH:
             q, k = (args[0], args[1]) if name.endswith("cpu") else (args[1], args[2])
             b, h, s_q, d = q.shape
-            self.attention_flops += _CPU_FLASH[name] * 4 * b * h * s_q * k.shape[2] * d
+            self.attention[int(k.shape[2])] += _CPU_FLASH[name] * 4 * b * h * s_q * k.shape[2] * d
         elif _moves_data(func, args, out):  # (an in-place operator reads and writes its input: counted twice)
             self.memory_bytes += _nbytes((args, kwargs)) + _nbytes(out)
         return out
+
+
+def _keys_length(name: str, args) -> int:
+    """How many keys each query of an attention operator in torch's FLOP registry attends to: SDPA's
+    operators take q, k, v as ``[b, h, s, d]`` (a backward's after the output's gradient); the others
+    (``[b, s, h, d]`` or varlen ``[t, h, d]``) are counted as length 0, priced at the shortest length's rate."""
+    if not name.startswith("_scaled_dot_product"):
+        return 0
+    return int(args[2 if name.endswith("backward") else 1].shape[-2])
 
 
 def _moves_data(func, args, out) -> bool:

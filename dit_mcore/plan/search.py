@@ -257,7 +257,7 @@ class Planner:
                                    if v != layout and self._key(v) in self._wanted and self._key(v) not in self._profiles]
             runs = [dataclasses.replace(v, pp=1, vpp=1, micro_batch=1).apply(self.cfg) for v in variants]
             with traced_world(runs[0].parallel, self.world):
-                for v, profile in zip(variants, layer_profiles(runs, self.batch(1))):
+                for v, profile in zip(variants, layer_profiles(runs, self.batch(1), on_gpu=True)):
                     self._profiles[self._key(v)] = profile
         return self._profiles[self._key(layout)]
 

@@ -4,8 +4,9 @@ stage's micro-batches (matrix products, attention and the other kernels' traffic
 network by where megatron's rank order puts each group), the data-parallel reductions and gathers
 (overlapped as far as the run's settings overlap them), the pipeline bubble, and the optimizer and EMA.
 
-A first model: its rates come from one DiT-XL/2 profile per GPU, and it has not yet been held against a
-multi-GPU run (``docs/planning.md`` says how far it is off on the points it was not fitted to)."""
+Its rates come from one DiT-XL/2 profile per GPU and published attention kernel rates; ``docs/planning.md``
+says how far it is off on the points it was not fitted to (NeMo's and Megatron-Bridge's published rows:
+``tests/test_plan_published.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ class StepTime:
     """Pipeline fill and drain."""
     optimizer: float
     """AdamW and the EMA fold."""
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory_bound: float = 0.0
+    """:attr:`compute` by kind of kernel: matrix products, attention, the other (memory-bound) operators."""
 
     @property
     def total(self) -> float:
@@ -71,8 +76,9 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     p, r = parallel, gpu.rates
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     dp = world // (tp * cp * pp)
-    attention = micro.attention_flops / (r.attention_tflops * 1e12)
-    kernels = micro.gemm_flops / (r.gemm_tflops * 1e12) + attention + micro.memory_bytes / (r.memory_gbs * GB)
+    attention = sum(flops / (r.attention_tflops(keys) * 1e12) for keys, flops in micro.attention)
+    gemm, memory_bound = micro.gemm_flops / (r.gemm_tflops * 1e12), micro.memory_bytes / (r.memory_gbs * GB)
+    kernels = gemm + attention + memory_bound
     exposed = 0.0
     for kind, name, group, nbytes in micro.comm:
         t = seconds(kind, group, nbytes, link(span(name, group, parallel, world), gpu, gpus_per_node))
@@ -98,4 +104,5 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
             + (max(0.0, gather - kernels / 3) if p.overlap_param_gather else gather)
     bubble = (pp - 1) / (p.virtual_pipeline_model_parallel_size or 1) * per_micro if pp > 1 else 0.0
     optimizer = (ADAM_BYTES * stepped_elements + EMA_BYTES * ema_elements) / (r.memory_gbs * GB)
-    return StepTime(microbatches * kernels, microbatches * exposed + dp_exposed, bubble, optimizer)
+    return StepTime(microbatches * kernels, microbatches * exposed + dp_exposed, bubble, optimizer,
+                    microbatches * gemm, microbatches * attention, microbatches * memory_bound)

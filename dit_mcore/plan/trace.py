@@ -10,6 +10,7 @@ attention, an MoE's routing) is counted because it is saved, not because a formu
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import sys
@@ -24,6 +25,7 @@ from dit_mcore.diffusion import drop_labels
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.pipeline import ModelChunks
+from dit_mcore.plan.device_kernels import gpu_kernels
 from dit_mcore.plan.live_memory import LiveMemory
 from dit_mcore.plan.op_costs import OpCosts
 from dit_mcore.training.step_loss import StepLoss
@@ -39,24 +41,35 @@ class MicroBatchTrace:
     """The most bytes live at once through its forward and backward, alone in flight."""
     gemm_flops: float = 0.0
     """Matrix products, forward, backward and recomputed (:class:`OpCosts`)."""
-    attention_flops: float = 0.0
+    attention: tuple = ()
+    """``((s_k, FLOPs), ...)``: attention kernels' work by the length of the keys each query attends to."""
     memory_bytes: float = 0.0
     """Read and written by every other operator."""
     comm: tuple = ()
     """``((collective, group name, group size, bytes), ...)`` sent inside the micro-batch (TP/SP, CP, EP; the
     names of :func:`~dit_mcore.plan.op_costs.group_names`)."""
 
+    @property
+    def attention_flops(self) -> float:
+        return sum(f for _, f in self.attention)
+
     def __add__(self, other: "MicroBatchTrace") -> "MicroBatchTrace":
-        comm = {(k, name, n): b for k, name, n, b in self.comm}
-        for k, name, n, b in other.comm:
-            comm[k, name, n] = comm.get((k, name, n), 0.0) + b
         return MicroBatchTrace(self.saved + other.saved, self.peak + other.peak, self.gemm_flops + other.gemm_flops,
-                               self.attention_flops + other.attention_flops, self.memory_bytes + other.memory_bytes,
-                               tuple((*key, b) for key, b in sorted(comm.items())))
+                               _merged(self.attention, other.attention), self.memory_bytes + other.memory_bytes,
+                               _merged(self.comm, other.comm))
 
     def __mul__(self, x: float) -> "MicroBatchTrace":
-        return MicroBatchTrace(self.saved * x, self.peak * x, self.gemm_flops * x, self.attention_flops * x,
-                               self.memory_bytes * x, tuple((*key, b * x) for *key, b in self.comm))
+        return MicroBatchTrace(self.saved * x, self.peak * x, self.gemm_flops * x,
+                               tuple((*key, f * x) for *key, f in self.attention), self.memory_bytes * x,
+                               tuple((*key, b * x) for *key, b in self.comm))
+
+
+def _merged(a: tuple, b: tuple) -> tuple:
+    """Two ``((*key, amount), ...)`` tables as one, amounts of a key summed, sorted by key."""
+    out: dict = {}
+    for *key, amount in (*a, *b):
+        out[tuple(key)] = out.get(tuple(key), 0.0) + amount
+    return tuple((*key, amount) for key, amount in sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -137,13 +150,15 @@ def forget_cached_tables() -> None:
                     fn.cache_clear()
 
 
-def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True) -> MicroBatchTrace:
+def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True, on_gpu: bool = False) -> MicroBatchTrace:
     """One training micro-batch of ``batch`` through this rank's part of the run ``cfg``'s model (the tables
     its modules cache are built from fake tensors and forgotten after it, unless ``forget`` is False),
     ``num_layers`` deep in all, traced (in megatron's parallel state of the layout, e.g.
     :func:`dit_mcore.plan.world.traced_world`); on a pipeline stage before the last, the backward
     starts from the gradient the next stage would send. Gradients go where megatron DDP's hooks put them
-    (a buffer that is part of the state), so each parameter's ``.grad`` is dropped once accumulated."""
+    (a buffer that is part of the state), so each parameter's ``.grad`` is dropped once accumulated.
+    ``on_gpu``: operators a GPU fuses run as its kernels (:func:`~dit_mcore.plan.device_kernels.gpu_kernels`);
+    otherwise as the CPU runs them."""
     model_config, objective, dtype = run_parts(cfg, num_layers)
     step = StepLoss(model_config, objective, dtype, cfg.model.family)
     reset_moe_state()  # (megatron's router-loss tracker is sized by the last model's depth)
@@ -153,7 +168,8 @@ def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True) -> Mic
             for p in model.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-            with _RealHostTensors(), OpCosts() as costs, LiveMemory() as live:
+            kernels = gpu_kernels() if on_gpu else contextlib.nullcontext()
+            with kernels, _RealHostTensors(), OpCosts() as costs, LiveMemory() as live:
                 n, g = batch.num_samples, torch.Generator().manual_seed(0)
                 level = objective.sample_level(n, generator=g)
                 noise = torch.randn(batch.tokens.shape, generator=g)
@@ -170,26 +186,27 @@ def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True) -> Mic
         reset_moe_state()  # (the tracker holds fake tensors now)
         if forget:
             forget_cached_tables()
-    return MicroBatchTrace(saved, live.peak, costs.gemm_flops, costs.attention_flops, costs.memory_bytes,
-                           tuple((*key, b) for key, b in sorted(costs.comm.items())))
+    return MicroBatchTrace(saved, live.peak, costs.gemm_flops, tuple(sorted(costs.attention.items())),
+                           costs.memory_bytes, tuple((*key, b) for key, b in sorted(costs.comm.items())))
 
 
-def layer_profile(cfg, batch) -> LayerProfile:
+def layer_profile(cfg, batch, *, on_gpu: bool = False) -> LayerProfile:
     """The run ``cfg``'s cost per micro-batch like ``batch`` on this rank's pipeline stage, from traces
-    one and two layers per stage deep."""
-    return layer_profiles([cfg], batch)[0]
+    one and two layers per stage deep (``on_gpu``: see :func:`trace_microbatch`)."""
+    return layer_profiles([cfg], batch, on_gpu=on_gpu)[0]
 
 
-def layer_profiles(cfgs: list, batch) -> list[LayerProfile]:
+def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProfile]:
     """:func:`layer_profile` of each of ``cfgs``, runs that split a micro-batch alike (the same layout of
     ranks; their recompute or chunking may differ): the tables the model caches are built once, by a
     warm-up trace of the first."""
     stages = cfgs[0].parallel.pipeline_model_parallel_size
     out = []
     try:  # a step after the first: the model's cached tables (positions, plans) are built already
-        trace_microbatch(cfgs[0], batch, num_layers=stages, forget=False)
+        trace_microbatch(cfgs[0], batch, num_layers=stages, forget=False, on_gpu=on_gpu)
         for cfg in cfgs:
-            one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False) for n in (1, 2))
+            one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False, on_gpu=on_gpu)
+                        for n in (1, 2))
             per_layer = two + one * -1
             out.append(LayerProfile(one + per_layer * -1, per_layer))
     finally:

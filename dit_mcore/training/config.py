@@ -64,6 +64,12 @@ class ModelConfig:
     attention) or "dsp_overlap" (the same in two pipelined all-to-alls)."""
     qk_layernorm: Optional[bool] = None
     """Per-head RMSNorm of queries and keys in every attention (megatron's field)."""
+    adaln_lora_rank: Optional[int] = None
+    """AdaLN-LoRA (Cosmos): every adaLN modulation factored through this rank, plus one modulation shared by all
+    layers (``DiTConfig.adaln_lora_rank``); 0: a full adaLN linear per layer; None: the preset's."""
+    cross_attention_adaln: Optional[bool] = None
+    """Text families: the cross-attention's input adaLN-modulated and its output gated (NeMo's DiT), or False: an
+    affine norm's output, added ungated (MovieGen, Wan); None: the preset's."""
     backend: str = "auto"
     """The transformer linears: "auto" or "local" (megatron's local linears, as aten linears: the
     measured path, one compiled graph per layer) or "te" (Transformer Engine's, through megatron's

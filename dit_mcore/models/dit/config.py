@@ -112,6 +112,14 @@ class DiTConfig(TransformerConfig):
     chunks per layer, NeMo's cross-attention DiT); False: it reads an affine RMSNorm of the stream and
     its output is added to the residual ungated (MovieGen's Llama DiT)."""
 
+    adaln_lora_rank: int = 0
+    """AdaLN-LoRA (Cosmos, arXiv 2501.03575 §5.1): each adaLN modulation (every layer's and the final
+    layer's) is ``Linear(hidden, rank)`` then ``Linear(rank, chunks * hidden)``, and one per-sample
+    modulation ``[n, 3 * hidden]`` computed once per forward is added to every sub-block's (shift, scale,
+    gate). Cosmos-7B / NeMo's ``DiT7BConfig`` (28 x 4096) use rank 256: 7.2B parameters where full adaLN
+    linears give 11.8B. Both the per-layer up-projection and the shared modulation start at zero, so every
+    layer still starts as the identity. 0: a full adaLN linear per layer (the DiT paper's)."""
+
     spatial_temporal: bool = False
     """ST-DiT: each layer's self-attention runs within each frame, then across the frames at each
     position (two attentions, each modulated and gated), instead of over the whole sample."""
@@ -215,6 +223,9 @@ def _validate_dit_fields(cfg: DiTConfig) -> None:
          f"model.position_embedding=rope3d needs an even head dim >= 6, got {head_dim} "
          f"(hidden_size {cfg.hidden_size} / {cfg.num_attention_heads} heads); change the width or the heads")
     need(cfg.st_attention in ST_ATTENTION, f"model.st_attention={cfg.st_attention!r}: use one of {ST_ATTENTION}")
+    need(0 <= cfg.adaln_lora_rank < cfg.hidden_size,
+         f"model.adaln_lora_rank={cfg.adaln_lora_rank}: must be in [0, model.hidden_size={cfg.hidden_size}) "
+         "(0: full adaLN linears; Cosmos uses 256)")
     need(cfg.rope_theta > 0, f"model.rope_theta={cfg.rope_theta}: must be > 0")
     need(cfg.frequency_embedding_size % 2 == 0,
          f"frequency_embedding_size={cfg.frequency_embedding_size}: must be even")

@@ -72,7 +72,7 @@ class DiTLayer(TransformerLayer):
                                                    **({"cp_comm_type": cp_type} if cp_type else {}))
         modulated_cross = self.has_cross_attention and self.cross_norm is None
         chunks = 6 + 3 * modulated_cross + 3 * (self.temporal_attention is not None)
-        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=chunks)
+        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=chunks, lora_rank=config.adaln_lora_rank)
         selective = (config.recompute_modules or ()) if config.recompute_granularity == "selective" else ()
         self.recompute_mlp = "mlp" in selective
         self.recompute_norm = "layernorm" in selective

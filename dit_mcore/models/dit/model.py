@@ -25,6 +25,7 @@ from dit_mcore.models.core_attention import KernelsPackedSeqParams, packed_seq_p
 from dit_mcore.models.dit.spec import dit_layer_spec
 from dit_mcore.models.embeddings import (LabelEmbedder, TimestepEmbedder, rope3d_freqs, sincos_from_positions,
                                         sincos_pos_embed)
+from dit_mcore.models.aten_linear import MainGradLinear
 from dit_mcore.models.layer_stack import LayerStack
 from dit_mcore.models.modulation import AdaLNModulation, Conditioning
 from dit_mcore.models.recompute import over_chunks
@@ -51,7 +52,7 @@ class FinalLayer(nn.Module):
         super().__init__()
         norm = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
         self.norm = norm(config.hidden_size, eps=config.layernorm_epsilon, elementwise_affine=False)
-        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=2)
+        self.adaLN_modulation = AdaLNModulation(config.hidden_size, chunks=2, lora_rank=config.adaln_lora_rank)
         self.linear = nn.Linear(config.hidden_size, config.out_patch_dim)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
@@ -97,6 +98,12 @@ class DiT(MegatronModule):
                 if config.num_classes > 0 else None
         with init_stream(seed, "text_embedder"):
             self.text_embedder = TextEmbedder(config.text_dim, h) if config.text_dim else None
+        self.adaln_shared = None
+        if config.adaln_lora_rank:  # AdaLN-LoRA's modulation shared by every sub-block, zero at the start
+            with init_stream(seed, "adaln_shared"):
+                self.adaln_shared = MainGradLinear(h, 3 * h)
+            nn.init.zeros_(self.adaln_shared.weight)
+            nn.init.zeros_(self.adaln_shared.bias)
         self.layers = LayerStack(config, layer_spec or dit_layer_spec(), vp_stage=vp_stage, init_seed=seed)
         if post_process:
             with init_stream(seed, "final_layer"):
@@ -120,7 +127,7 @@ class DiT(MegatronModule):
 
     def conditioning_parameters(self):
         """Parameters of the conditioning embedders, which every pipeline stage holds a copy of."""
-        for module in (self.t_embedder, self.y_embedder, self.text_embedder):
+        for module in (self.t_embedder, self.y_embedder, self.text_embedder, self.adaln_shared):
             if module is not None:
                 yield from module.parameters()
 
@@ -235,10 +242,11 @@ class DiT(MegatronModule):
         if packed is None:
             grid = self._grid(batch, grid)
         cond_emb = self.conditioning(timesteps, labels)
+        shared = self.adaln_shared(nn.functional.silu(cond_emb)) if self.adaln_shared is not None else None
         if packed is not None:  # tokens outside every sample (padding) point at sample 0: masked out of the loss
-            cond = Conditioning(cond_emb, shard.scatter(packed.token_to_sample, pad_value=-1).clamp(min=0))
+            cond = Conditioning(cond_emb, shard.scatter(packed.token_to_sample, pad_value=-1).clamp(min=0), shared)
         else:
-            cond = Conditioning(cond_emb)
+            cond = Conditioning(cond_emb, shared=shared)
         params, rotary, order = self._attention_layout(packed, grid, tokens)
         hidden = self._embed(tokens, packed, grid, order) if self.pre_process else self.input_tensor
         text, text_params = self._text(context, batch, tokens.shape[0], tokens.shape[1], cond_emb.shape[0])
@@ -330,7 +338,7 @@ class DiT(MegatronModule):
                 continue
             part = sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
                                               tp_group=tp_group)
-            if name in ("t_embedder", "y_embedder", "text_embedder") and not self.holds_main_conditioning:
+            if name in ("t_embedder", "y_embedder", "text_embedder", "adaln_shared") and not self.holds_main_conditioning:
                 # Every pipeline stage holds the conditioning embedders: only the first stage's
                 # first chunk is their main replica.
                 for item in part.values():

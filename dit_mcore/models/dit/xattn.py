@@ -24,6 +24,10 @@ def _presets() -> dict:
     # NeMo's DiT7BConfig (32 layers, width 3072, 24 heads) and a 28B at width 5120.
     table["DiT-XAttn-7B"] = dict(_VIDEO, num_layers=32, hidden_size=3072, num_attention_heads=24)
     table["DiT-XAttn-28B"] = dict(_VIDEO, num_layers=42, hidden_size=5120, num_attention_heads=40)
+    # NeMo's other DiT7BConfig (``cosmos_7b_text2world``): Cosmos-1.0's 7B, 28 layers of width 4096 with
+    # AdaLN-LoRA of rank 256 and a 1024-wide text projection; the model of NeMo's published 7B rows.
+    table["DiT-XAttn-7B-Cosmos"] = dict(_VIDEO, num_layers=28, hidden_size=4096, num_attention_heads=32,
+                                        adaln_lora_rank=256, text_dim=1024, normalization="RMSNorm")
     table["xattn-tiny"] = dict(_TEXT, num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2,
                                input_size=8, in_channels=4, text_dim=32)
     # The CPU text-to-video demo: 16x16 grey frames, 4x4 patches, the tiny text encoder's 32-wide text.
