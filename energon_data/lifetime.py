@@ -68,7 +68,14 @@ def helper_init() -> None:
 def preemption_signals_blocked():
     """Hold preemption signals back while a helper process starts: the mask is inherited, so a
     signal that arrives before :func:`helper_init` ran waits instead of killing the helper; this
-    process gets it when the block ends."""
+    process gets it when the block ends.
+
+    multiprocessing's resource tracker is started first: starting it (which a spawned helper's start does
+    when it is not running yet) unblocks SIGTERM in the calling thread, so the helper would be spawned
+    with SIGTERM open again (a SIGTERM to the process group then killed the checkpoint writers' result
+    manager while its interpreter was still starting, and the save with it)."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
         yield

@@ -447,6 +447,40 @@ def test_sigterm_to_the_clis_process_group_saves_and_exits_with_the_preempted_co
     assert said and int(said.group(2)) == step, out  # the step it names is the step it saved
 
 
+_SPAWNED_MASK = """
+import multiprocessing, signal
+from energon_data.lifetime import preemption_signals_blocked
+
+def blocked(conn):
+    conn.send(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()  # (a pipe, not a queue: a queue's lock would start the resource tracker here)
+    with preemption_signals_blocked():  # (the resource tracker not yet running: this start would launch it)
+        child = ctx.Process(target=blocked, args=(theirs,))
+        child.start()
+    print(ours.recv())
+    child.join()
+"""
+
+
+def test_a_helper_spawned_with_preemption_signals_blocked_starts_with_them_blocked(tmp_path):
+    """A spawned helper (the checkpoint writers' result manager) starts with SIGTERM and SIGUSR1 blocked, even
+    when its start is the one that launches multiprocessing's resource tracker (which unblocks SIGTERM in the
+    launching thread): a SIGTERM to the process group during its start killed it, and the save with it."""
+    import subprocess
+    import sys
+    script = tmp_path / "spawn_mask.py"
+    script.write_text(_SPAWNED_MASK)
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr
+    blocked = set(eval(out.stdout.strip().splitlines()[-1]))
+    assert {int(signal.SIGTERM), int(signal.SIGUSR1)} <= blocked, blocked
+
+
 def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_path):
     def run(name, async_save, max_steps=6):
         cfg = tiny_run(tmp_path / name, max_steps=max_steps, save_interval=2)

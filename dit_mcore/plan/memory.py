@@ -10,6 +10,7 @@ megatron's bucket padding, the whole peak within 5% in every tested layout (``do
 from __future__ import annotations
 
 import copy
+from typing import Optional
 from dataclasses import dataclass
 
 from megatron.core import parallel_state
@@ -130,12 +131,20 @@ class RankModel:
                    sum(p.numel() for p in params))
 
 
-def rank_memory(cfg, profiles: list, model: RankModel, workspace: float = 0.0) -> MemoryPrediction:
-    """Rank 0's peak from the traced micro-batches' ``profiles`` (the worst counts) and its ``model``,
-    inside the layout's traced world (which sets the data-parallel sizes that shard the state)."""
+def rank_state(cfg, model: RankModel):
+    """Rank 0's per-parameter state (weights, gradients, optimizer, EMA), inside the layout's traced world
+    (which sets the data-parallel sizes that shard it). It does not depend on the micro-batch, recompute or
+    chunking."""
     with FakeTensorMode():
-        state = state_budget(cfg, model.chunks, model.config, shards_ema(cfg, model.chunks))
-    dp = parallel_state.get_data_parallel_world_size()
+        return state_budget(cfg, model.chunks, model.config, shards_ema(cfg, model.chunks))
+
+
+def rank_memory(cfg, profiles: list, model: RankModel, workspace: float = 0.0, *, state=None,
+                dp: Optional[int] = None) -> MemoryPrediction:
+    """Rank 0's peak from the traced micro-batches' ``profiles`` (the worst counts) and its ``model``, inside
+    the layout's traced world; or anywhere given its :func:`rank_state` and data-parallel size ``dp``."""
+    state = rank_state(cfg, model) if state is None else state
+    dp = parallel_state.get_data_parallel_world_size() if dp is None else dp
     layers = stage_layers(cfg)
     p = cfg.parallel
     flight = in_flight(p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1,

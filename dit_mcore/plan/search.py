@@ -18,7 +18,7 @@ from dit_mcore.models.flops import dit_flops
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan.gpus import GPU
-from dit_mcore.plan.memory import MemoryPrediction, RankModel, gpu_optimizer, rank_memory
+from dit_mcore.plan.memory import MemoryPrediction, RankModel, gpu_optimizer, rank_memory, rank_state
 from dit_mcore.plan.step_time import StepTime, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
@@ -211,6 +211,7 @@ class Planner:
         self.cfg, self.world, self.gpu, self.gpus_per_node, self.batch = gpu_optimizer(cfg), world, gpu, gpus_per_node, batch
         self._profiles: dict = {}
         self._models: dict = {}
+        self._states: dict = {}
         self.tokens = sum(batch(1).seqlens)
         """Tokens per sample."""
         self._wanted: set = set()
@@ -220,13 +221,19 @@ class Planner:
         cfg = layout.apply(self.cfg)
         p = cfg.parallel
         profile = self._profile(layout) * layout.micro_batch  # (traced in a world of its own, once per split)
-        with traced_world(p, self.world):
-            model_key = (layout.tp, layout.pp, layout.vpp, layout.ep)
-            if model_key not in self._models:
-                self._models[model_key] = RankModel.build(cfg)
-            model = self._models[model_key]
-            memory = rank_memory(cfg, [profile], model, self.gpu.workspace_gib * GiB)
+        model_key = (layout.tp, layout.pp, layout.vpp, layout.ep)
+        # the state depends on the split and the sharding, not on the CP method, micro-batches, recompute or
+        # chunking: its world (a hundred thousand fake groups at 256 GPUs) is set up once per such layout
+        state_key = dataclasses.replace(layout, cp_comm_type="p2p", cp_a2a=1, recompute="none", chunk_tokens=0,
+                                        micro_batch=1)
+        if state_key not in self._states:
+            with traced_world(p, self.world):
+                if model_key not in self._models:
+                    self._models[model_key] = RankModel.build(cfg)
+                self._states[state_key] = rank_state(cfg, self._models[model_key])
+        model = self._models[model_key]
         dp = self.world // (layout.tp * layout.cp * layout.pp)
+        memory = rank_memory(cfg, [profile], model, self.gpu.workspace_gib * GiB, state=self._states[state_key], dp=dp)
         micro = cfg.data.num_microbatches(dp)
         s = memory.state
         stepped = (s.main_weights / 4 if cfg.trainer.bf16 else s.weights / 4)
@@ -287,7 +294,7 @@ class Planner:
     def resized(self, world: int) -> "Planner":
         """The same run on ``world`` GPUs, sharing the traces (they do not depend on the data-parallel size)."""
         other = Planner(self.cfg, world, self.gpu, self.gpus_per_node, self.batch)
-        other._profiles, other._models = self._profiles, self._models
+        other._profiles, other._models = self._profiles, self._models  # (not the states: they shard by world)
         return other
 
     def smallest_fitting(self, factors=(2, 4, 8, 16, 32, 64)) -> Optional[tuple[int, Evaluation]]:
