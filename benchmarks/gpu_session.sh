@@ -20,6 +20,9 @@
 #   generate  class-conditional sampling against diffusers' DiTPipeline (benchmarks/generate_vs_diffusers.py): DiT-XL/2,
 #           random weights, 50 DDIM steps, guidance 4, batch 8, bf16, 256 and 512 px, eager and compiled (~6 min; goal
 #           issue #35: >= 1.3x compiled)
+#   rates   the planner's attention calibration (~2 min): benchmarks/attention_rates.py, forward + backward by keys
+#           (256..16k) and head dim (64, 72, 128), dense (cuDNN) and packed (varlen), replacing plan/gpus.py's
+#           published FlashAttention-3 figures (issue #38)
 #   tests   GPU tests: kernels vs float64, training on CUDA, a distributed-optimizer resume on torch's
 #           AdamW, FP8 (torchao, real float8 GEMMs), compiled == eager
 #   fp8     FP8 recipes against bf16, profiled (~9 min): DiT-XL/2 256px batch 128 and the 3B packed point (batch 2),
@@ -73,7 +76,7 @@
 #           max-autotune-no-cudagraphs (Triton GEMM templates with fused epilogues against cuBLAS), profiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash benchmarks/gpu_session.sh current|generate|tests|fp8|grid|packed|stall|short|profile|kernels|grads|split|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
+phase=${1:?usage: bash benchmarks/gpu_session.sh current|generate|rates|tests|fp8|grid|packed|stall|short|profile|kernels|grads|split|step|gaps|linears|accumulate|wgrad|tuning|optimizer|autotune}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -116,6 +119,9 @@ case "$phase" in
           --out "$out/generate_vs_diffusers_${size}${compiled:+_compiled}.json" 2>&1 | grep -v -i warn | tail -n 5 || true
       done
     done ;;
+  rates)
+    timeout 400 python3 benchmarks/attention_rates.py --out "$out/attention_rates.jsonl" 2>&1 | grep -v -i warn \
+      | tail -n 60 || true ;;
   stall)
     python3 benchmarks/checkpoint_stall.py --hidden 1152 --layers 28 2>&1 | tee "$out/checkpoint_stall.txt" ;;
   short)

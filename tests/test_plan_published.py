@@ -1,14 +1,11 @@
 """The planner's step time against published multi-GPU runs it was not fitted to, and the device model under it:
 the GPU's fused RMSNorm the trace runs in place of the CPU's decomposition, attention rates by sequence length.
 
-The rows (`benchmarks/results/cpu_2026-12-01_plan_published_rows.md` says how each model shape was chosen):
-- NeMo's DiT performance table (docs.nvidia.com/nemo-framework, "Diffusion Transformers (DiT)", performance:
-  32 DGX-H100 nodes; 8k tokens = 256 frames at 256 px, 64k at 1024 px; the table's "74k" is 64k, as its text says);
-  its "7B" is NeMo's ``DiT7BConfig`` (``cosmos_7b_text2world``: 28 x 4096, AdaLN-LoRA 256), whose FLOPs per token
-  match the table's TFLOPS over tokens/s; the "28B" taken as 48 x 6144 with the same modulation (uncertain).
-- Megatron-Bridge's Wan 2.1 14B (NVIDIA-NeMo/DFM ``examples/models/wan/performance-summary.md``: 128 H100s,
-  37,440 tokens, GBS 128, TP2 + SP + CP4, megatron DDP, full recompute): 325.77 TFLOPS/GPU."""
+The rows, with their sources, live in ``benchmarks/plan_published_rows.py`` (NeMo's DiT table, Megatron-Bridge's
+Wan 2.1 14B); ``benchmarks/results/cpu_2026-12-01_plan_published_rows.md`` says how each model shape was chosen."""
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,24 +17,8 @@ from dit_mcore.plan.gpus import FA3_PAPER_CUDNN_H100, GPUS
 from dit_mcore.plan.op_costs import OpCosts
 from megatron_env import single_process_world
 
-_COSMOS_7B = ["--family", "dit_xattn", "--preset", "DiT-XAttn-7B-Cosmos", "--text-len", "256"]
-_28B = [*_COSMOS_7B, "model.num_layers=48", "model.hidden_size=6144", "model.num_attention_heads=48"]
-_WAN_14B = ["--family", "dit_xattn", "--preset", "DiT-XAttn-28B", "model.num_layers=40", "model.hidden_size=5120",
-            "model.num_attention_heads=40", "model.ffn_hidden_size=13824", "model.text_dim=4096",
-            "model.cross_attention_adaln=False", "model.adaln_lora_rank=1", "--text-len", "512"]
-_8K, _64K = ["--seq", "8192", "--frames", "32"], ["--seq", "65536", "--frames", "64"]
-# (name, command, published layout, published TFLOPS/GPU or None for OOM)
-ROWS = [
-    ("nemo_7b_8k_tp2", [*_COSMOS_7B, *_8K, "--gpus", "256", "--global-batch", "256"], "tp=2,distopt=1", 519.0),
-    ("nemo_7b_64k_tp2_cp4", [*_COSMOS_7B, *_64K, "--gpus", "256", "--global-batch", "64"], "tp=2,cp=4,distopt=1",
-     439.0),
-    ("nemo_7b_8k_unoptimised", [*_COSMOS_7B, *_8K, "--gpus", "256", "--global-batch", "256"], "tp=1", None),
-    ("nemo_28b_8k_tp4_pp4", [*_28B, *_8K, "--gpus", "256", "--global-batch", "256"], "tp=4,pp=4,distopt=1", 468.0),
-    ("nemo_28b_64k_fsdp_recompute", [*_28B, *_64K, "--gpus", "256", "--global-batch", "256"],
-     "fsdp=torch,recompute=full", 445.0),
-    ("bridge_wan_14b_37k", [*_WAN_14B, "--seq", "37440", "--frames", "24", "--frame-width", "52", "--gpus", "128",
-                            "--global-batch", "128"], "tp=2,cp=4,distopt=1,recompute=full", 325.77),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plan_published_rows import GPU, ROWS  # noqa: E402  (the rows' one home, with their sources)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +30,7 @@ def world():
 def test_published_rows_within_20_percent(world, name, command, layout, published):
     """Predicted TFLOPS/GPU within 20% of each published row, the published layout fitting an H100-80GB; the
     row published as out of memory predicted out of memory."""
-    planner = cli.planner_of(cli.parse_args([*command, "--gpu", "H100-80GB"]))
+    planner = cli.planner_of(cli.parse_args([*command, *GPU]))
     e = cli.explained(planner, layout)
     if published is None:
         assert not e.fits, f"{name}: predicted to fit ({e.memory.total / 2**30:.1f} GiB)"
