@@ -13,7 +13,7 @@ def shims():
     single_process_world()  # applies the shims like every CPU run does
     assert cpu_shims.applied_shims() == {"device", "rng", "cuda_literals", "streams",
                                          "moe_split_sizes", "uneven_collectives", "fsdp_mesh",
-                                         "megatron_fsdp"}
+                                         "megatron_fsdp", "hybrid_optimizer"}
     assert cpu_shims.apply_cpu_shims() == []  # idempotent
 
 
@@ -22,6 +22,24 @@ def test_device_queries_point_at_cpu():
     buf = torch.empty(3, device=torch.cuda.current_device())
     assert buf.device.type == "cpu"
     torch.cuda.synchronize()  # no-op instead of "Torch not compiled with CUDA enabled"
+
+
+def test_the_hybrid_optimizer_splits_the_parameters_as_on_a_device():
+    """megatron's offload copies the first share of the parameters to host tensors and steps the rest in place
+    (on a CPU, without the shim, it copies nothing and its step fails on a lookup); ``is_cuda`` and
+    ``pin_memory`` are torch's again afterwards."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(4)]
+    opt = HybridDeviceOptimizer(params, offload_fraction=0.5, cpu_optimizer_cls=torch.optim.AdamW,
+                                gpu_optimizer_cls=torch.optim.AdamW, pin_cpu_grads=False, lr=0.1)
+    assert list(opt.gpu_params_map_cpu_copy) == params[:2]
+    assert all(c is not p and torch.equal(c, p) for p, c in opt.gpu_params_map_cpu_copy.items())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))  # (the host copies' steps copied back)
+    assert not params[0].is_cuda and "is_cuda" not in torch.Tensor.__dict__ and "pin_memory" not in torch.Tensor.__dict__
 
 
 def test_cuda_literals_map_to_cpu_and_types_look_like_cuda():

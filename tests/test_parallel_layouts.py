@@ -25,6 +25,7 @@ from dit_mcore.parallel.pipeline import PipelinedForward
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                        RunConfig, TrainerConfig)
+from dit_mcore.training.optim import reload_offloaded_copies
 from dit_mcore.training.trainer import Trainer
 
 STEPS = 3
@@ -80,7 +81,8 @@ def layout_run(run_dir, data: str, moe: bool = False, family: str = "dit", **par
                           adaln_lora_rank=parallel.pop("adaln_lora_rank", None)),
         data=data_cfg,
         optim=OptimConfig(lr=1e-3, warmup_steps=1, use_distributed_optimizer=parallel.pop("distopt", False),
-                          adam_impl=parallel.pop("adam_impl", "fused")),
+                          adam_impl=parallel.pop("adam_impl", "fused"), cpu_offload=parallel.pop("cpu_offload", False),
+                          offload_fraction=parallel.pop("offload_fraction", 1.0)),
         diffusion=DiffusionConfig(objective="flow", sample_steps=2),
         # the validation loss, at 2 levels of 8 samples (not compiled: its forward-only graphs would compile anew)
         trainer=TrainerConfig(max_steps=STEPS, save_interval=1000, ema_decay=0.9, val_interval=0 if compile else 1000,
@@ -121,6 +123,7 @@ def _randomize(trainer: Trainer) -> None:
             value = torch.cat(full.chunk(tp * stride, dim)[tp_rank::tp], dim)
         copy_into(param, value)  # FSDP: into this rank's rows
     publish_weights(trainer.model)
+    reload_offloaded_copies(trainer.optimizer)  # (optim.cpu_offload's host copies take the new values)
     trainer.ema.restart(trainer.model)
 
 
@@ -270,6 +273,8 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         # ... with each rank's shard of the main weights split (optim.split_main_params)
         results["grads_bf16_split"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16_split", "dense",
                                                                     distopt=True, adam_impl="flat"), split_mains=True))
+        # megatron's optimizer offload over the distributed optimizer's shards (bf16), half of each rank's on the host
+        results["offload_dp2"] = _train(_offloaded(layout_run(f"{run_dir}/offload_dp2", "dense", distopt=True)))
         # ... and under EP2: the dense and expert parts (chained) each read their own bf16 buffers
         results["grads_bf16_ep2"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16_ep2", "dense", moe=True,
                                                                   expert_model_parallel_size=2, adam_impl="flat")))
@@ -302,6 +307,12 @@ def _drop_compiled_graphs() -> None:
     for module in list(sys.modules.values()):
         for name in [n for n in getattr(module, "__dict__", {}) if n.startswith("__compiled_fn_")]:
             delattr(module, name)
+
+
+def _offloaded(cfg: RunConfig, offload: bool = True) -> RunConfig:
+    """bf16 under the distributed optimizer, with (``offload``) half its state offloaded (``optim.cpu_offload``)."""
+    cfg.trainer.bf16, cfg.optim.cpu_offload, cfg.optim.offload_fraction = True, offload, 0.5
+    return cfg
 
 
 def _bf16_grads(cfg: RunConfig, split_mains: bool = False) -> RunConfig:
@@ -641,6 +652,18 @@ def test_replicas_round_bf16_moments_alike(world_results):
     assert len(first["moments"]) > 0 and all(float(m.abs().sum()) > 0 for m in first["moments"])
     for a, b in zip(first["moments"] + first["weights"], second["moments"] + second["weights"]):
         assert torch.equal(a, b)
+
+
+@spawn(2)
+def test_offloaded_optimizer_over_dp2_steps_as_one_process(world_results, tmp_path):
+    """``optim.cpu_offload`` (megatron's HybridDeviceOptimizer) over the distributed optimizer's shards on two ranks,
+    half of each rank's state on the host: the losses and norms of one bf16 process without offload, to bf16's
+    rounding of DP2's reduction, and the replicas stay one model."""
+    got = world_results(2)[0][0]["offload_dp2"]
+    want = _train(_offloaded(layout_run(tmp_path, "dense", distopt=True), offload=False))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=2e-3, atol=0)
+    assert torch.equal(got["replicated"], world_results(2)[0][1]["offload_dp2"]["replicated"])
 
 
 @spawn(2)

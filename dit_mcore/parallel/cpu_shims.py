@@ -30,6 +30,12 @@ is covered by ``tests/test_cpu_shims.py``.
   ``_coalescing_manager``, whose gloo path corrupted the heap about once in five runs (an abort in a
   later ``malloc``). -> CPU meshes, the RNG sync without CUDA's generator, collectives one by one. (gloo has no ``PREMUL_SUM``: :mod:`dit_mcore.parallel.megatron_fsdp` turns the fused
   gradient division off off-GPU.)
+- ``hybrid_optimizer``: megatron's optimizer offload (``HybridDeviceOptimizer``) splits the parameters by
+  ``param.is_cuda`` into device ones (the first ``offload_fraction`` of them copied to pinned host memory
+  and stepped there) and host ones, which it does not expect: on a CPU every parameter is a host one,
+  nothing is copied, and its step looks each up among the copies (``KeyError``). -> during the split the
+  model's parameters report ``is_cuda`` (the device side) and ``pin_memory`` copies nothing, so the CPU runs
+  the same split, copies and copy-backs as a GPU.
 """
 from __future__ import annotations
 
@@ -241,6 +247,23 @@ def _without_cuda_rng(fn, *args):
         torch.cuda.get_rng_state, torch.cuda.set_rng_state = get, set_
 
 
+def _shim_hybrid_optimizer() -> None:
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    split = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+    base = torch._C.TensorBase.is_cuda
+
+    def split_as_on_a_device(self, offload_fraction):
+        params = {id(p) for group in self.param_groups for p in group["params"]}
+        torch.Tensor.is_cuda = property(lambda t: id(t) in params or base.__get__(t))
+        torch.Tensor.pin_memory = lambda t, *args, **kwargs: t
+        try:
+            return split(self, offload_fraction)
+        finally:
+            del torch.Tensor.is_cuda, torch.Tensor.pin_memory  # (TensorBase's again)
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = split_as_on_a_device
+
+
 _SHIMS = {
     "device": _shim_device,
     "rng": _shim_rng,
@@ -250,6 +273,7 @@ _SHIMS = {
     "uneven_collectives": _shim_uneven_collectives,
     "fsdp_mesh": _shim_fsdp_mesh,
     "megatron_fsdp": _shim_megatron_fsdp,
+    "hybrid_optimizer": _shim_hybrid_optimizer,
 }
 
 

@@ -40,6 +40,9 @@ from energon_data.lifetime import helper_init, preemption_signals_blocked
 log = logging.getLogger(__name__)
 
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# optim.cpu_offload: megatron's HybridDeviceOptimizer keeps its sub-optimizers' classes in its parameter groups,
+# which a checkpoint's common state then holds; torch's weights-only load takes only allowed globals.
+torch.serialization.add_safe_globals([torch.optim.AdamW, torch.optim.SGD])
 
 
 def _step_dir(root: Path, step: int) -> Path:

@@ -258,6 +258,14 @@ class OptimConfig:
     gradients in its kernel: 2 bytes per parameter less on every rank. torch's fused and foreach
     AdamW (and TE's or apex's) step megatron's fp32 copies of them, made each step and held until
     the next zeroing: more memory, not less. Not with FSDP."""
+    cpu_offload: bool = False
+    """Experimental (not yet run on a GPU): megatron's optimizer offload (``optimizer_cpu_offload``,
+    ``HybridDeviceOptimizer``): the fp32 main weights and Adam moments of ``offload_fraction`` of the
+    parameters live in host memory and step there (torch's AdamW), their gradients copied down and weights
+    copied back each step. Frees 12 bytes per offloaded parameter of device memory."""
+    offload_fraction: float = 1.0
+    """With ``cpu_offload``: the share of the parameters (by count, in the optimizer's order) whose state is
+    offloaded (megatron's ``optimizer_offload_fraction``)."""
     split_main_params: bool = False
     """Keep each fp32 main weight as its bf16 model weight plus a 16-bit remainder, exactly
     (:mod:`dit_mcore.training.split_main`): 2 bytes per parameter of the optimizer's state instead of 4

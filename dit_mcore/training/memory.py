@@ -44,6 +44,9 @@ class StateBudget:
     split_mains_save: float = 0.0
     """What split main weights (``optim.split_main_params``) would take off (0 where they are already,
     in fp32 runs, under FSDP and where the step is not flat)."""
+    host: float = 0.0
+    """Offloaded optimizer state in host memory (``optim.cpu_offload``: fp32 main weights, moments and a
+    gradient copy); not in :attr:`total`, which is the device's."""
 
     @property
     def total(self) -> float:
@@ -52,13 +55,14 @@ class StateBudget:
     def describe(self) -> str:
         parts = (("weights", self.weights), ("gradients", self.gradients), ("main weights", self.main_weights),
                  ("Adam", self.adam), ("EMA", self.ema))
-        return f"{size(self.total)} (" + ", ".join(f"{name} {size(b)}" for name, b in parts if b) + ")"
+        line = f"{size(self.total)} (" + ", ".join(f"{name} {size(b)}" for name, b in parts if b) + ")"
+        return line + (f"; {size(self.host)} of optimizer state in host memory" if self.host else "")
 
 
 def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_optimizer: bool, fsdp: bool,
                  ema_offload: bool, flat_adam: bool = False, ema_sharded: bool = False,
                  moment_bytes: int = 8, lowerable_moments: bool = True, grad_bytes: int = 4,
-                 main_bytes: int = 4) -> StateBudget:
+                 main_bytes: int = 4, offload_fraction: float = 0.0) -> StateBudget:
     """The state of a rank holding ``params``: ``(numel, ranks its optimizer state is sharded
     over)`` for each local parameter (its tensor/pipeline/expert share already). Megatron DDP keeps
     the weights and a gradient buffer (fp32, or bf16) whole on every data-parallel rank; the distributed
@@ -73,8 +77,13 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     ``optim.main_grads_dtype``), which only the flat AdamW reads as they are: for any other step
     megatron copies them into fp32 tensors, held from the step to the next zeroing (counted with the
     gradients), so bf16 buffers are offered only where the step is flat; ``main_bytes``: a main
-    weight's bytes per element (2: split, ``optim.split_main_params``, offered where the step is flat)."""
-    w = g = m = a = e = saved = grads_saved = mains_saved = 0.0
+    weight's bytes per element (2: split, ``optim.split_main_params``, offered where the step is flat);
+    ``offload_fraction`` (``optim.cpu_offload``): that share of the moments leaves the device for host memory,
+    where an fp32 copy of its main weights and gradients joins them (a bf16 run's fp32 main weights stay on the
+    device too: megatron's optimizer hands its offload those copies; megatron offloads whole parameters in
+    order until the share is reached: per element here)."""
+    w = g = m = a = e = saved = grads_saved = mains_saved = host = 0.0
+    f = offload_fraction
     savable = lowerable_moments and not fsdp
     reads_bf16 = flat_adam and lowerable_moments and not fsdp  # the flat AdamW reads bf16 buffers itself
     for numel, shards in params:
@@ -84,12 +93,13 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
         g += numel * (grad_bytes if not fsdp else 4) / shard_all
         g += numel * 4 / shard_state if grad_bytes == 2 and not fsdp and not reads_bf16 else 0.0  # megatron's copies
         grads_saved += numel * (grad_bytes - 2) if bf16 and reads_bf16 else 0.0
-        m += numel * main_bytes / shard_state if bf16 else 0.0
+        m += numel * main_bytes / shard_state if bf16 else 0.0  # (megatron's fp32 copies stay: the device side)
         mains_saved += numel * (main_bytes - 2) / shard_state if bf16 and reads_bf16 else 0.0
-        a += numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
+        a += (1 - f) * numel * (moment_bytes + (1 if flat_adam else 0)) / shard_state
+        host += f * numel * (4 + moment_bytes + 4) / shard_state
         e += 0.0 if ema_offload else numel * 4 / (shards if ema_sharded else shard_all)
         saved += numel * (moment_bytes - 4) / shard_state if savable else 0.0
-    return StateBudget(w, g, m, a, e, saved, grads_saved, mains_saved)
+    return StateBudget(w, g, m, a, e, saved, grads_saved, mains_saved, host)
 
 
 def device_memory(device: torch.device) -> Optional[int]:

@@ -166,8 +166,14 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              # Megatron-FSDP's optimizer is megatron's distributed one over its shards
                              use_distributed_optimizer=optim.use_distributed_optimizer
                              or ddp_chunks[0].ddp_config.use_megatron_fsdp,
-                             overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather)
+                             overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather,
+                             optimizer_cpu_offload=optim.cpu_offload, optimizer_offload_fraction=optim.offload_fraction,
+                             pin_cpu_grads=torch.cuda.is_available(), pin_cpu_params=torch.cuda.is_available())
     optimizer = get_megatron_optimizer(config, ddp_chunks)
+    if optim.cpu_offload:  # megatron's HybridDeviceOptimizer steps its own sub-optimizers (torch's fused AdamW)
+        log.info("optim.cpu_offload: the optimizer state of %.0f%% of the parameters in host memory, stepped there",
+                 100 * optim.offload_fraction)
+        return optimizer, _scheduler(optimizer, optim, max_steps)
     impl = resolve_adam_impl(optim.adam_impl, ddp_chunks, prefers_flat(optim))
     if impl != optim.adam_impl:
         log.info("optim.adam_impl=%s: %s", optim.adam_impl, impl)
@@ -178,12 +184,29 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                     "every part steps torch's fused AdamW")
     if impl != "megatron":
         torch_optimizer.set_adam_impl(optimizer, impl)
-    scheduler = OptimizerParamScheduler(
+    return optimizer, _scheduler(optimizer, optim, max_steps)  # the loss scale: per_sample_loss_scale
+
+
+def reload_offloaded_copies(optimizer) -> None:
+    """The weights changed outside the optimizer: ``optim.cpu_offload``'s host copies take them (megatron's
+    ``reload_model_params`` reaches the main weights, not HybridDeviceOptimizer's copies of them; each part of
+    a chained optimizer)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if isinstance(inner, HybridDeviceOptimizer):
+            with torch.no_grad():
+                for on_device, on_host in inner.gpu_params_map_cpu_copy.items():
+                    on_host.copy_(on_device)
+                inner.update_fp32_param_by_new_param()
+
+
+def _scheduler(optimizer, optim, max_steps: int) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(max_steps, 1), lr_decay_style=optim.decay_style,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(max_steps, 1),
         wd_incr_style="constant")
-    return optimizer, scheduler  # the loss scale: per_sample_loss_scale
 
 
 RESUME_SCHEDULES = ("checkpoint", "config")

@@ -157,7 +157,8 @@ def state_budget(cfg: RunConfig, model: ModelChunks, model_config, ema_sharded: 
     if cfg.parallel.fsdp != "none" and cfg.parallel.fsdp_shard_size:
         dense = min(dense, cfg.parallel.fsdp_shard_size)
     expert = parallel_state.get_expert_data_parallel_world_size() if model_config.num_moe_experts else dense
-    adam = resolve_adam_impl(cfg.optim.adam_impl, model, prefers_flat(cfg.optim))
+    offload = cfg.optim.offload_fraction if cfg.optim.cpu_offload else 0.0
+    adam = "fused" if offload else resolve_adam_impl(cfg.optim.adam_impl, model, prefers_flat(cfg.optim))
     return memory.state_budget(
         ((p.numel(), dense if getattr(p, "allreduce", True) else expert) for chunk in model for p in chunk.parameters()),
         bf16=cfg.trainer.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
@@ -166,7 +167,7 @@ def state_budget(cfg: RunConfig, model: ModelChunks, model_config, ema_sharded: 
         moment_bytes=sum(torch.finfo(d).bits // 8 for d in moment_dtypes(cfg.optim)),
         lowerable_moments=builds_torch_adam(cfg.optim.adam_impl),
         grad_bytes=2 if cfg.optim.main_grads_dtype == "bf16" else 4,
-        main_bytes=2 if cfg.optim.split_main_params else 4)
+        main_bytes=2 if cfg.optim.split_main_params else 4, offload_fraction=offload)
 
 
 def _check_state_fits(budget: memory.StateBudget, device, fsdp: bool) -> None:

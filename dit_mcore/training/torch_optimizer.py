@@ -195,6 +195,7 @@ def apply_fixes() -> bool:
         return _applied
     _load_adam_state_per_parameter()
     _load_step_zero()
+    _offloaded_state_at_load()
     _applied = True
     return True
 
@@ -244,6 +245,34 @@ def _load_adam_state_per_parameter() -> None:
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _offloaded_state_at_load() -> None:
+    """``optim.cpu_offload`` (megatron's HybridDeviceOptimizer under its distributed optimizer): megatron gives
+    the hybrid optimizer no state initialiser, and with torch's AdamW (no TE, no apex) its ``state_dict``
+    wants a step in every state, so a checkpoint's template cannot be made before the first step. Loading,
+    the states are first made with megatron's own dummy step (its values are replaced by the checkpoint's).
+    And its state loading assumes low-precision parameters (see ``update_fp32_params_by_new_state``)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    original = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, *args, **kwargs):
+        if is_loading and isinstance(self.optimizer, HybridDeviceOptimizer) and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+    def update_fp32_params_by_new_state(self):
+        # megatron indexes every state's parameter among its fp32 copies, which only low-precision parameters have
+        # (the distributed optimizer hands it fp32 main weights: KeyError); those are their own master weights
+        for param, state in self.state.items():
+            copy = self.param_to_fp32_param.get(param) if self.param_update_in_fp32 else None
+            if copy is not None:
+                copy.data.copy_(state["master_param"])
+
+    HybridDeviceOptimizer._update_fp32_params_by_new_state = update_fp32_params_by_new_state
 
 
 def _load_step_zero() -> None:

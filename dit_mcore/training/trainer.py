@@ -40,7 +40,7 @@ from dit_mcore.training.hooks import (Checkpoints, StepHook, StopOnDivergence, S
                                       config_reads_after, validation_due)
 from dit_mcore.training.metrics import MetricsLogger, StepRate, device_memory
 from dit_mcore.training.optim import (build_optimizer, grads_and_norm, load_schedule, per_sample_loss_scale,
-                                     step_if_finite)
+                                     reload_offloaded_copies, step_if_finite)
 from dit_mcore.training.parallelize import parallelize
 from dit_mcore.training.preemption import PreemptionSignals
 from dit_mcore.training.step_loss import StepLoss, counted
@@ -232,6 +232,8 @@ class Trainer:
                                           extra=self._common_state(), per_rank=per_rank, restore_rng=same_world,
                                           saved_arch=common.get("model_arch"), arch=self._architecture(),
                                           ema_partial=self.ema_sharded)
+        if self.cfg.optim.cpu_offload:  # (the main weights were loaded into the device's shards)
+            reload_offloaded_copies(self.optimizer)
         state = loaded["extra"]
         self.step = int(state["step"])
         self.skipped_samples = int(state["skipped_samples"])

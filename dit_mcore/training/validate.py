@@ -240,6 +240,28 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
     r.need(_finite(o.clip_grad) and o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, "must be >= 0 (0: no clipping)")
 
 
+def _check_cpu_offload(cfg) -> None:
+    """``optim.cpu_offload``: megatron's HybridDeviceOptimizer, over megatron DDP's parameters, stepping torch's
+    AdamW in fp32 moments."""
+    o, why = cfg.optim, None
+    if not (_finite(o.offload_fraction) and 0 < o.offload_fraction <= 1):
+        why = f"needs optim.offload_fraction in (0, 1], not {o.offload_fraction}"
+    elif cfg.parallel.fsdp != "none":
+        why = f"is megatron DDP's, not parallel.fsdp={cfg.parallel.fsdp!r}'s; set parallel.fsdp=none"
+    elif not o.use_distributed_optimizer:
+        why = ("runs under megatron's distributed optimizer, as Megatron-LM requires (megatron 0.16's plain "
+               "optimizer cannot load an offloaded state); set optim.use_distributed_optimizer=True")
+    elif not cfg.trainer.bf16:
+        why = ("offloads the distributed optimizer's fp32 copies of bf16 weights (in an fp32 run its shards are "
+               "views of the weights, which megatron's offload cannot step); set trainer.bf16=True")
+    elif o.adam_impl == "flat" or o.split_main_params or "bf16" in (o.exp_avg_dtype, o.exp_avg_sq_dtype,
+                                                                        o.main_grads_dtype):
+        why = ("steps megatron's sub-optimizers (torch's AdamW on the host and the device), not the flat AdamW: "
+               "set optim.adam_impl=fused (or auto), fp32 moments and gradient buffers, no split main weights")
+    if why:
+        raise ConfigError(f"optim.cpu_offload=True {why}; or set optim.cpu_offload=False")
+
+
 def _check_split_main_params(cfg) -> None:
     """``optim.split_main_params``: the flat AdamW's, over a bf16 model under megatron DDP."""
     o, why = cfg.optim, None
@@ -362,6 +384,8 @@ def run_problems(cfg, world_size: int) -> list[str]:
                               "already); set trainer.ema_shard=None to choose automatically")
         if cfg.optim.split_main_params:
             _check_split_main_params(cfg)
+        if cfg.optim.cpu_offload:
+            _check_cpu_offload(cfg)
         if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
             raise ConfigError("optim.main_grads_dtype='bf16' needs trainer.bf16=True (an fp32 model's gradients are "
                               "fp32); set trainer.bf16=True or optim.main_grads_dtype=fp32")
