@@ -13,18 +13,9 @@ from dit_mcore.models.modulation import AdaLNModulation
 from energon_data.batch import MicroBatch
 from energon_data.tokens import patchify
 from megatron_env import single_process_world
+from test_model import _randomize
 
-
-@pytest.fixture(scope="module")
-def world():
-    single_process_world()
-
-
-def _randomize(model, std=0.05):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+world = pytest.fixture(scope="module")(lambda: single_process_world())
 
 
 def _tiled(shared: torch.Tensor, rows: int) -> torch.Tensor:
