@@ -70,14 +70,16 @@ def preemption_signals_blocked():
     signal that arrives before :func:`helper_init` ran waits instead of killing the helper; this
     process gets it when the block ends.
 
-    multiprocessing's resource tracker is started first: starting it (which a spawned helper's start does
-    when it is not running yet) unblocks SIGTERM in the calling thread, so the helper would be spawned
-    with SIGTERM open again (a SIGTERM to the process group then killed the checkpoint writers' result
-    manager while its interpreter was still starting, and the save with it)."""
+    multiprocessing's resource tracker, which a spawned helper's start launches when it is not running
+    yet, unblocks SIGTERM in the launching thread on its way out: the helper would then be spawned with
+    SIGTERM open (a SIGTERM to the process group killed the checkpoint writers' result manager while its
+    interpreter was still starting, and the save with it). So the tracker is launched inside the block
+    (it inherits SIGUSR1 blocked; it ignores SIGTERM itself) and the block is made again after it."""
     from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -84,7 +84,7 @@ def test_starts_as_the_identity(world):
 
 
 def test_cosmos_7b_parameter_count(world):
-    """NeMo's ``cosmos_7b_text2world`` shape (28 x 4096, rank 256): 7.2B where full adaLN linears give 11.8B.
+    """NeMo's ``cosmos_7b_text2world`` shape (28 x 4096, rank 256): 7.9B where full adaLN linears give 11.8B.
     Counted from one- and two-layer builds on the meta device. (Its text keys and values project from the
     embedded text, 4096 wide, where Cosmos's project from the 1024-wide text: 0.7B more than Cosmos's 7.2B.)"""
     def count(**overrides):
@@ -128,3 +128,12 @@ def test_bad_rank_names_the_field():
         preset("tiny", adaln_lora_rank=64)
     with pytest.raises(ConfigError, match="adaln_lora_rank"):
         preset("tiny", adaln_lora_rank=-1)
+
+
+def test_interop_refuses_it_in_one_line(world):
+    """facebookresearch/DiT and diffusers have a full adaLN linear per layer: an AdaLN-LoRA model is refused by
+    name, not written with its factors' shapes."""
+    from dit_mcore.models.dit.interop import export_facebookresearch
+    from dit_mcore.models.dit.interop.mapping import InteropError
+    with pytest.raises(InteropError, match="adaln_lora_rank"):
+        export_facebookresearch(build_model(preset("tiny", adaln_lora_rank=4)))

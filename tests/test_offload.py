@@ -1,14 +1,14 @@
-"""Optimizer offload (``optim.cpu_offload``) through megatron's own HybridDeviceOptimizer: the same steps as
-without it (fp32, CPU: the ``hybrid_optimizer`` CPU shim lets megatron split the model's parameters as on a
-GPU, copying the offloaded share to host tensors and back each step), an exact resume, its host state
-counted; bad settings refused in one line. Under the distributed optimizer over DP2:
-``tests/test_parallel_layouts.py::…[2-dp2_distopt_offload_dense-dense]``."""
+"""Optimizer offload (``optim.cpu_offload``) through megatron's own HybridDeviceOptimizer under its distributed
+optimizer: the same steps as without it (bf16, CPU: the ``hybrid_optimizer`` CPU shim lets megatron split the
+parameters as on a GPU, copying the offloaded share to host tensors and back each step), an exact resume, its
+host state counted; bad settings refused in one line. Over DP2:
+``tests/test_parallel_layouts.py::test_offloaded_optimizer_over_dp2_steps_as_one_process``."""
 import pytest
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.training.optim import reload_offloaded_copies
+from dit_mcore.training.optim import HostAdamW, reload_offloaded_copies
 from dit_mcore.training.trainer import Trainer
 from test_parallel_layouts import _randomize, layout_run
 
@@ -48,6 +48,9 @@ def test_offload_equals_no_offload(tmp_path, plain, fraction):
     total = sum(p.numel() for p in trainer.model.parameters())
     assert 0 < offloaded <= total and (offloaded == total) == (fraction == 1.0)
     assert all(c.data_ptr() != p.data_ptr() for p, c in hybrid.gpu_params_map_cpu_copy.items())  # (real copies)
+    # torch's AdamW on both sides (not TE's or apex's where installed), the host one told apart by its class
+    assert {type(o) for o in hybrid.cpu_optimizers} == {HostAdamW}
+    assert hybrid.gpu_optimizer is None or type(hybrid.gpu_optimizer) is torch.optim.AdamW
     losses, weights = _steps(trainer)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain[0]), rtol=1e-6, atol=0)
     for got, want in zip(weights, plain[1]):

@@ -388,12 +388,14 @@ def _cases(world: int):
                     ("ep2_mfsdp2", "dense", {"expert_model_parallel_size": 2, "fsdp": "megatron"})]}[world]
     # AdaLN-LoRA: the shared modulation's gradients summed over the stages (PP) and over the sequence shards
     # (SP), like the conditioning embedders'
+    # (PP2 x DP2 under the distributed optimizer: its gradient summed over the stages after the data-parallel
+    # reduce-scatter, right while each stage's same data-parallel rank owns it; DiT.__init__'s known risk)
     lora = {2: [("lora_pp2", "packed", {"pipeline_model_parallel_size": 2, **LORA}),
                 ("lora_tp2_sp", "dense", {"tensor_model_parallel_size": 2, "sequence_parallel": True, **LORA})],
-            4: []}[world]
+            4: [("lora_pp2_dp2_distopt", "dense", {"pipeline_model_parallel_size": 2, "distopt": True, **LORA})]}[world]
     return [(f"{name}_{data}", data, dict(parallel)) for data in ("dense", "packed")
             for name, parallel in (two if world == 2 else four)] + \
-        [(f"{name}_{data}", data, dict(parallel)) for name, data, parallel in megatron + lora]
+        [(f"{name}_{data}", data, dict(parallel)) for name, data, parallel in lora + megatron]  # (megatron's last)
 
 
 def _text_cases(world: int):

@@ -462,13 +462,20 @@ if __name__ == "__main__":
         child.start()
     print(ours.recv())
     child.join()
+    from multiprocessing import resource_tracker
+    status = open(f"/proc/{resource_tracker._resource_tracker._pid}/status").read()
+    held = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
+            if line.startswith(("SigBlk", "SigIgn"))}
+    print(sorted(s for s in (int(signal.SIGTERM), int(signal.SIGUSR1))
+                 if (held["SigBlk"] | held["SigIgn"]) >> (s - 1) & 1))
 """
 
 
 def test_a_helper_spawned_with_preemption_signals_blocked_starts_with_them_blocked(tmp_path):
     """A spawned helper (the checkpoint writers' result manager) starts with SIGTERM and SIGUSR1 blocked, even
     when its start is the one that launches multiprocessing's resource tracker (which unblocks SIGTERM in the
-    launching thread): a SIGTERM to the process group during its start killed it, and the save with it."""
+    launching thread): a SIGTERM to the process group during its start killed it, and the save with it. The
+    tracker, launched then, neither dies of them (blocked or ignored)."""
     import subprocess
     import sys
     script = tmp_path / "spawn_mask.py"
@@ -477,8 +484,9 @@ def test_a_helper_spawned_with_preemption_signals_blocked_starts_with_them_block
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=repo,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr
-    blocked = set(eval(out.stdout.strip().splitlines()[-1]))
-    assert {int(signal.SIGTERM), int(signal.SIGUSR1)} <= blocked, blocked
+    helper, tracker = (set(eval(line)) for line in out.stdout.strip().splitlines()[-2:])
+    assert {int(signal.SIGTERM), int(signal.SIGUSR1)} <= helper, helper
+    assert tracker == {int(signal.SIGTERM), int(signal.SIGUSR1)}, tracker
 
 
 def test_async_save_publishes_checkpoints_a_rerun_continues_from_exactly(tmp_path):

@@ -199,6 +199,8 @@ def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
                      use_distributed_optimizer=run.optim.use_distributed_optimizer)
     except ConfigError as e:
         return str(e)
+    if run.optim.cpu_offload and (run.parallel.fsdp != "none" or not run.optim.use_distributed_optimizer):
+        return "optim.cpu_offload runs under megatron DDP's distributed optimizer (see the config check)"
     return None
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
 from dit_mcore.training import torch_optimizer
+from dit_mcore.training.optim import HostAdamW
 from dit_mcore.training.split_main import whole_main_weights
 from energon_data.lifetime import helper_init, preemption_signals_blocked
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # optim.cpu_offload: megatron's HybridDeviceOptimizer keeps its sub-optimizers' classes in its parameter groups,
 # which a checkpoint's common state then holds; torch's weights-only load takes only allowed globals.
-torch.serialization.add_safe_globals([torch.optim.AdamW, torch.optim.SGD])
+torch.serialization.add_safe_globals([torch.optim.AdamW, torch.optim.SGD, HostAdamW])
 
 
 def _step_dir(root: Path, step: int) -> Path:

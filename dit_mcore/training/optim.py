@@ -1,6 +1,8 @@
 """megatron-core DDP, optimizer and LR scheduler from the run config."""
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import weakref
@@ -169,8 +171,9 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
                              overlap_param_gather=ddp_chunks[0].ddp_config.overlap_param_gather,
                              optimizer_cpu_offload=optim.cpu_offload, optimizer_offload_fraction=optim.offload_fraction,
                              pin_cpu_grads=torch.cuda.is_available(), pin_cpu_params=torch.cuda.is_available())
-    optimizer = get_megatron_optimizer(config, ddp_chunks)
-    if optim.cpu_offload:  # megatron's HybridDeviceOptimizer steps its own sub-optimizers (torch's fused AdamW)
+    with offload_classes() if optim.cpu_offload else contextlib.nullcontext():
+        optimizer = get_megatron_optimizer(config, ddp_chunks)
+    if optim.cpu_offload:  # megatron's HybridDeviceOptimizer steps its own sub-optimizers (torch's fused AdamWs)
         log.info("optim.cpu_offload: the optimizer state of %.0f%% of the parameters in host memory, stepped there",
                  100 * optim.offload_fraction)
         return optimizer, _scheduler(optimizer, optim, max_steps)
@@ -185,6 +188,26 @@ def build_optimizer(ddp_chunks, optim, *, bf16: bool, max_steps: int):
     if impl != "megatron":
         torch_optimizer.set_adam_impl(optimizer, impl)
     return optimizer, _scheduler(optimizer, optim, max_steps)  # the loss scale: per_sample_loss_scale
+
+
+class HostAdamW(torch.optim.AdamW):
+    """torch's AdamW as ``optim.cpu_offload``'s host-side optimizer: its own class, because megatron's offload
+    tells its host and device optimizers apart by the host one's class (``_move_new_state_to_right_device``)."""
+
+
+@contextlib.contextmanager
+def offload_classes():
+    """megatron builds its offload's device side from the Adam it imported (TE's or apex's FusedAdam where
+    installed, which keep no per-parameter step and are no allowed global of a weights-only checkpoint load)
+    and its host side from torch's AdamW: while it does, both are torch's AdamW, the host one as
+    :class:`HostAdamW`."""
+    import megatron.core.optimizer as megatron_optimizer
+    saved = megatron_optimizer.Adam, megatron_optimizer.CPUAdam
+    megatron_optimizer.Adam, megatron_optimizer.CPUAdam = torch.optim.AdamW, HostAdamW
+    try:
+        yield
+    finally:
+        megatron_optimizer.Adam, megatron_optimizer.CPUAdam = saved
 
 
 def reload_offloaded_copies(optimizer) -> None:

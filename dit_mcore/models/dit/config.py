@@ -116,8 +116,9 @@ class DiTConfig(TransformerConfig):
     """AdaLN-LoRA (Cosmos, arXiv 2501.03575 §5.1): each adaLN modulation (every layer's and the final
     layer's) is ``Linear(hidden, rank)`` then ``Linear(rank, chunks * hidden)``, and one per-sample
     modulation ``[n, 3 * hidden]`` computed once per forward is added to every sub-block's (shift, scale,
-    gate). Cosmos-7B / NeMo's ``DiT7BConfig`` (28 x 4096) use rank 256: 7.2B parameters where full adaLN
-    linears give 11.8B. Both the per-layer up-projection and the shared modulation start at zero, so every
+    gate). Cosmos-7B / NeMo's ``DiT7BConfig`` (28 x 4096) use rank 256 (Cosmos: 7.2B parameters; this
+    project's preset of that shape, whose text keys and values project from the embedded text, 7.9B, where
+    full adaLN linears give 11.8B). Both the per-layer up-projection and the shared modulation start at zero, so every
     layer still starts as the identity. 0: a full adaLN linear per layer (the DiT paper's)."""
 
     spatial_temporal: bool = False

@@ -92,10 +92,18 @@ def require_whole_model_world() -> None:
                            "load that with the parallel layout you want")
 
 
+def _refuse_adaln_lora(config, source: str) -> None:
+    if getattr(config, "adaln_lora_rank", 0):
+        raise InteropError(f"model.adaln_lora_rank={config.adaln_lora_rank}: {source} has a full adaLN linear per "
+                           "layer, no AdaLN-LoRA; export with --to safetensors (our own names), or train with "
+                           "model.adaln_lora_rank=0")
+
+
 def build_and_load(config: DiTConfig, rules: Sequence[Rule], theirs: Mapping[str, torch.Tensor],
                    *, source: str, hint: str, extra_expected: Optional[Mapping[str, torch.Tensor]] = None) -> DiT:
     """Build our model for ``config``, check ``theirs`` against it and copy the converted weights in."""
     require_whole_model_world()
+    _refuse_adaln_lora(config, source)
     model = build_model(config)
     params = dict(model.named_parameters())
     missing_rules = sorted(set(params) - {r.ours for r in rules})
@@ -111,6 +119,7 @@ def build_and_load(config: DiTConfig, rules: Sequence[Rule], theirs: Mapping[str
 def export_model(model: DiT, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
     """``model``'s parameters as external tensors (sharing storage where no layout change is needed)."""
     require_whole_model_world()
+    _refuse_adaln_lora(model.config, "facebookresearch/DiT or diffusers")
     if not (model.pre_process and model.post_process and len(model.layers) == model.config.num_layers):
         raise InteropError("interop needs the whole model (all layers, first and last pipeline stage); "
                            "build it with build_model(config) in a TP=PP=1 world")
