@@ -105,11 +105,11 @@ def dit_flops(config, seqlens: Sequence[int], context_lens: Optional[Sequence[in
         # spatial: T frames of S = n / T tokens; temporal: S positions of T tokens
         squares = float(sum(n * n / t + n * t for n, t in zip(seqlens, frames)))
     rank = getattr(config, "adaln_lora_rank", 0)
-    if rank:  # AdaLN-LoRA: down- and up-projection per modulation, and the modulation they share
-        adaln_per_sample = layers * (2.0 * h * rank + 2.0 * rank * chunks * h) + 2.0 * h * rank \
-            + 2.0 * rank * 2 * h + 2.0 * h * 3 * h
-    else:
-        adaln_per_sample = layers * 2.0 * h * chunks * h + 2.0 * h * 2 * h  # + 2 chunks in the final layer
+
+    def modulation(c: int) -> float:  # one adaLN linear of c chunks (AdaLN-LoRA: down- and up-projection)
+        return 2.0 * h * rank + 2.0 * rank * c * h if rank else 2.0 * h * c * h
+    # every layer's, the final layer's 2 chunks, and AdaLN-LoRA's modulation they share
+    adaln_per_sample = layers * modulation(chunks) + modulation(2) + (2.0 * h * 3 * h if rank else 0.0)
     embed = tokens * (2.0 * config.patch_dim * h + 2.0 * h * config.out_patch_dim) \
         + samples * (cond_per_sample + adaln_per_sample)
     linear = layers * tokens * (2.0 * h * (q_dim + 2 * kv_dim) + 2.0 * q_dim * h) * (2 if spatial_temporal else 1)

@@ -58,7 +58,7 @@ class GPU:
 # kernels 77.3 ms for the 244.7 GB the eager trace counts. H100: the same point on an H100
 # (h100_2026-11-27.md): GEMMs 123.0 ms, attention 20.2 ms, the other kernels 75.0 ms.
 #
-# Longer sequences, not yet measured here (the runbook's `attention` phase measures them): cuDNN's forward and
+# Longer sequences, not yet measured here (the runbook's `rates` phase measures them: benchmarks/attention_rates.py): cuDNN's forward and
 # backward TFLOPS on an H100 SXM5, bf16, head dim 128, non-causal, from the FlashAttention-3 paper
 # (Shah et al., arXiv 2407.08608, figures 5 and 6), by sequence length. The paper counts the backward as
 # 2.5 forwards (it recomputes Q K^T); counted as here (twice), the pair's rate is 3 / (1/fwd + 2.5/bwd).

@@ -10,7 +10,6 @@ megatron's bucket padding, the whole peak within 5% in every tested layout (``do
 from __future__ import annotations
 
 import copy
-from typing import Optional
 from dataclasses import dataclass
 
 from megatron.core import parallel_state
@@ -92,13 +91,15 @@ def predict_memory(cfg, world_size: int, batches, *, workspace: float = 0.0, on_
         shapes = {_shape(b): b for b in (batches if isinstance(batches, (list, tuple)) else [batches])}
         profiles = [layer_profile(cfg, b, on_gpu=on_gpu) for b in shapes.values()]
         model = RankModel.build(cfg)
-        return rank_memory(cfg, profiles, model, workspace)
+        return rank_memory(cfg, profiles, model, rank_state(cfg, model), parallel_state.get_data_parallel_world_size(),
+                           workspace)
 
 
 def gpu_optimizer(cfg):
-    """``cfg`` with the AdamW the trainer picks on a GPU (``optim.adam_impl=auto``: the flat one)."""
+    """``cfg`` with the AdamW the trainer picks on a GPU (``optim.adam_impl=auto``: the flat one; with
+    ``optim.cpu_offload`` megatron's offload steps its own)."""
     cfg = copy.deepcopy(cfg)
-    if cfg.optim.adam_impl == "auto":
+    if cfg.optim.adam_impl == "auto" and not cfg.optim.cpu_offload:
         cfg.optim.adam_impl = "flat"
     return cfg
 
@@ -139,12 +140,9 @@ def rank_state(cfg, model: RankModel):
         return state_budget(cfg, model.chunks, model.config, shards_ema(cfg, model.chunks))
 
 
-def rank_memory(cfg, profiles: list, model: RankModel, workspace: float = 0.0, *, state=None,
-                dp: Optional[int] = None) -> MemoryPrediction:
-    """Rank 0's peak from the traced micro-batches' ``profiles`` (the worst counts) and its ``model``, inside
-    the layout's traced world; or anywhere given its :func:`rank_state` and data-parallel size ``dp``."""
-    state = rank_state(cfg, model) if state is None else state
-    dp = parallel_state.get_data_parallel_world_size() if dp is None else dp
+def rank_memory(cfg, profiles: list, model: RankModel, state, dp: int, workspace: float = 0.0) -> MemoryPrediction:
+    """Rank 0's peak from the traced micro-batches' ``profiles`` (the worst counts), its ``model``, its
+    :func:`rank_state` and the layout's data-parallel size ``dp``."""
     layers = stage_layers(cfg)
     p = cfg.parallel
     flight = in_flight(p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1,

@@ -22,6 +22,7 @@ from dit_mcore.plan.memory import MemoryPrediction, RankModel, gpu_optimizer, ra
 from dit_mcore.plan.step_time import StepTime, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
+from dit_mcore.training.validate import check_cpu_offload
 from dit_mcore.training.memory import GiB
 
 _OFF = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
@@ -197,10 +198,10 @@ def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
     try:  # (the model's sizes: megatron's own checks of the layout would raise first)
         check_layout(run.parallel, run.model.build(ParallelConfig(), bf16=run.trainer.bf16), run.data, world,
                      use_distributed_optimizer=run.optim.use_distributed_optimizer)
+        if run.optim.cpu_offload:
+            check_cpu_offload(run)
     except ConfigError as e:
         return str(e)
-    if run.optim.cpu_offload and (run.parallel.fsdp != "none" or not run.optim.use_distributed_optimizer):
-        return "optim.cpu_offload runs under megatron DDP's distributed optimizer (see the config check)"
     return None
 
 
@@ -235,7 +236,7 @@ class Planner:
                 self._states[state_key] = rank_state(cfg, self._models[model_key])
         model = self._models[model_key]
         dp = self.world // (layout.tp * layout.cp * layout.pp)
-        memory = rank_memory(cfg, [profile], model, self.gpu.workspace_gib * GiB, state=self._states[state_key], dp=dp)
+        memory = rank_memory(cfg, [profile], model, self._states[state_key], dp, self.gpu.workspace_gib * GiB)
         micro = cfg.data.num_microbatches(dp)
         s = memory.state
         stepped = (s.main_weights / 4 if cfg.trainer.bf16 else s.weights / 4)

@@ -262,7 +262,8 @@ class OptimConfig:
     """Experimental (not yet run on a GPU): megatron's optimizer offload (``optimizer_cpu_offload``,
     ``HybridDeviceOptimizer``): the fp32 main weights and Adam moments of ``offload_fraction`` of the
     parameters live in host memory and step there (torch's AdamW), their gradients copied down and weights
-    copied back each step. Frees 12 bytes per offloaded parameter of device memory."""
+    copied back each step. Frees the offloaded share's Adam moments (8 bytes per element) of device memory; a
+    bf16 run's fp32 main weights stay on the device too (``dit_mcore.training.memory.state_budget``)."""
     offload_fraction: float = 1.0
     """With ``cpu_offload``: the share of the parameters (by count, in the optimizer's order) whose state is
     offloaded (megatron's ``optimizer_offload_fraction``)."""

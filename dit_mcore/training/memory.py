@@ -84,7 +84,7 @@ def state_budget(params: Iterable[tuple[int, int]], *, bf16: bool, distributed_o
     order until the share is reached: per element here)."""
     w = g = m = a = e = saved = grads_saved = mains_saved = host = 0.0
     f = offload_fraction
-    savable = lowerable_moments and not fsdp and not offload_fraction  # (offload steps fp32 moments)
+    savable = lowerable_moments and not fsdp and not f  # (offload steps fp32 moments)
     reads_bf16 = flat_adam and lowerable_moments and not fsdp  # the flat AdamW reads bf16 buffers itself
     for numel, shards in params:
         shard_state = shards if (distributed_optimizer or fsdp) else 1

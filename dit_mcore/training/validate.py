@@ -240,7 +240,7 @@ def _optim_rules(r: _Rules, o, max_steps: int) -> None:
     r.need(_finite(o.clip_grad) and o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, "must be >= 0 (0: no clipping)")
 
 
-def _check_cpu_offload(cfg) -> None:
+def check_cpu_offload(cfg) -> None:
     """``optim.cpu_offload``: megatron's HybridDeviceOptimizer, over megatron DDP's parameters, stepping torch's
     AdamW in fp32 moments."""
     o, why = cfg.optim, None
@@ -385,7 +385,7 @@ def run_problems(cfg, world_size: int) -> list[str]:
         if cfg.optim.split_main_params:
             _check_split_main_params(cfg)
         if cfg.optim.cpu_offload:
-            _check_cpu_offload(cfg)
+            check_cpu_offload(cfg)
         if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
             raise ConfigError("optim.main_grads_dtype='bf16' needs trainer.bf16=True (an fp32 model's gradients are "
                               "fp32); set trainer.bf16=True or optim.main_grads_dtype=fp32")
