@@ -279,25 +279,36 @@ def _layouts_worker(rank, world, run_dir, cases, extras=True):
         results["grads_bf16_ep2"] = _train(_bf16_grads(layout_run(f"{run_dir}/grads_bf16_ep2", "dense", moe=True,
                                                                   expert_model_parallel_size=2, adam_impl="flat")))
     if extras and world == 4:  # a pipeline checkpoint resumed under another pipeline layout (stage 1 owns other layers)
-        resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
-                                     pipeline_model_parallel_size=2))
-        results["resumed_pp2_dp2"] = {"step": resumed.step, "next": resumed.train_step()}
+        results["resumed_pp2_dp2"] = _resumed(layout_run(f"{run_dir}/{RESHARDED[1]}", "dense", distopt=True,
+                                                         pipeline_model_parallel_size=2))
         # Experts saved sharded over EP2 (x expert-TP2) and loaded over EP4.
-        resumed = Trainer(layout_run(f"{run_dir}/{EXPERT_RESHARDED}", "dense", moe=True, expert_model_parallel_size=4))
-        results["resumed_ep4"] = {"step": resumed.step, "next": resumed.train_step()}
+        results["resumed_ep4"] = _resumed(layout_run(f"{run_dir}/{EXPERT_RESHARDED}", "dense", moe=True,
+                                                     expert_model_parallel_size=4))
         # A TP2+SP x CP2 checkpoint loaded into HSDP shards.
-        resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="torch", fsdp_shard_size=2))
-        results["resumed_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
+        results["resumed_hsdp"] = _resumed(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="torch",
+                                                      fsdp_shard_size=2))
         # ... and into Megatron-FSDP's (uneven) shards, HSDP over two replicas.
-        resumed = Trainer(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="megatron", fsdp_shard_size=2))
-        results["resumed_megatron_hsdp"] = {"step": resumed.step, "next": resumed.train_step()}
+        results["resumed_megatron_hsdp"] = _resumed(layout_run(f"{run_dir}/{RESHARDED[0]}", "packed", fsdp="megatron",
+                                                               fsdp_shard_size=2))
         # Megatron-FSDP's expert and dense shards (EP2 x expert-DP2, dense over DP4) loaded under EP2 x CP2 (dense
-        # over DP2 x CP2). (Into megatron DDP they do not load yet: DDP chains the dense and expert optimizers,
-        # "chained_0/1.optimizer.*", where Megatron-FSDP keeps one, "optimizer.*".)
-        resumed = Trainer(layout_run(f"{run_dir}/{EXPERT_FSDP}", "dense", moe=True, expert_model_parallel_size=2,
-                                     context_parallel_size=2, fsdp="megatron"))
-        results["resumed_mfsdp_ep_cp2"] = {"step": resumed.step, "next": resumed.train_step()}
+        # over DP2 x CP2), and into megatron DDP with its distributed optimizer (EP2: the dense and expert
+        # optimizers chained, the other optimizer layout).
+        results["resumed_mfsdp_ep_cp2"] = _resumed(layout_run(f"{run_dir}/{EXPERT_FSDP}", "dense", moe=True,
+                                                              expert_model_parallel_size=2, context_parallel_size=2,
+                                                              fsdp="megatron"))
+        results["resumed_mfsdp_ep_distopt"] = _resumed(layout_run(f"{run_dir}/{EXPERT_FSDP}", "dense", moe=True,
+                                                                  expert_model_parallel_size=2, distopt=True))
+        # ... and the other way: megatron DDP's chained dense and expert optimizers (EP2 x TP2+SP) into Megatron-FSDP
+        results["resumed_ep_mfsdp"] = _resumed(layout_run(f"{run_dir}/{EXPERT_RESHARDED}", "dense", moe=True,
+                                                          expert_model_parallel_size=2, fsdp="megatron"))
     return results
+
+
+def _resumed(cfg: RunConfig) -> dict:
+    """A run resumed from its checkpoint: its step and the two steps after (the second after an update
+    that read the optimizer's loaded state)."""
+    trainer = Trainer(cfg)
+    return {"step": trainer.step, "next": trainer.train_step(), "after": trainer.train_step()}
 
 
 def _drop_compiled_graphs() -> None:
@@ -334,7 +345,7 @@ def reference(tmp_path_factory, data: str, moe: bool = False, family: str = "dit
         kind = "moe" if moe else family + ("_lora" if lora else "")
         run_dir = tmp_path_factory.mktemp(f"single_{data.split(':')[0]}_{kind}")
         _REFERENCES[data, moe, family, lora] = _train(
-            layout_run(run_dir, data, moe=moe, family=family, **(LORA if lora else {})), steps=STEPS + 1,
+            layout_run(run_dir, data, moe=moe, family=family, **(LORA if lora else {})), steps=STEPS + 2,
             samples=family == "dit")
     return _REFERENCES[data, moe, family, lora]
 
@@ -692,19 +703,20 @@ def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates
 @spawn(4)
 @pytest.mark.parametrize("name", RESHARDED)
 def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name):
-    """Weights, EMA and optimizer (the distributed optimizer's too) saved under a model-parallel
-    layout resume on one process and continue the one-process run exactly; the generation command
-    samples the EMA the trainer resumed."""
+    """Weights, EMA and optimizer saved under a model-parallel layout resume on one process with the other
+    optimizer layout (the distributed optimizer's checkpoint without it, the others' with it) and continue
+    the one-process run exactly; the generation command samples the EMA the trainer resumed."""
     _, run_dir = world_results(4)
     data = name.rsplit("_", 1)[1]
     ref = reference(tmp_path_factory, data)
-    resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" in name))  # FSDP -> plain DP too
+    resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" not in name))
     assert resumed.step == STEPS
     want = _generated_from_ema(resumed)
-    nxt = resumed.train_step()
-    torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(torch.tensor(nxt["grad_norm"]), torch.tensor(ref["grad_norm"][STEPS]), rtol=1e-4,
-                               atol=1e-7)
+    for step in (STEPS, STEPS + 1):  # (the second after an update that read the loaded optimizer state)
+        got = resumed.train_step()
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][step]), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][step]), rtol=1e-4,
+                                   atol=1e-7)
     # The generation command reads the same EMA from the checkpoint, resharded by dist_checkpointing
     # into its own (one-process) model, without a trainer.
     from dit_mcore.generate.job import GenerateRequest, generate
@@ -732,28 +744,35 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(world_results, tmp_pa
     ref = reference(tmp_path_factory, "dense", moe=True)
     resumed = Trainer(layout_run(run_dir / EXPERT_TO_ONE, "dense", moe=True))
     assert resumed.step == STEPS
-    nxt = resumed.train_step()
-    torch.testing.assert_close(torch.tensor(nxt["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(torch.tensor(nxt["grad_norm"]), torch.tensor(ref["grad_norm"][STEPS]), rtol=1e-4,
-                               atol=1e-7)
+    for step in (STEPS, STEPS + 1):
+        got = resumed.train_step()
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][step]), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][step]), rtol=1e-4,
+                                   atol=1e-7)
 
 
 @spawn(4)
 @pytest.mark.parametrize("key, data, moe", [("resumed_pp2_dp2", "dense", False), ("resumed_ep4", "dense", True),
                                             ("resumed_hsdp", "packed", False),
                                             ("resumed_megatron_hsdp", "packed", False),
-                                            ("resumed_mfsdp_ep_cp2", "dense", True)])
+                                            ("resumed_mfsdp_ep_cp2", "dense", True),
+                                            ("resumed_mfsdp_ep_distopt", "dense", True),
+                                            ("resumed_ep_mfsdp", "dense", True)])
 def test_checkpoint_resumes_under_another_model_parallel_layout(world_results, tmp_path_factory, key, data, moe):
     """TP2+SP x PP2 -> PP2 x DP2 (each stage loads its own layers by global index),
     EP2 x TP2+SP -> EP4 (each rank loads its own experts) and TP2+SP x CP2 -> HSDP 2x2, FSDP2's
-    and Megatron-FSDP's (each rank keeps its shard of the whole tensors), Megatron-FSDP x EP2 -> x CP2."""
+    and Megatron-FSDP's (each rank keeps its shard of the whole tensors), Megatron-FSDP x EP2 -> x CP2 and
+    -> megatron DDP's chained dense and expert optimizers (distributed), and EP2 x TP2+SP -> Megatron-FSDP x EP2:
+    the two steps after each resume are the one-process run's (the second after an update from the loaded
+    optimizer state)."""
     per_rank, _ = world_results(4)
     ref = reference(tmp_path_factory, data, moe=moe)
     for result in per_rank:
         got = result[key]
         assert got["step"] == STEPS
-        torch.testing.assert_close(torch.tensor(got["next"]["loss"]), torch.tensor(ref["loss"][STEPS]), rtol=1e-5,
-                                   atol=1e-7)
+        for name, step in (("next", STEPS), ("after", STEPS + 1)):
+            torch.testing.assert_close(torch.tensor(got[name]["loss"]), torch.tensor(ref["loss"][step]), rtol=1e-5,
+                                       atol=1e-7)
 
 
 # ---------------------------------------------------------------- validation errors, before compute
@@ -861,24 +880,31 @@ def _megatron_fsdp_bf16_worker(rank, world, run_dir):
     fallback = Trainer(_bf16(f"{run_dir}/broken", fsdp="megatron"))  # fails inside the load, then step 0
     fallback = (fallback.step, fallback.train_step()["loss"])  # before the next trainer replaces its groups
     resumed = Trainer(_bf16(f"{run_dir}/one", fsdp="megatron"))  # a one-process checkpoint, into shards
-    return {"losses": losses, "resumed": (resumed.step, resumed.train_step()["loss"]), "fallback": fallback}
+    resumed = (resumed.step, resumed.train_step()["loss"])
+    # this run's checkpoint (bf16 weights, fp32 main weights) into megatron DDP's distributed optimizer
+    converted = Trainer(_bf16(f"{run_dir}/megatron", distopt=True))
+    converted = [converted.step] + [converted.train_step()["loss"] for _ in range(2)]
+    return {"losses": losses, "resumed": resumed, "fallback": fallback, "converted": converted}
 
 
 def test_megatron_fsdp_bf16_checkpoints_resume_across_layouts(tmp_path):
     """bf16 under Megatron-FSDP: its modules hold fp32 main weights and compute in bf16; its
     checkpoints hold bf16 weights and fp32 main weights as a DDP run's do, so a step after resuming
-    one on one process (and a one-process checkpoint under Megatron-FSDP) is the step the
-    uninterrupted run takes. A checkpoint that fails to load under it falls back to the previous
-    one, which then trains on as the run did."""
+    one on one process (and a one-process checkpoint under Megatron-FSDP, and its own under megatron
+    DDP's distributed optimizer) are the steps the uninterrupted run takes. A checkpoint that fails to
+    load under it falls back to the previous one, which then trains on as the run did."""
     one = Trainer(_bf16(tmp_path / "one"))
     losses = [one.train_step()["loss"] for _ in range(STEPS)]
     one.save()
-    losses.append(one.train_step()["loss"])
+    losses += [one.train_step()["loss"] for _ in range(2)]
     got = run_distributed(_megatron_fsdp_bf16_worker, 2, str(tmp_path))
     resumed = Trainer(_bf16(tmp_path / "megatron"))
     step, after = resumed.step, resumed.train_step()["loss"]
     for result in got:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-3, atol=0)
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[:STEPS + 1]), rtol=1e-3, atol=0)
         assert result["resumed"] == (STEPS, losses[STEPS])
         assert result["fallback"] == (0, result["losses"][0])
+        assert result["converted"][0] == STEPS
+        torch.testing.assert_close(torch.tensor(result["converted"][1:]), torch.tensor(losses[STEPS:]), rtol=1e-3,
+                                   atol=0)
     assert step == STEPS and after == got[0]["losses"][STEPS]

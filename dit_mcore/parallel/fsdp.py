@@ -246,9 +246,11 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
         for name, value in groups.items():
             setattr(opt, name, [[swap(p) for p in group] for group in value])
     failed = False
+    experts = {id(copies[key]) for key in _expert_weights(modules) if key in copies}
+    checkpointable, merge_loaded = _checkpointable(optimizer, {id(copies[key]): cast for key, cast in casts.items()},
+                                                   experts)
     try:
-        yield CheckpointView(_checkpointable(optimizer, {id(copies[key]): cast for key, cast in casts.items()}),
-                             restored_by_optimizer=set(casts), sources=sources)
+        yield CheckpointView(checkpointable, restored_by_optimizer=set(casts), sources=sources)
     except BaseException:
         failed = True
         raise
@@ -256,6 +258,8 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
         # A load that failed on any rank leaves every rank's shards as they were (cutting would
         # gather on some ranks only); the ranks agree on it first.
         cut = loading and not _failed_anywhere(failed, owners[0][2].to_local().device)
+        if cut:
+            merge_loaded()
         for m, name, p in owners:
             m._parameters[name] = p
         for opt, inner, params, groups, sharded_state in saved:
@@ -397,23 +401,68 @@ def _model_weight_dtypes(modules) -> dict:
             for name, main in engine.param_and_grad_buffer.optimizer_named_parameters if name in engine.raw_param}
 
 
-def _checkpointable(optimizer, model_copies: dict):
+def _expert_weights(modules) -> set:
+    """id(sharded main weight) of the experts' weights under Megatron-FSDP (megatron tags the module's
+    own expert-parallel parameters ``allreduce=False``; the optimizer's groups do not tell them apart)."""
+    return {id(main) for engine in _megatron_fsdp(modules)
+            for name, main in engine.param_and_grad_buffer.optimizer_named_parameters
+            if getattr(engine.raw_param.get(name), "allreduce", True) is False}
+
+
+def _checkpointable(optimizer, model_copies: dict, experts: set):
     """Megatron-FSDP's distributed optimizer checkpoints only in torch DCP's ``fsdp_dtensor`` format;
     what it optimizes is torch's Adam over the sharded (fp32 main) parameters, whole inside the view:
     exactly what megatron's ``FP32Optimizer`` checkpoints in one process, or, with ``model_copies``
     (id(whole main weight) -> the module's bf16 copy), its mixed-precision optimizer (same keys as
-    a DDP run, any layout)."""
+    a DDP run, any layout). With experts (``experts``: their whole main weights' ids), the dense and the
+    expert weights are two such optimizers chained, as megatron's DDP chains them (``chained_0.*``,
+    ``chained_1.*``, the expert groups tagged ``is_expert_parallel``), so that checkpoints load across
+    the two. Returns the optimizer to checkpoint and what puts a load into the real one."""
     if not getattr(getattr(optimizer, "ddp_config", None), "use_megatron_fsdp", False):
-        return optimizer
+        return optimizer, lambda: None
+    inner = optimizer.optimizer
+    parts = [[(i, [p for p in group["params"] if (id(p) in experts) is expert])
+              for i, group in enumerate(inner.param_groups)] for expert in (False, True)]
+    parts = [[(i, params) for i, params in part if params] for part in parts]
+    if not parts[1]:
+        return _mixed_precision_view(optimizer, inner, model_copies), lambda: None
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+    pieces = [_groups_of(inner, part, expert) for part, expert in zip(parts, (False, True))]
+
+    def merge_loaded():  # what each piece loaded (its groups' settings, its states), into the whole optimizer
+        for piece, part in zip(pieces, parts):
+            for (i, _), group in zip(part, piece.param_groups):
+                inner.param_groups[i].update({k: v for k, v in group.items()
+                                              if k not in ("params", "is_expert_parallel")})
+            inner.state.update(piece.state)
+    return ChainedOptimizer([_mixed_precision_view(optimizer, piece, model_copies) for piece in pieces]), merge_loaded
+
+
+def _groups_of(inner: torch.optim.Optimizer, part: list, expert: bool) -> torch.optim.Optimizer:
+    """The torch optimizer ``inner`` over some of its parameters (``part``: (group index, its parameters
+    here)): same class, settings and per-parameter states, each group tagged as megatron tags a DDP
+    run's (``is_expert_parallel``); a load replaces groups and states here only."""
+    piece = object.__new__(type(inner))
+    piece.__dict__.update(inner.__dict__)
+    piece.param_groups = [{**inner.param_groups[i], "params": params, "is_expert_parallel": expert}
+                          for i, params in part]
+    own = {id(p) for _, params in part for p in params}
+    piece.state = collections.defaultdict(dict, {p: s for p, s in inner.state.items() if id(p) in own})
+    return piece
+
+
+def _mixed_precision_view(optimizer, inner: torch.optim.Optimizer, model_copies: dict):
+    """Megatron's ``FP32Optimizer`` over ``inner``, or, with ``model_copies``, its mixed-precision
+    optimizer (the modules' bf16 copies as its float16 groups)."""
     from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
     if not model_copies:
-        return FP32Optimizer(optimizer.optimizer, optimizer.config, optimizer.init_state_fn)
+        return FP32Optimizer(inner, optimizer.config, optimizer.init_state_fn)
     # The mixed-precision optimizer's state-dict methods over these groups; its constructor would
     # make new main weights, so only the base class is initialised.
     view = Float16OptimizerWithFloat16Params.__new__(Float16OptimizerWithFloat16Params)
-    MegatronOptimizer.__init__(view, optimizer.optimizer, optimizer.config, optimizer.init_state_fn)
+    MegatronOptimizer.__init__(view, inner, optimizer.config, optimizer.init_state_fn)
     view.grad_scaler = None
-    view.fp32_from_float16_groups = [list(group["params"]) for group in optimizer.optimizer.param_groups]
+    view.fp32_from_float16_groups = [list(group["params"]) for group in inner.param_groups]
     view.float16_groups = [[model_copies[id(p)] for p in group] for group in view.fp32_from_float16_groups]
     return view
 

@@ -12,12 +12,14 @@ last checkpoint before a divergence).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import multiprocessing.managers
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -25,9 +27,10 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, extract_matching_values, merge,
+                                                         nested_values)
 from megatron.core.dist_checkpointing import serialization
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -429,6 +432,96 @@ def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict
                       + (fix or "Resume with the checkpoint's model settings, or set log.dir to a new run directory"))
 
 
+_MAIN_WEIGHT = re.compile(r"((?:chained_\d+\.)?optimizer\.state\.)(param|fp32_param)\.(.+)")
+
+
+def _main_weights_as_saved(optimizer_state: dict, saved: dict) -> tuple[dict, dict]:
+    """A checkpoint written with megatron's distributed optimizer loads without it, and the other way
+    round: the fp32 main weights are ``optimizer.state.param.K`` with it (its ``fully_reshardable``
+    format), ``optimizer.state.fp32_param.K`` in a mixed-precision run without it, and not saved at all
+    in an fp32 run without it (the model's own ``K`` are its main weights). Each main weight requested
+    under a name the checkpoint (``saved``: its tensors' metadata) lacks is read under the one it has.
+    Returns the optimizer's requests and, apart, those for a model weight: a load reads a key once,
+    so these are read by a load of their own."""
+    from_model = set()
+
+    def as_saved(value):
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or value.key in saved:
+            return value
+        match = _MAIN_WEIGHT.fullmatch(value.key)
+        if match is None:
+            return value
+        prefix, name, key = match.groups()
+        other = f"{prefix}{'fp32_param' if name == 'param' else 'param'}.{key}"
+        if other in saved:
+            return dataclasses.replace(value, key=other)
+        if key in saved and saved[key].dtype == torch.float32:
+            value = dataclasses.replace(value, key=key)
+            from_model.add(id(value))
+        return value
+    dict_list_map_inplace(as_saved, optimizer_state)
+    if not from_model:
+        return optimizer_state, {}
+    taken, rest = extract_matching_values(optimizer_state, lambda value: id(value) in from_model)
+    return rest, taken
+
+
+def _layout_of(optimizer) -> str:
+    """How a megatron optimizer (not chained) lays out its checkpoint: ``distributed`` (its distributed
+    optimizer's ``fully_reshardable`` format), ``fp32`` (``FP32Optimizer``: torch's state dict) or
+    ``mixed`` (the mixed-precision optimizers: torch's under ``optimizer``, beside the main weights)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    return "distributed" if isinstance(optimizer, DistributedOptimizer) else \
+        "fp32" if isinstance(optimizer, FP32Optimizer) else "mixed"
+
+
+_PLACES = {"fp32": {"state", "param_groups"}, "mixed": {"optimizer", "fp32_from_fp16_params", "grad_scaler"},
+           "distributed": {"optimizer", "param_state", "param_state_sharding_type", "grad_scaler"}}
+"""What each layout's state dict holds at its top."""
+
+
+def _saved_layout(common: dict) -> str:
+    return "distributed" if "param_state_sharding_type" in common else "mixed" if "optimizer" in common else "fp32"
+
+
+def _as_layout(loaded: dict, common: dict, layout: str) -> None:
+    """Rearrange one optimizer's part of a load for ``layout`` when the checkpoint's optimizer (``common``:
+    its part of the checkpoint's common state) was of another: ``loaded`` has the tensors where this one
+    asked for them, but the parameter groups' settings and the step where the other kept them."""
+    was = _saved_layout(common)
+    if was == layout:
+        return
+    saved_torch = common if was == "fp32" else common["optimizer"]
+    groups = [{k: v for k, v in group.items() if k != "step"} for group in saved_torch["param_groups"]]
+    steps = [group["step"] for group in saved_torch["param_groups"] if "step" in group]
+    step = steps[0] if was == "distributed" and steps else saved_torch.get("state", {}).get("common_step")
+    step = None if step is None else float(step)
+    for key in set(loaded) - _PLACES[layout]:
+        del loaded[key]  # where the other layout keeps what this one keeps elsewhere
+    torch_state = loaded if layout == "fp32" else loaded.setdefault("optimizer", {})
+    if layout == "distributed":
+        torch_state.pop("state", None)
+        torch_state["param_groups"] = [{**group, "step": step} for group in groups]
+        loaded["param_state_sharding_type"] = "fully_reshardable"
+        return
+    mine = torch_state.get("param_groups", [])  # this optimizer's own parameters (not saved)
+    torch_state["param_groups"] = [{**group, "params": own["params"]} for group, own in zip(groups, mine)]
+    if step is not None:
+        torch_state.setdefault("state", {})["common_step"] = torch.tensor(step)
+
+
+def _as_this_optimizer(loaded: dict, common: dict, optimizer) -> None:
+    """A checkpoint of a run with megatron's distributed optimizer loads into one without, and the other
+    way round (with :func:`_main_weights_as_saved`): each (chained) optimizer's load rearranged."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        _as_layout(loaded, common, _layout_of(parts[0]))
+        return
+    for i, part in enumerate(parts):
+        _as_layout(loaded[i], common[i], _layout_of(part))
+
+
 def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per_rank: dict,
                     restore_rng: bool = True, saved_arch: Optional[dict] = None, arch: Optional[dict] = None,
                     ema_partial: bool = False) -> dict:
@@ -445,11 +538,18 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
             template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys,
                                      is_loading=True, ema_partial=ema_partial)
             refuse_other_model(path, template["ema"], saved_arch, arch or {})
+            template["optimizer"], main_from_model = _main_weights_as_saved(
+                template["optimizer"], dist_checkpointing.load_tensors_metadata(str(path)))
             partial = {"ema": template.pop("ema")} if ema_partial else None
             loaded = dist_checkpointing.load(template, str(path))
+            if main_from_model:
+                apart = dist_checkpointing.load({"main_from_model": main_from_model}, str(path),
+                                                validate_access_integrity=False)
+                merge(loaded["optimizer"], apart["main_from_model"])
             if partial is not None:  # each rank reads the tensors its shards cut: no cover of every tensor by
                 loaded["ema"] = dist_checkpointing.load(  # one main replica to validate
                     partial, str(path), validate_access_integrity=False)["ema"]
+            _as_this_optimizer(loaded["optimizer"], load_common(path)["optimizer"], view.optimizer)
             view.optimizer.load_state_dict(loaded.pop("optimizer"))
         view.load_module(model, loaded.pop("model"))
     ema = {k.removeprefix("ema."): v for k, v in loaded.pop("ema").items()}
