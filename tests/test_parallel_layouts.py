@@ -722,15 +722,17 @@ def test_bf16_gradient_buffers_reduce_across_replicas_as_one_process_accumulates
 
 
 @spawn(4)
+@pytest.mark.parametrize("other_optimizer", [False, True], ids=["same_optimizer", "other_optimizer"])
 @pytest.mark.parametrize("name", RESHARDED)
-def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name):
-    """Weights, EMA and optimizer saved under a model-parallel layout resume on one process with the other
-    optimizer layout (the distributed optimizer's checkpoint without it, the others' with it) and continue
-    the one-process run exactly; the generation command samples the EMA the trainer resumed."""
+def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name, other_optimizer):
+    """Weights, EMA and optimizer saved under a model-parallel layout resume on one process, with the same
+    optimizer layout and with the other one (the distributed optimizer's checkpoint without it, the others'
+    with it), and continue the one-process run exactly; the generation command samples the EMA the trainer
+    resumed."""
     _, run_dir = world_results(4)
     data = name.rsplit("_", 1)[1]
     ref = reference(tmp_path_factory, data)
-    resumed = Trainer(layout_run(run_dir / name, data, distopt="distopt" not in name))
+    resumed = Trainer(layout_run(run_dir / name, data, distopt=("distopt" in name) != other_optimizer))
     assert resumed.step == STEPS
     want = _generated_from_ema(resumed)
     for step in (STEPS, STEPS + 1):  # (the second after an update that read the loaded optimizer state)
@@ -738,6 +740,8 @@ def test_checkpoint_resumes_on_one_process(world_results, tmp_path_factory, name
         torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"][step]), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"][step]), rtol=1e-4,
                                    atol=1e-7)
+    if other_optimizer:
+        return
     # The generation command reads the same EMA from the checkpoint, resharded by dist_checkpointing
     # into its own (one-process) model, without a trainer.
     from dit_mcore.generate.job import GenerateRequest, generate
@@ -902,9 +906,14 @@ def _megatron_fsdp_bf16_worker(rank, world, run_dir):
     fallback = (fallback.step, fallback.train_step()["loss"])  # before the next trainer replaces its groups
     resumed = Trainer(_bf16(f"{run_dir}/one", fsdp="megatron"))  # a one-process checkpoint, into shards
     resumed = (resumed.step, resumed.train_step()["loss"])
-    # this run's checkpoint (bf16 weights, fp32 main weights) into megatron DDP's distributed optimizer
-    converted = Trainer(_bf16(f"{run_dir}/megatron", distopt=True))
-    converted = [converted.step] + [converted.train_step()["loss"] for _ in range(2)]
+    # this run's checkpoint (bf16 weights, fp32 main weights) into megatron DDP's distributed optimizer, which
+    # saves it again (its main weights as "param", the step in its groups) for the parent to load without it
+    if rank == 0:
+        shutil.copytree(f"{run_dir}/megatron/checkpoints", f"{run_dir}/converted/checkpoints")
+    torch.distributed.barrier()
+    trainer = Trainer(_bf16(f"{run_dir}/converted", distopt=True))
+    converted = [trainer.step] + [trainer.train_step()["loss"] for _ in range(2)]
+    trainer.save()
     return {"losses": losses, "resumed": resumed, "fallback": fallback, "converted": converted}
 
 
@@ -912,20 +921,25 @@ def test_megatron_fsdp_bf16_checkpoints_resume_across_layouts(tmp_path):
     """bf16 under Megatron-FSDP: its modules hold fp32 main weights and compute in bf16; its
     checkpoints hold bf16 weights and fp32 main weights as a DDP run's do, so a step after resuming
     one on one process (and a one-process checkpoint under Megatron-FSDP, and its own under megatron
-    DDP's distributed optimizer) are the steps the uninterrupted run takes. A checkpoint that fails to
+    DDP's distributed optimizer, whose checkpoint then resumes on one process without it) are the steps
+    the uninterrupted run takes. A checkpoint that fails to
     load under it falls back to the previous one, which then trains on as the run did."""
     one = Trainer(_bf16(tmp_path / "one"))
     losses = [one.train_step()["loss"] for _ in range(STEPS)]
     one.save()
-    losses += [one.train_step()["loss"] for _ in range(2)]
+    losses += [one.train_step()["loss"] for _ in range(4)]
     got = run_distributed(_megatron_fsdp_bf16_worker, 2, str(tmp_path))
     resumed = Trainer(_bf16(tmp_path / "megatron"))
     step, after = resumed.step, resumed.train_step()["loss"]
+    back = Trainer(_bf16(tmp_path / "converted"))  # the distributed optimizer's checkpoint, without it
+    assert back.step == STEPS + 2
+    torch.testing.assert_close(torch.tensor([back.train_step()["loss"] for _ in range(2)]),
+                               torch.tensor(losses[STEPS + 2:]), rtol=1e-3, atol=0)
     for result in got:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[:STEPS + 1]), rtol=1e-3, atol=0)
         assert result["resumed"] == (STEPS, losses[STEPS])
         assert result["fallback"] == (0, result["losses"][0])
         assert result["converted"][0] == STEPS
-        torch.testing.assert_close(torch.tensor(result["converted"][1:]), torch.tensor(losses[STEPS:]), rtol=1e-3,
-                                   atol=0)
+        torch.testing.assert_close(torch.tensor(result["converted"][1:]), torch.tensor(losses[STEPS:STEPS + 2]),
+                                   rtol=1e-3, atol=0)
     assert step == STEPS and after == got[0]["losses"][STEPS]

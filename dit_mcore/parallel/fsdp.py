@@ -430,10 +430,14 @@ def _checkpointable(optimizer, model_copies: dict, experts: set):
     pieces = [_groups_of(inner, part, expert) for part, expert in zip(parts, (False, True))]
 
     def merge_loaded():  # what each piece loaded (its groups' settings, its states), into the whole optimizer
+        settings = {}
         for piece, part in zip(pieces, parts):
             for (i, _), group in zip(part, piece.param_groups):
-                inner.param_groups[i].update({k: v for k, v in group.items()
-                                              if k not in ("params", "is_expert_parallel")})
+                loaded = {k: v for k, v in group.items() if k not in ("params", "is_expert_parallel")}
+                if settings.setdefault(i, loaded) != loaded:  # (one group here, two in the checkpoint)
+                    raise RuntimeError(f"the checkpoint's dense and expert parameter groups differ ({settings[i]} vs "
+                                       f"{loaded}) where Megatron-FSDP steps them as one group")
+                inner.param_groups[i].update(loaded)
             inner.state.update(piece.state)
     return ChainedOptimizer([_mixed_precision_view(optimizer, piece, model_copies) for piece in pieces]), merge_loaded
 

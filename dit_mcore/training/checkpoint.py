@@ -488,15 +488,18 @@ def _saved_layout(common: dict) -> str:
 def _as_layout(loaded: dict, common: dict, layout: str) -> None:
     """Rearrange one optimizer's part of a load for ``layout`` when the checkpoint's optimizer (``common``:
     its part of the checkpoint's common state) was of another: ``loaded`` has the tensors where this one
-    asked for them, but the parameter groups' settings and the step where the other kept them."""
+    asked for them, but the parameter groups' settings and the step where the other kept them. The step:
+    a group's ``step`` (the distributed optimizer's; TE's and apex's FusedAdam keep theirs there in any
+    layout), else the state's ``common_step`` (torch's AdamW), else 0 (a checkpoint before the first step)."""
+    from megatron.core.optimizer import distrib_optimizer
     was = _saved_layout(common)
     if was == layout:
         return
     saved_torch = common if was == "fp32" else common["optimizer"]
     groups = [{k: v for k, v in group.items() if k != "step"} for group in saved_torch["param_groups"]]
-    steps = [group["step"] for group in saved_torch["param_groups"] if "step" in group]
-    step = steps[0] if was == "distributed" and steps else saved_torch.get("state", {}).get("common_step")
-    step = None if step is None else float(step)
+    steps = [group["step"] for group in saved_torch["param_groups"] if group.get("step") is not None]
+    step = steps[0] if steps else saved_torch.get("state", {}).get("common_step", 0)
+    step = int(step) if distrib_optimizer.HAVE_APEX_OR_TE else float(step)  # (as megatron writes it)
     for key in set(loaded) - _PLACES[layout]:
         del loaded[key]  # where the other layout keeps what this one keeps elsewhere
     torch_state = loaded if layout == "fp32" else loaded.setdefault("optimizer", {})
@@ -506,9 +509,15 @@ def _as_layout(loaded: dict, common: dict, layout: str) -> None:
         loaded["param_state_sharding_type"] = "fully_reshardable"
         return
     mine = torch_state.get("param_groups", [])  # this optimizer's own parameters (not saved)
-    torch_state["param_groups"] = [{**group, "params": own["params"]} for group, own in zip(groups, mine)]
-    if step is not None:
-        torch_state.setdefault("state", {})["common_step"] = torch.tensor(step)
+    torch_state["param_groups"] = [{**group, "step": step, "params": own["params"]} for group, own in zip(groups, mine)]
+    torch_state.setdefault("state", {})["common_step"] = torch.tensor(float(step))
+
+
+def _on_any_rank(flag: bool) -> bool:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    flag = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _as_this_optimizer(loaded: dict, common: dict, optimizer) -> None:
@@ -518,6 +527,11 @@ def _as_this_optimizer(loaded: dict, common: dict, optimizer) -> None:
     if len(parts) == 1:
         _as_layout(loaded, common, _layout_of(parts[0]))
         return
+    if not all(i in common for i in range(len(parts))):
+        raise CheckpointError(
+            f"the checkpoint holds one optimizer where this run chains {len(parts)} (megatron's dense and expert "
+            "optimizers): a Megatron-FSDP run with experts written before its checkpoints took megatron DDP's "
+            "chained form (2026-12-01); start a new run from its weights with trainer.init_from=<its step folder>")
     for i, part in enumerate(parts):
         _as_layout(loaded[i], common[i], _layout_of(part))
 
@@ -542,7 +556,7 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
                 template["optimizer"], dist_checkpointing.load_tensors_metadata(str(path)))
             partial = {"ema": template.pop("ema")} if ema_partial else None
             loaded = dist_checkpointing.load(template, str(path))
-            if main_from_model:
+            if _on_any_rank(bool(main_from_model)):  # (a collective load: every rank takes part)
                 apart = dist_checkpointing.load({"main_from_model": main_from_model}, str(path),
                                                 validate_access_integrity=False)
                 merge(loaded["optimizer"], apart["main_from_model"])
