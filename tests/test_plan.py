@@ -149,6 +149,39 @@ def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, cap
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
 
 
+def test_where_nothing_fits_the_device_the_search_offloads_the_least_optimizer_state_that_fits(tmp_path, capsys):
+    """Elixir's way out on a small cluster: one GPU too small for every layout takes the optimizer state of
+    the least share (of 0.25 ... 1) that frees what it lacks into host memory (megatron's offload, under
+    its distributed optimizer); the host step is priced, the layout passes the offload check, and the
+    best one's overrides, as --emit prints them, train."""
+    from dit_mcore.plan.search import accepted
+    small = [*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.003"]
+    out = tmp_path / "layouts.jsonl"
+    assert cli.main([*small, "--json", str(out)]) == 0
+    records = {Layout.of(r["overrides"]): r for r in map(json.loads, out.read_text().splitlines())}
+    offloaded = {layout: r for layout, r in records.items() if layout.offload}
+    best = next(iter(records))
+    assert best.offload and records[best]["fits"] and not any(r["fits"] for layout, r in records.items()
+                                                             if not layout.offload)
+    base, _ = cli.run_config(cli.parse_args(small))
+    planner = cli.planner_of(cli.parse_args(small))
+    for layout, record in offloaded.items():
+        assert accepted(base, layout, 1) is None
+        twin = records[Layout(**{**vars(layout), "offload": 0.0, "distopt": False})]
+        assert record["memory_gib"]["optimizer"] < twin["memory_gib"]["optimizer"] and record["host_gib"] > 0
+        assert record["step_parts_s"]["optimizer"] > twin["step_parts_s"]["optimizer"]  # (the host's step)
+        less = [f for f in (0.25, 0.5, 0.75) if f < layout.offload]
+        if less:  # the least share that fits: the next smaller one does not
+            assert not planner.evaluate(Layout(**{**vars(layout), "offload": less[-1]})).fits
+    capsys.readouterr()
+    assert cli.main([*small, "--emit"]) == 0
+    emitted = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert "optim.cpu_offload=True" in emitted and "trainer.bf16=True" in emitted
+    from dit_mcore.training.trainer import pretrain
+    history = pretrain(resolve(pretrain_tiny, [*emitted, "trainer.max_steps=1", f"log.dir={tmp_path / 'run'}"]))
+    assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
+
+
 def test_the_search_offers_fsdp_with_experts_where_the_layout_check_takes_it():
     """An MoE model on 4 GPUs: Megatron-FSDP with EP2 (experts over two expert-data-parallel ranks) is among
     the accepted candidates; FSDP2 with EP, and EP with no rank sharing an expert under FSDP, are not."""
@@ -250,11 +283,12 @@ def test_bad_input_gets_one_line(args, message, capsys):
 
 
 def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):
-    """Nothing fits one GPU whose memory is under the tiny run's need; the message names the smallest
-    cluster that fits (its state sharded over more ranks), or says that 64x more GPUs do not."""
-    assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.003"]) == 1
+    """Nothing fits one GPU whose memory is under the tiny run's need, even with its optimizer state in host
+    memory; the message names the smallest cluster that fits (its state sharded over more ranks), or says
+    that 64x more GPUs do not."""
+    assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.002"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no layout fits 1 x H100-80GB; the smallest needs" in err[0], err
-    assert "; 2 GPUs fit it (" in err[0] and " MiB per GPU)" in err[0], err
+    assert "; 4 GPUs fit it (" in err[0] and " MiB per GPU)" in err[0], err
     assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.00001"]) == 1
     assert "64 times more GPUs do not fit it either" in capsys.readouterr().err

@@ -43,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "the step time comes from the table's measured rates)")
     ap.add_argument("--nvlink-gbs", type=float, help="override the intra-node bandwidth (GB/s per direction)")
     ap.add_argument("--network-gbs", type=float, help="override the inter-node bandwidth (GB/s per direction per GPU)")
+    ap.add_argument("--pcie-gbs", type=float, help="override the host link (GB/s per direction per GPU), what "
+                    "optimizer offload moves")
+    ap.add_argument("--host-gbs", type=float, help="override the host memory bandwidth a GPU's offloaded AdamW has "
+                    "(GB/s)")
     ap.add_argument("--workspace-gib", type=float, help="override what the device holds outside a step's tensors "
                     "(CUDA context, cuBLAS and NCCL workspaces, allocator slack; the table's: 3)")
     ap.add_argument("--top", type=int, default=5, help="layouts to print")
@@ -141,7 +145,8 @@ def explain(planner: Planner, e, world: int) -> str:
 def planner_of(args) -> Planner:
     """The planner of the parsed command line ``args`` (:func:`parse_args`)."""
     device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
-                       nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib)
+                       nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib,
+                       pcie_gbs=args.pcie_gbs, host_gbs=args.host_gbs)
     cfg, frame = run_config(args)
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError("--gpus and --gpus-per-node must be >= 1")

@@ -51,6 +51,12 @@ class GPU:
     workspace_gib: float
     """Held outside the tensors a step creates: CUDA context, cuBLAS and NCCL workspaces, allocator slack."""
     rates: Rates
+    pcie_gbs: float = 64.0
+    """Host <-> device, per direction, per GPU (PCIe Gen5 x16; data sheet, not measured here): what
+    ``optim.cpu_offload`` moves each step."""
+    host_gbs: float = 77.0
+    """The host memory bandwidth a GPU's share of its node's CPUs has for the offloaded AdamW (data sheets, not
+    measured here: a DGX H100's two Xeon 8480C, 16 channels of DDR5-4800, 614 GB/s over 8 GPUs)."""
 
 
 # H200 rates: DiT-XL/2 at batch 128, compiled, bf16 (benchmarks/results/h200_2026-11-26_profile.md, call 2):
@@ -86,10 +92,11 @@ def _scaled(rates: Rates, by: float, name: str) -> Rates:
 GPUS = {g.name: g for g in (
     GPU("H100-80GB", 79.2, PEAK_TFLOPS["H100"]["bf16"], 450.0, 50.0, 3.0, _H100),
     GPU("H200", 140.4, PEAK_TFLOPS["H200"]["bf16"], 450.0, 50.0, 3.0, _H200),
-    GPU("B200", 167.6, PEAK_TFLOPS["B200"]["bf16"], 900.0, 50.0, 3.0,
-        _scaled(_H100, PEAK_TFLOPS["B200"]["bf16"] / PEAK_TFLOPS["H100"]["bf16"], "B200")),
-    GPU("A100-80GB", 79.2, PEAK_TFLOPS["A100"]["bf16"], 300.0, 25.0, 3.0,
-        _scaled(_H100, PEAK_TFLOPS["A100"]["bf16"] / PEAK_TFLOPS["H100"]["bf16"], "A100")),
+    GPU("B200", 167.6, PEAK_TFLOPS["B200"]["bf16"], 900.0, 50.0, 3.0,  # (DGX B200: Xeon 8570, DDR5-5600)
+        _scaled(_H100, PEAK_TFLOPS["B200"]["bf16"] / PEAK_TFLOPS["H100"]["bf16"], "B200"), host_gbs=90.0),
+    GPU("A100-80GB", 79.2, PEAK_TFLOPS["A100"]["bf16"], 300.0, 25.0, 3.0,  # (PCIe Gen4; DGX A100: EPYC 7742, DDR4)
+        _scaled(_H100, PEAK_TFLOPS["A100"]["bf16"] / PEAK_TFLOPS["H100"]["bf16"], "A100"), pcie_gbs=32.0,
+        host_gbs=51.0),
 )}
 
 

@@ -33,6 +33,8 @@ RECOMPUTE = {"none": _OFF,
 SEARCHED_RECOMPUTE = ("none", "selective_mlp", "full")
 """What the search tries (core attention alone is not: the fused attention kernels keep only their output
 and log-sum-exp, so recomputing it buys little memory; ``--explain`` takes every mode)."""
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+"""The shares of the optimizer state the search offers to offload (``optim.offload_fraction``)."""
 CHUNK_TOKENS = 4096
 """The chunk the search offers (``model.chunk_tokens``) where a micro-batch puts more than twice as many
 tokens on a rank; ``--explain`` takes any."""
@@ -60,6 +62,10 @@ class Layout:
     chunk_tokens: int = 0
     """``model.chunk_tokens`` (0: off)."""
     micro_batch: int = 1
+    offload: float = 0.0
+    """``optim.offload_fraction`` with ``optim.cpu_offload`` (0: off): the search offers it only where no layout
+    fits on the device (experimental: megatron's offload has not run on a GPU here, and its host step is
+    priced from data sheets)."""
 
     def overrides(self) -> dict:
         """The fields of ``recipes/pretrain_xl.py`` this layout sets."""
@@ -76,6 +82,9 @@ class Layout:
             out["parallel.hierarchical_context_parallel_sizes"] = [self.cp_a2a, self.cp // max(self.cp_a2a, 1)]
         out.update({f"model.{k}": v for k, v in RECOMPUTE[self.recompute].items()})
         out["model.chunk_tokens"] = self.chunk_tokens or None
+        if self.offload:  # (megatron's offload steps its own AdamW, not the flat one, of a bf16 run's main weights)
+            out.update({"optim.cpu_offload": True, "optim.offload_fraction": self.offload, "optim.adam_impl": "auto",
+                        "trainer.bf16": True})
         return out
 
     @classmethod
@@ -91,7 +100,8 @@ class Layout:
                    vpp=p("virtual_pipeline_model_parallel_size") or 1, ep=p("expert_model_parallel_size"),
                    fsdp=p("fsdp"), fsdp_shard=p("fsdp_shard_size") or 0,
                    distopt=overrides["optim.use_distributed_optimizer"], recompute=recompute,
-                   chunk_tokens=model.get("chunk_tokens") or 0, micro_batch=overrides["data.micro_batch_size"])
+                   chunk_tokens=model.get("chunk_tokens") or 0, micro_batch=overrides["data.micro_batch_size"],
+                   offload=overrides["optim.offload_fraction"] if overrides.get("optim.cpu_offload") else 0.0)
 
     def apply(self, cfg):
         cfg = copy.deepcopy(cfg)
@@ -114,6 +124,7 @@ class Layout:
         parts += [f"DP{dp}" + sharding]
         parts += [f"mb{self.micro_batch}"] + ([f"recompute:{self.recompute}"] if self.recompute != "none" else [])
         parts += [f"chunk{self.chunk_tokens}"] if self.chunk_tokens else []
+        parts += [f"offload:{self.offload:g}"] if self.offload else []
         return " ".join(parts)
 
     @classmethod
@@ -154,7 +165,8 @@ class Evaluation:
                 "step_parts_s": {k: _digits(getattr(self.step, k)) for k in ("compute", "exposed_comm", "bubble",
                                                                              "optimizer")},
                 "tflops_per_gpu": round(self.tflops_per_gpu, 1), "mfu": round(self.mfu, 4),
-                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1)}
+                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
+                **({"host_gib": _digits(self.memory.state.host / GiB)} if self.memory.state.host else {})}
 
 
 def _digits(x: float) -> float:
@@ -241,10 +253,12 @@ class Planner:
         s = memory.state
         stepped = (s.main_weights / 4 if cfg.trainer.bf16 else s.weights / 4)
         grad_bytes = model.numel * (2 if cfg.optim.main_grads_dtype == "bf16" else 4)
+        offloaded = stepped * cfg.optim.offload_fraction if cfg.optim.cpu_offload else 0.0
         step = step_time(profile.at(memory.stage_layers), parallel=p, microbatches=micro, gpu=self.gpu,
                          gpus_per_node=self.gpus_per_node, world=self.world,
                          grad_bytes=grad_bytes, weight_bytes=model.weight_bytes, stepped_elements=stepped,
-                         ema_elements=s.ema / 4, distributed_optimizer=cfg.optim.use_distributed_optimizer)
+                         ema_elements=s.ema / 4, distributed_optimizer=cfg.optim.use_distributed_optimizer,
+                         offloaded_elements=offloaded)
         batch = self.batch(1)
         per_sample = dit_flops(model.config, batch.seqlens, batch.text_seqlens,
                                [int(g[0]) for g in batch.grids]).model
@@ -289,11 +303,35 @@ class Planner:
             done.append(self.evaluate(layout))
             if on_each:
                 on_each(done[-1])
+        if not any(e.fits for e in done):  # Elixir's way out: optimizer state in host memory
+            for offloaded in filter(None, map(self._offloaded, list(done))):
+                done.append(offloaded)
+                if on_each:
+                    on_each(offloaded)
         # (a tie, which the per-sample trace makes of micro-batch sizes: the larger one, fewer kernel launches)
         done.sort(key=lambda e: (not e.fits, -float(f"{e.tokens_per_s_per_gpu:.4g}"), -e.layout.micro_batch,
                                  e.memory.total))
         return done, refused
 
+    def _offloaded(self, evaluation: Evaluation) -> Optional[Evaluation]:
+        """``evaluation``'s layout with the least of :data:`OFFLOAD_FRACTIONS` of its optimizer state in host
+        memory that fits, evaluated (None: none fits, or it cannot offload). Offload runs under the distributed
+        optimizer only: a layout without it takes it (one data-parallel rank; with more, the search's twin with
+        it is offloaded instead)."""
+        layout = evaluation.layout
+        single = self.world == layout.tp * layout.cp * layout.pp
+        lacking = evaluation.memory.total - self.gpu.memory_gib * GiB
+        if layout.fsdp != "none" or layout.offload or not (layout.distopt or single) \
+                or lacking > evaluation.memory.state.adam:  # (more than all of its moments: no share fits)
+            return None
+        for fraction in OFFLOAD_FRACTIONS:
+            offloaded = dataclasses.replace(layout, distopt=True, offload=fraction)
+            if accepted(self.cfg, offloaded, self.world) is not None:
+                return None
+            offloaded = self.evaluate(offloaded)
+            if offloaded.fits:
+                return offloaded
+        return None
     def resized(self, world: int) -> "Planner":
         """The same run on ``world`` GPUs, sharing the traces (they do not depend on the data-parallel size)."""
         other = Planner(self.cfg, world, self.gpu, self.gpus_per_node, self.batch)

@@ -19,6 +19,8 @@ BUS_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (
         "broadcast": lambda n: 1.0}
 ADAM_BYTES = 30  # per stepped element: fp32 main and moments read and written, gradient read, bf16 weight written
 EMA_BYTES = 10   # per element: the fp32 shadow read and written, the bf16 weight read
+OFFLOAD_LINK_BYTES = 8  # per offloaded element: its fp32 gradient to the host, its fp32 main weight back
+HOST_ADAM_BYTES = 28    # ... and on the host: the gradient read, the main weight and both moments read and written
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,13 @@ def span(name: str, size: int, parallel, world: int) -> int:
 
 def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, gpus_per_node: int,
               world: int, grad_bytes: float, weight_bytes: float, stepped_elements: float, ema_elements: float,
-              distributed_optimizer: bool) -> StepTime:
+              distributed_optimizer: bool, offloaded_elements: float = 0.0) -> StepTime:
     """The step of a rank whose every micro-batch costs ``micro`` (its stage's layers), ``microbatches`` per
     step; ``grad_bytes`` / ``weight_bytes``: the whole gradient buffer and weights of its share of the model
     (TP/PP/EP), unsharded: what data parallelism reduces and gathers; ``stepped_elements``: the main
-    weights its optimizer steps; ``ema_elements``: the EMA it folds (0: offloaded)."""
+    weights its optimizer steps, ``offloaded_elements`` of them on the host (``optim.cpu_offload``:
+    megatron's offload copies their gradients over, steps them and copies them back one after the other);
+    ``ema_elements``: the EMA it folds (0: offloaded)."""
     p, r = parallel, gpu.rates
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     dp = world // (tp * cp * pp)
@@ -103,6 +107,7 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
         dp_exposed = (max(0.0, reduce - 2 * kernels / 3) if p.overlap_grad_reduce else reduce) \
             + (max(0.0, gather - kernels / 3) if p.overlap_param_gather else gather)
     bubble = (pp - 1) / (p.virtual_pipeline_model_parallel_size or 1) * per_micro if pp > 1 else 0.0
-    optimizer = (ADAM_BYTES * stepped_elements + EMA_BYTES * ema_elements) / (r.memory_gbs * GB)
+    optimizer = (ADAM_BYTES * (stepped_elements - offloaded_elements) + EMA_BYTES * ema_elements) / (r.memory_gbs * GB)
+    optimizer += offloaded_elements * (OFFLOAD_LINK_BYTES / gpu.pcie_gbs + HOST_ADAM_BYTES / gpu.host_gbs) / GB
     return StepTime(microbatches * kernels, microbatches * exposed + dp_exposed, bubble, optimizer,
                     microbatches * gemm, microbatches * attention, microbatches * memory_bound)
