@@ -257,7 +257,7 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     finally:
         # A load that failed on any rank leaves every rank's shards as they were (cutting would
         # gather on some ranks only); the ranks agree on it first.
-        cut = loading and not _failed_anywhere(failed, owners[0][2].to_local().device)
+        cut = loading and not on_any_rank(failed, owners[0][2].to_local().device)
         if cut:
             merge_loaded()
         for m, name, p in owners:
@@ -283,8 +283,9 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
             raise RuntimeError("the checkpoint failed to load on another rank (see its error); nothing was loaded")
 
 
-def _failed_anywhere(failed: bool, device: torch.device) -> bool:
-    flag = torch.tensor([int(failed)], device=device)
+def on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (every rank calls it; ``device``: where the process group reduces)."""
+    flag = torch.tensor([int(flag)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

@@ -35,7 +35,8 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveSt
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
+from dit_mcore.parallel.fsdp import on_any_rank, publish_weights, whole_checkpoint_view
+from dit_mcore.parallel.initialize import run_device
 from dit_mcore.training import torch_optimizer
 from dit_mcore.training.optim import HostAdamW
 from dit_mcore.training.split_main import whole_main_weights
@@ -401,12 +402,13 @@ def _tensor_shapes(sharded: dict) -> dict:
 
 
 def refuse_other_model(path: Path, template_ema: dict, saved_arch: Optional[dict], arch: dict,
-                       fix: Optional[str] = None) -> None:
+                       fix: Optional[str] = None, metadata: Optional[dict] = None) -> None:
     """Fail before loading when the checkpoint's weights are not this model's: tensors missing,
     extra (e.g. a layer fewer) or of another shape. The message lists the config fields that
-    differ. Compared on the EMA copy, which holds exactly the model's tensors."""
-    saved = {k: tuple(t.global_shape) for k, t in dist_checkpointing.load_tensors_metadata(str(path)).items()
-             if k.startswith("ema.")}
+    differ. Compared on the EMA copy, which holds exactly the model's tensors. ``metadata``: the checkpoint's
+    tensors' (``dist_checkpointing.load_tensors_metadata``) when the caller has read it already."""
+    metadata = dist_checkpointing.load_tensors_metadata(str(path)) if metadata is None else metadata
+    saved = {k: tuple(t.global_shape) for k, t in metadata.items() if k.startswith("ema.")}
     ours = {}  # every rank's tensors: a pipeline stage holds only its own layers
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, _tensor_shapes(template_ema))
@@ -513,13 +515,6 @@ def _as_layout(loaded: dict, common: dict, layout: str) -> None:
     torch_state.setdefault("state", {})["common_step"] = torch.tensor(float(step))
 
 
-def _on_any_rank(flag: bool) -> bool:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    flag = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def _as_this_optimizer(loaded: dict, common: dict, optimizer) -> None:
     """A checkpoint of a run with megatron's distributed optimizer loads into one without, and the other
     way round (with :func:`_main_weights_as_saved`): each (chained) optimizer's load rearranged."""
@@ -551,12 +546,12 @@ def load_checkpoint(path: Path, model, ema_model, optimizer, *, extra: dict, per
         with whole_checkpoint_view((model, ema_model), optimizer, loading=True) as view:  # FSDP: into whole copies
             template = sharded_state(model, ema_model, view.optimizer, extra=extra, per_rank=rank_keys,
                                      is_loading=True, ema_partial=ema_partial)
-            refuse_other_model(path, template["ema"], saved_arch, arch or {})
-            template["optimizer"], main_from_model = _main_weights_as_saved(
-                template["optimizer"], dist_checkpointing.load_tensors_metadata(str(path)))
+            metadata = dist_checkpointing.load_tensors_metadata(str(path))
+            refuse_other_model(path, template["ema"], saved_arch, arch or {}, metadata=metadata)
+            template["optimizer"], main_from_model = _main_weights_as_saved(template["optimizer"], metadata)
             partial = {"ema": template.pop("ema")} if ema_partial else None
             loaded = dist_checkpointing.load(template, str(path))
-            if _on_any_rank(bool(main_from_model)):  # (a collective load: every rank takes part)
+            if on_any_rank(bool(main_from_model), run_device()):  # (a collective load: every rank takes part)
                 apart = dist_checkpointing.load({"main_from_model": main_from_model}, str(path),
                                                 validate_access_integrity=False)
                 merge(loaded["optimizer"], apart["main_from_model"])
