@@ -127,8 +127,10 @@ def _start_under_layouts(rank, world, cases):
 
 
 def test_every_rank_starts_from_its_shards_of_the_source_under_tensor_and_pipeline_parallel(trained, tmp_path):
-    """Tensor parallel from another run's checkpoint and pipeline parallel from diffusers weights (converted by
-    rank 0, read by both): the step-0 checkpoint, gathered whole, holds the source's weights bit for bit."""
+    """Tensor parallel from another run's checkpoint, pipeline parallel from diffusers weights (converted by
+    rank 0, read by both), and FSDP2 and Megatron-FSDP (bf16) models built on the meta device, loaded into
+    their shards after sharding: the step-0 checkpoint, gathered whole, holds the source's weights bit for
+    bit (bf16-rounded for the bf16 run)."""
     from safetensors.torch import load_file
 
     from dist_utils import run_distributed
@@ -144,10 +146,18 @@ def test_every_rank_starts_from_its_shards_of_the_source_under_tensor_and_pipeli
     pp.data = DataConfig(name="mock", global_batch_size=4, micro_batch_size=2)
     pp.parallel.pipeline_model_parallel_size = 2
     pp.trainer = dataclasses.replace(pp.trainer, init_from=str(tmp_path / "diffusers"))
-    run_distributed(_start_under_layouts, 2, [tp, pp])
+    fsdp = tiny_run(tmp_path / "fsdp_meta")
+    fsdp.parallel.fsdp = "torch"
+    megatron_fsdp = tiny_run(tmp_path / "mfsdp_meta_bf16")
+    megatron_fsdp.parallel.fsdp, megatron_fsdp.trainer.bf16 = "megatron", True
+    for cfg in (fsdp, megatron_fsdp):
+        cfg.model.init_model_with_meta_device = True
+        cfg.trainer = dataclasses.replace(cfg.trainer, init_from=str(run_dir))
+    run_distributed(_start_under_layouts, 2, [tp, pp, fsdp, megatron_fsdp])
     whole_model_world()
     diffusers = _state(load_diffusers(str(tmp_path / "diffusers")))
-    for name, want in (("tp2", ema), ("pp2", diffusers)):
+    bf16 = {k: v.bfloat16().float() for k, v in ema.items()}
+    for name, want in (("tp2", ema), ("pp2", diffusers), ("fsdp_meta", ema), ("mfsdp_meta_bf16", bf16)):
         for weights in ("model", "ema"):
             out = export_checkpoint(str(tmp_path / name), str(tmp_path / f"{name}_{weights}"), to="safetensors",
                                     weights=weights)

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dit_mcore.parallel.adam_step import step_device
+from dit_mcore.parallel.initialize import on_any_rank
 
 
 def fsdp_groups() -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
@@ -174,7 +175,9 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     :meth:`CheckpointView.localize` turns the state dict built over them into this rank's rows (no
     memory beyond the shards). With ``loading`` they are gathered whole copies, and whatever was
     loaded into them is cut back into this rank's shards on exit (one unsharded model and optimizer
-    state per rank while open). A no-op without FSDP. Yields a :class:`CheckpointView`.
+    state per rank while open). ``optimizer`` None: the modules alone (``trainer.init_from`` reads its
+    weights into the whole copies, then loads them with :func:`shard_like`). A no-op without FSDP. Yields a
+    :class:`CheckpointView`.
 
     Megatron-FSDP's module parameters are its fp32 main weights; when it computes in bf16 the
     modules show bf16 copies instead and the optimizer is checkpointed as megatron's mixed-precision
@@ -228,7 +231,7 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
     for m, name, p in owners:
         m._parameters[name] = module_copy(p)
     saved = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in [] if optimizer is None else getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
         _same_state_everywhere(opt)
         params = [group["params"] for group in inner.param_groups]
@@ -281,13 +284,6 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
                     shard.to_local().copy_(_shard_as(full.detach(), shard).to_local())
         elif loading and not failed:
             raise RuntimeError("the checkpoint failed to load on another rank (see its error); nothing was loaded")
-
-
-def on_any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on any rank (every rank calls it; ``device``: where the process group reduces)."""
-    flag = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _same_state_everywhere(opt) -> None:

@@ -180,6 +180,14 @@ def run_device() -> torch.device:
     return torch.device("cpu")
 
 
+def on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (every rank calls it: one rank's failure decided on by all, so that
+    none is left waiting in its next collective; ``device``: where the process group reduces)."""
+    flag = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def destroy_distributed() -> None:
     release_model_parallel_groups()
     if dist.is_initialized():

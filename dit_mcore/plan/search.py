@@ -232,23 +232,33 @@ class Planner:
         self._wanted: set = set()
         """The trace keys of the layouts :meth:`plan` will evaluate (traced together by split)."""
 
+    def _state(self, layout: Layout, cfg) -> tuple:
+        """``(RankModel, its per-parameter state)`` under ``layout`` (``cfg``: the run under it). The state depends
+        on the split and the sharding, not on the CP method, micro-batches, recompute or chunking: its world (a
+        hundred thousand fake groups at 256 GPUs) is set up once per such layout."""
+        model_key = (layout.tp, layout.pp, layout.vpp, layout.ep)
+        state_key = dataclasses.replace(layout, cp_comm_type="p2p", cp_a2a=1, recompute="none", chunk_tokens=0,
+                                        micro_batch=1)
+        if state_key not in self._states:
+            with traced_world(cfg.parallel, self.world):
+                if model_key not in self._models:
+                    self._models[model_key] = RankModel.build(cfg)
+                self._states[state_key] = rank_state(cfg, self._models[model_key])
+        return self._models[model_key], self._states[state_key]
+
+    def state_fits(self, layout: Layout) -> bool:
+        """Whether ``layout``'s per-parameter state and the device's workspace leave room for activations: a
+        layout without it cannot fit, and needs no trace to say so."""
+        _, state = self._state(layout, layout.apply(self.cfg))
+        return state.total + self.gpu.workspace_gib * GiB <= self.gpu.memory_gib * GiB
+
     def evaluate(self, layout: Layout) -> Evaluation:
         cfg = layout.apply(self.cfg)
         p = cfg.parallel
         profile = self._profile(layout) * layout.micro_batch  # (traced in a world of its own, once per split)
-        model_key = (layout.tp, layout.pp, layout.vpp, layout.ep)
-        # the state depends on the split and the sharding, not on the CP method, micro-batches, recompute or
-        # chunking: its world (a hundred thousand fake groups at 256 GPUs) is set up once per such layout
-        state_key = dataclasses.replace(layout, cp_comm_type="p2p", cp_a2a=1, recompute="none", chunk_tokens=0,
-                                        micro_batch=1)
-        if state_key not in self._states:
-            with traced_world(p, self.world):
-                if model_key not in self._models:
-                    self._models[model_key] = RankModel.build(cfg)
-                self._states[state_key] = rank_state(cfg, self._models[model_key])
-        model = self._models[model_key]
+        model, state = self._state(layout, cfg)
         dp = self.world // (layout.tp * layout.cp * layout.pp)
-        memory = rank_memory(cfg, [profile], model, self._states[state_key], dp, self.gpu.workspace_gib * GiB)
+        memory = rank_memory(cfg, [profile], model, state, dp, self.gpu.workspace_gib * GiB)
         micro = cfg.data.num_microbatches(dp)
         s = memory.state
         stepped = (s.main_weights / 4 if cfg.trainer.bf16 else s.weights / 4)
@@ -348,7 +358,7 @@ class Planner:
                       if layout.recompute == "full" and layout.micro_batch == 1 and layout.vpp == 1
                       and not layout.fsdp_shard and layout.cp_comm_type != "a2a+p2p"
                       and (layout.distopt or layout.fsdp != "none" or bigger.world == layout.tp * layout.cp * layout.pp)
-                      and accepted(self.cfg, layout, bigger.world) is None]
+                      and accepted(self.cfg, layout, bigger.world) is None and bigger.state_fits(layout)]
             fitting = [e for e in map(bigger.evaluate, frugal) if e.fits]
             if fitting:
                 return bigger.world, min(fitting, key=lambda e: e.memory.total)

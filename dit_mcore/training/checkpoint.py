@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing.managers
 import os
+import queue
 import random
 import re
 import shutil
@@ -35,8 +36,8 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveSt
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.parallel.fsdp import on_any_rank, publish_weights, whole_checkpoint_view
-from dit_mcore.parallel.initialize import run_device
+from dit_mcore.parallel.fsdp import publish_weights, whole_checkpoint_view
+from dit_mcore.parallel.initialize import on_any_rank, run_device
 from dit_mcore.training import torch_optimizer
 from dit_mcore.training.optim import HostAdamW
 from dit_mcore.training.split_main import whole_main_weights
@@ -191,19 +192,32 @@ def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, i
     return state
 
 
-def _writer_results_exit_with_trainer() -> None:
-    """megatron's checkpoint writer reports through a queue served by a spawned ``Manager`` process
-    (``filesystem_async._get_write_results_queue``), which outlives a ``kill -9`` of the trainer and
-    then waits forever. Start that manager here, the same way, but ending with its parent and deaf
-    to the preemption signals Slurm sends the whole job step (it died of them mid-save). Spawned, though a
-    spawned interpreter runs the launcher's main module again (about 2 s of CPU): a forked one held the
-    trainer's sockets open as long as it lived, and a later process group could not bind its port."""
+@contextlib.contextmanager
+def write_results_queue(asynchronous: bool):
+    """Inside, megatron's checkpoint writer reports its results (``filesystem_async._get_write_results_queue``)
+    where they are read. A synchronous save writes and reads them in this process: a plain queue, so no
+    helper process starts (megatron's own is a spawned ``Manager``, which imports torch to unpickle the
+    first results: seconds of CPU per process that saves). An asynchronous save writes them from a forked
+    process: a queue served by a spawned ``Manager`` as megatron's, but ending with its parent (megatron's
+    outlives a ``kill -9`` of the trainer and then waits forever) and deaf to the preemption signals Slurm
+    sends the whole job step (it died of them mid-save); spawned, since a forked one held the trainer's
+    sockets open as long as it lived, and a later process group could not bind its port. It lives as long
+    as this process, for every later asynchronous save."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    if getattr(filesystem_async, "_results_queue", "absent") is None:
-        manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-        with preemption_signals_blocked():
-            manager.start(initializer=helper_init)
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    if asynchronous:
+        if not isinstance(getattr(filesystem_async, "_async_results", None), multiprocessing.managers.BaseProxy):
+            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+            with preemption_signals_blocked():
+                manager.start(initializer=helper_init)
+            filesystem_async._async_results = manager.Queue()  # the proxy keeps the manager alive
+        results = filesystem_async._async_results
+    else:
+        results = queue.Queue()
+    saved, filesystem_async._results_queue = filesystem_async._results_queue, results
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = saved
 
 
 def finalize_async_saves(queue, root: str | os.PathLike, *, blocking: bool) -> None:
@@ -322,7 +336,6 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
     ``blocking=True`` before the run ends). Until then the previous checkpoint stays ``latest``."""
     root = Path(root)
     final, partial = _step_dir(root, step), root / f".partial_step_{step:08d}"
-    _writer_results_exit_with_trainer()
 
     def failed(error: Optional[BaseException]) -> None:  # every rank calls it at the same point
         reason = agreed_failure(error)
@@ -367,7 +380,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, ema_model, optimi
                                                 ema_partial=ema_partial, per_rank={**per_rank, "rng": rng_state()}))
             _agree_on_rank0_writes()  # (rank 0's own writes: their errors are agreed on too)
             try:  # (torch's DCP hands a rank's write error to every rank)
-                with _agreeing():
+                with _agreeing(), write_results_queue(asynchronous=async_queue is not None):
                     request = dist_checkpointing.save(state, str(partial), async_sharded_save=async_queue is not None)
             except (OSError, CheckpointException) as e:  # agreed on below, then raised as SaveFailed
                 error = e

@@ -27,10 +27,11 @@ import torch.distributed as dist
 from dit_mcore.errors import ConfigError
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
+from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
 from dit_mcore.parallel.pipeline import ModelChunks
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import DiffusionConfig, ModelConfig, RunConfig
-from dit_mcore.training.weights import find_checkpoint, load_weights, save_weights, weights_model_config
+from dit_mcore.training.weights import find_checkpoint, read_weights, save_weights, weights_model_config
 
 log = logging.getLogger(__name__)
 
@@ -240,12 +241,15 @@ class InitialWeights:
         return ckpt.load_common(self.path).get("model_arch")
 
     def load(self, chunks: ModelChunks, cfg: RunConfig, model_config) -> None:
-        """Load the weights into this rank's ``chunks`` (plain, before any wrapper), resharded."""
+        """Load the weights into this rank's ``chunks``, resharded: plain, before any wrapper, or sharded by FSDP
+        (a model built on the meta device: read into whole copies of its weights, then cut to its shards)."""
         error = None
         try:
-            load_weights(chunks, self.path, weights=self.weights, run=cfg, model_config=model_config,
-                         fix=f"(from trainer.init_from={self.source}) set the model's fields to the source's, or "
-                             "leave them unset to take its")
+            with whole_checkpoint_view((chunks,), None, loading=True):  # (a no-op for plain chunks)
+                state = read_weights(chunks, self.path, weights=self.weights, run=cfg, model_config=model_config,
+                                     fix=f"(from trainer.init_from={self.source}) set the model's fields to the "
+                                         "source's, or leave them unset to take its")
+            chunks.load_state_dict(shard_like(state, chunks), strict=False)
         except Exception as e:  # noqa: BLE001 -- agreed on below (a rank raising alone would hang the others)
             error = e
         _raise_agreed(error, f"trainer.init_from={self.source}: its weights could not be loaded")

@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dit_mcore.errors import ConfigError
-from dit_mcore.kernels.host_copy import to_device
 from dit_mcore.models.seeding import materialize_parts, on_each_part
 from dit_mcore.parallel.fsdp import copy_into, local, publish_weights
+from dit_mcore.parallel.initialize import on_any_rank
 from dit_mcore.parallel.pipeline import ModelChunks
 from dit_mcore.training import ema_shards, memory
 from dit_mcore.training.config import RunConfig
@@ -75,7 +74,6 @@ def parallelize(cfg: RunConfig, model_config, family, device: torch.device,
     would have put them: before the wrapper, the EMA and the optimizer copy them."""
     meta = bool(cfg.model.init_model_with_meta_device)
     fsdp = cfg.parallel.fsdp != "none"
-    assert not (initial and meta and fsdp), "refused by validate_run"
 
     def build(config=model_config, on=None, seed=None):
         return build_chunks(cfg, config, family, on or ("meta" if meta else device), seed)
@@ -116,6 +114,9 @@ def parallelize(cfg: RunConfig, model_config, family, device: torch.device,
     if fsdp:  # the EMA shadow is sharded like the model
         shadow_wrappers = shard_fully(shadow, model_config, ddp_chunks[0].ddp_config, cfg.parallel.fsdp)
         fill(shadow)
+        if initial and meta:  # (into the shards FSDP allocated)
+            initial(model)
+            publish_weights((model,))
     ema = EMA(model, shadow, cfg.trainer.ema_decay, offload=cfg.trainer.ema_offload,
               shard_over=ddp_chunks if ema_sharded else None)
     return ParallelModel(model, ddp_chunks, ema, ema_sharded, budget, cfg.parallel.overlap_param_gather,
@@ -179,11 +180,10 @@ def _check_state_fits(budget: memory.StateBudget, device, fsdp: bool) -> None:
         problem = None
     except ConfigError as e:
         problem = e
-    failed = to_device([float(problem is not None)], device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    failed = on_any_rank(problem is not None, device)
     if problem is not None:
         raise problem
-    if failed.item():
+    if failed:
         raise ConfigError("another rank's per-parameter state does not fit its device (its error names the fix)")
 
 

@@ -29,7 +29,7 @@ from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.models import specs
 from dit_mcore.parallel import tp_comm_overlap
-from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
+from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, on_any_rank, run_device
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import RunConfig
 from dit_mcore.training.data import build_builtin_source
@@ -202,9 +202,7 @@ class Trainer:
                 raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any load failure falls back
                 error = e  # (torch's CheckpointException, an unreadable shard, is a BaseException)
-            failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if not failed.item():
+            if not on_any_rank(error is not None, self.device):
                 return
             log.warning("checkpoint %s could not be loaded (%s); trying the previous one", path,
                         f"{type(error).__name__}: {error}" if error else "failed on another rank")

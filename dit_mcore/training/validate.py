@@ -349,9 +349,6 @@ def run_problems(cfg, world_size: int) -> list[str]:
     r.need(not cfg.trainer.fid_interval or (cfg.data.name == "digits" and not cfg.data.uses_energon),
            "trainer.fid_interval", cfg.trainer.fid_interval, "FID during training compares with the built-in digits "
            "only so far; set it to 0 and score checkpoints with python -m dit_mcore.evaluate --reference DIR")
-    r.need(not (cfg.trainer.init_from and cfg.model.init_model_with_meta_device and cfg.parallel.fsdp != "none"),
-           "trainer.init_from", cfg.trainer.init_from, "is not supported yet with model.init_model_with_meta_device "
-           "under parallel.fsdp (the weights load before FSDP shards them); set model.init_model_with_meta_device=False")
     r.problems += cfg.data.problems()
     if r.problems:
         return r.problems

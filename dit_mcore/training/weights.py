@@ -95,6 +95,14 @@ def load_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfi
     """Load the checkpoint's ``weights`` ("ema": the EMA average the previews draw from; "model": the
     trained weights) into ``chunks``, each rank reading its own shards. A checkpoint of another
     model is refused before anything loads, naming the differing fields."""
+    chunks.load_state_dict(read_weights(chunks, path, weights=weights, run=run, model_config=model_config, fix=fix),
+                           strict=False)
+
+
+def read_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfig, model_config,
+                 fix: Optional[str] = None) -> dict:
+    """The state dict of ``chunks`` with the checkpoint's ``weights`` (see :func:`load_weights`), read without
+    loading it (collective: every rank calls it)."""
     if weights not in WEIGHTS:
         raise ConfigError(f"--weights {weights!r}: use one of {WEIGHTS}")
     prefix = "ema." if weights == "ema" else ""
@@ -106,10 +114,10 @@ def load_weights(chunks: ModelChunks, path: Path, *, weights: str, run: RunConfi
     ours = set(chunks.state_dict())
     state = {k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix)}
     state = {k: v for k, v in state.items() if k in ours}
-    missing, _ = chunks.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
+    missing = [k for k in sorted(ours - state.keys()) if not k.endswith("._extra_state")]
     if missing:
         raise ConfigError(f"checkpoint {path} has no {weights} weights for {len(missing)} tensors (e.g. {missing[0]})")
+    return state
 
 
 def save_weights(out: str | Path, model: ModelChunks, run: RunConfig, *, model_config, source: dict) -> Path:
@@ -127,7 +135,8 @@ def save_weights(out: str | Path, model: ModelChunks, run: RunConfig, *, model_c
     state = {"model": model.sharded_state_dict(), "ema": model.sharded_state_dict(prefix="ema."), "step": 0,
              "world_size": 1, "run_config": run.to_dict(), "imported_from": source,
              "model_arch": ckpt.architecture(model_config, run.model.family, run.model.preset)}
-    dist_checkpointing.save(state, str(partial))
+    with ckpt.write_results_queue(asynchronous=False):
+        dist_checkpointing.save(state, str(partial))
     ckpt.write_manifest(partial)
     partial.rename(out)
     log.info("wrote the checkpoint %s (weights from %s)", out, source.get("path"))
