@@ -107,6 +107,7 @@ LAYOUTS_2 = {
     "xattn_pfx2_tp2_sp": {"pipefusion_patches": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     "stdit_pf2x8": {"pipefusion": 2, "pipefusion_patches": 8},  # spatial/temporal, patches of half a frame
     "stdit_pfx4_cp2": {"pipefusion_patches": 4, "context_parallel_size": 2, "cp_comm_type": "a2a"},  # half frames
+    "stdit_mesh_cp2": {"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1]},  # positions split
     # step caching: the ranks sharing a batch take one decision (TeaCache, First-Block-Cache), or none
     "dit_cfg2_tea": {"cfg_parallel": 2},
     "dit_cp2_a2a_fb": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
@@ -282,12 +283,6 @@ def test_bad_input_gets_one_line_naming_the_argument_before_any_model(checkpoint
     line = _error(["--checkpoint", checkpoints["ddpm"], "--labels", "1", "--sampler", "ddpm", "--out", out,
                    "parallel.pipefusion_patches=2"], capsys)
     assert "--sampler ddim" in line
-    from types import SimpleNamespace
-
-    from dit_mcore.generate.layout import _check_pipefusion
-    with pytest.raises(ConfigError, match="the two-level mesh's token order is not displaced"):
-        _check_pipefusion(GenerateParallel(pipefusion_patches=2, context_parallel_size=2),
-                          SimpleNamespace(spatial_temporal=True, st_attention="mesh"))
     with pytest.raises(ConfigError, match="16 equal patches of 2 ranks' pieces each"):  # 16 tokens, CP2
         plan(GenerateRequest(checkpoint=dit, labels=["1"], out=out),
              GenerateParallel(pipefusion_patches=16, context_parallel_size=2), world_size=2)
@@ -399,6 +394,30 @@ def test_an_unconditional_model_generates_num_per_prompt_items(checkpoints, tmp_
     from dit_mcore.generate.sampling import check_guidance
     with pytest.raises(ConfigError, match="--cfg-scale 2.0: this model is unconditional"):
         check_guidance(SimpleNamespace(text_dim=0, num_classes=0, use_cfg_embedding=True), 2.0)
+
+
+@pytest.mark.parametrize("trained", ["mesh", "dsp_overlap"])
+def test_the_st_dits_attention_path_is_the_generation_layouts(checkpoints, tmp_path, monkeypatch, trained):
+    """A checkpoint trained on the two-level mesh samples on one process (the mesh needs context parallel) and
+    under PipeFusion (whose displaced layers gather the keys and values: DSP's token order); a layout with
+    hierarchical context parallel sizes samples on the mesh (equal to one process: ``stdit_mesh_cp2``)."""
+    from dit_mcore.generate import job
+    read_run = job.read_run
+
+    def trained_on(path, *args):
+        run = read_run(path, *args)
+        run.model.st_attention = trained
+        return run
+    monkeypatch.setattr(job, "read_run", trained_on)
+    request = GenerateRequest(checkpoint=checkpoints["stdit"], prompts=PROMPTS, out=str(tmp_path))
+    mesh = dict(context_parallel_size=2, hierarchical_context_parallel_sizes=[2, 1])
+    dsp = "dsp" if trained == "mesh" else trained
+    for layout, world, path in ((GenerateParallel(), 1, dsp), (GenerateParallel(**mesh), 2, "mesh"),
+                                (GenerateParallel(pipefusion_patches=4, context_parallel_size=2), 2, dsp),
+                                (GenerateParallel(context_parallel_size=2), 2, dsp)):
+        assert plan(request, layout, world_size=world).run.model.st_attention == path, (layout, world)
+    with pytest.raises(ConfigError, match="unset it: PipeFusion with context_parallel_size samples the ST-DiT on"):
+        plan(request, GenerateParallel(pipefusion_patches=4, **mesh), world_size=2)
 
 
 def test_overrides_are_the_generation_layout():

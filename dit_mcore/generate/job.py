@@ -26,14 +26,14 @@ from dit_mcore.generate.cache import CachePolicy, StepCache, check_cache_layout,
 from dit_mcore.generate.grid import to_uint8
 from dit_mcore.generate.items import Item, batches, item_seed, make_items, share
 from dit_mcore.generate.imported import Imported
-from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups
+from dit_mcore.generate.layout import GenerateParallel, check_generation_layout, sampling_groups, st_attention_for
 from dit_mcore.generate.pipefusion import PipeFusion, check_sampler, warmup_evaluations
 from dit_mcore.generate.media import (dataset_decoder, save_gif, save_image, save_mp4, save_overview, slug, to_pixels,
                                       vae_config, vae_decoder, vae_folder)
 from dit_mcore.generate.sampling import check_guidance, dataset_text_encoder, latent_shape, sample_items
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
-from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, run_device
+from dit_mcore.parallel.initialize import adopt_slurm_launch, initialize_distributed, on_any_rank, run_device
 from dit_mcore.parallel.pipeline import ModelChunks, PipelinedForward
 from dit_mcore.training.weights import WEIGHTS, find_checkpoint, load_weights, read_run, weights_model_config
 
@@ -175,6 +175,8 @@ def plan(request: GenerateRequest, parallel: Optional[GenerateParallel] = None,
     if r.checkpoint:
         path = find_checkpoint(r.checkpoint, r.step)
         run = read_run(path)
+        if run.model.family == "stdit":
+            run.model.st_attention = st_attention_for(parallel, run.model.st_attention)
         # sizes and conditioning only: no groups, no weights
         model_config = weights_model_config(run.model).build(ParallelConfig())
     else:
@@ -318,11 +320,10 @@ def _write_item(item: Item, pixels: torch.Tensor, out: Path, mp4: bool) -> list[
 def _agree(problem: Optional[BaseException], device) -> None:
     """Raise on every rank when any rank failed: one rank's error would leave the others waiting in
     their next collective."""
-    failed = torch.tensor([float(problem is not None)], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    failed = on_any_rank(problem is not None, device)
     if problem is not None:
         raise problem
-    if failed.item():
+    if failed:
         raise ConfigError("another rank failed to load the model (its error names the cause)")
 
 

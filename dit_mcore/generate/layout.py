@@ -8,6 +8,7 @@ checked by the same layout check) plus what sampling adds, over ``world = items 
   (:mod:`dit_mcore.generate.pipefusion`); its stages are megatron's pipeline stages.
 - Data parallel over items: whatever is left of megatron's data-parallel ranks shares the items out
   (each rank its contiguous block, :func:`dit_mcore.generate.items.share`).
+- The ST-DiT's context-parallel path is the layout's, not the checkpoint's (:func:`st_attention_for`).
 
 megatron's data-parallel group spans ``items x cfg``; its consecutive pairs are the CFG groups.
 """
@@ -52,6 +53,17 @@ class GenerateParallel(ParallelConfig):
     def items_parallel_size(self, world_size: int) -> int:
         """Ranks that share the items out: the data-parallel ranks over the CFG pairs."""
         return self.data_parallel_size(world_size) // self.cfg_parallel
+
+
+def st_attention_for(p: GenerateParallel, trained: Optional[str]) -> str:
+    """The ST-DiT's attention path (``model.st_attention``) under the generation layout ``p``, whatever path the
+    checkpoint trained with (``trained``; the same weights compute the same function on each): the two-level mesh
+    where the layout gives one (context parallel with ``hierarchical_context_parallel_sizes=[inner, outer]``, no
+    PipeFusion, whose displaced layers gather every rank's keys and values instead of any path's exchange), else
+    DSP (``dsp_overlap`` kept from the checkpoint)."""
+    if p.context_parallel_size > 1 and p.hierarchical_context_parallel_sizes and p.patches() == 1:
+        return "mesh"
+    return trained if trained in ("dsp", "dsp_overlap") else "dsp"
 
 
 def check_generation_layout(p: GenerateParallel, model_config, world_size: int, *, shape: tuple,
@@ -114,11 +126,10 @@ def _check_pipefusion(p: GenerateParallel, model_config) -> None:
                           "stages are the pipeline; set parallel.pipefusion only")
     if p.virtual_pipeline_model_parallel_size:
         raise ConfigError("parallel.pipefusion runs one chunk per stage; unset virtual_pipeline_model_parallel_size")
-    if (getattr(model_config, "spatial_temporal", False) and p.context_parallel_size > 1
-            and getattr(model_config, "st_attention", "dsp") == "mesh"):
-        raise ConfigError("parallel.pipefusion with context_parallel_size > 1 for an ST-DiT with "
-                          "model.st_attention=mesh: the two-level mesh's token order is not displaced; sample it "
-                          "with PipeFusion over tensor parallel, cfg_parallel and items, or with sequence parallel alone")
+    if p.patches() > 1 and p.hierarchical_context_parallel_sizes and getattr(model_config, "spatial_temporal", False):
+        raise ConfigError("parallel.hierarchical_context_parallel_sizes picks the ST-DiT's two-level mesh, which "
+                          "PipeFusion does not run (its displaced layers gather every rank's keys and values); unset "
+                          "it: PipeFusion with context_parallel_size samples the ST-DiT on its DSP path")
 
 
 @dataclass

@@ -251,7 +251,8 @@ class PipeFusion:
         if self.cache is not None:
             self.cache.evaluation(evaluation, patch, 1.0 if patch is None else 1 / self.patches)
         if self.probe is not None:
-            self.probe.unit(evaluation, requests[0][1], patch, None if patch is None else call.bounds[patch])
+            self.probe.unit(evaluation, requests[0][1], patch, None if patch is None else call.bounds[patch],
+                            self.within)
         x = torch.cat([req[0] for req in requests], dim=1)  # [n, the unit's tokens, D]
         _, timestep, labels, text = requests[0]
         if patch is None:
