@@ -68,16 +68,24 @@ class StepProbe:
         self._now: Optional[dict[str, torch.Tensor]] = None
         self._handles = []
         self._scope, self._bounds, self._index = None, None, -1
+        self._within = None
 
-    def _record(self, name: str, value: torch.Tensor, batch_dim: int = 1, token_dim: int = 0) -> None:
+    def _record(self, name: str, value: torch.Tensor, batch_dim: int = 1, token_dim: int = 0,
+                sharded: bool = True) -> None:
         """Add ``value``'s change from the previous evaluation of the same tokens (per scope: a PipeFusion patch's
-        tokens; its first patch unit compares with the warm-up's whole stream there) to this evaluation's sums."""
+        tokens; its first patch unit compares with the warm-up's whole stream there) to this evaluation's sums.
+        ``sharded``: a layer's activation, this rank's piece of the unit's tokens under a sequence split."""
         if self._now is None:
             return
         prev = self._prev.get((self._scope, name))
         if prev is None and self._scope is not None and (None, name) in self._prev:
-            start, end = self._bounds
-            prev = self._prev[None, name].narrow(token_dim, start, end - start)
+            prev, (start, end) = self._prev[None, name], self._bounds
+            split = self._within if sharded and self._within is not None and self._within.active else None
+            if split is not None:  # this rank's piece of the patch lay on other ranks in the whole stream's split
+                piece = (end - start) // split.size
+                prev = split.gather(prev, prev.shape[token_dim] * split.size, dim=token_dim)
+                start, end = start + split.index * piece, start + (split.index + 1) * piece
+            prev = prev.narrow(token_dim, start, end - start)
         if prev is not None and prev.shape == value.shape:
             sums = row_sums(value, prev, batch_dim).cpu()
             self._now[name] = self._now[name] + sums if name in self._now else sums
@@ -112,7 +120,7 @@ class StepProbe:
         """Call with each evaluation's model output ``[rows, ...]`` (``model_output``: what TeaCache's
         rescaling polynomial predicts from its indicator; ``token_dim``: where a patch's tokens lie)."""
         if isinstance(out, torch.Tensor):
-            self._record("model_output", out, batch_dim=0, token_dim=token_dim)
+            self._record("model_output", out, batch_dim=0, token_dim=token_dim, sharded=False)
 
     def evaluation(self, timestep: torch.Tensor) -> None:
         """Call before each model evaluation: closes the previous one's record."""
@@ -120,14 +128,17 @@ class StepProbe:
         self._now = {}
         self.timesteps.append(float(timestep.flatten()[0]))
 
-    def unit(self, evaluation: int, timestep: torch.Tensor, patch: Optional[int], bounds: tuple) -> None:
+    def unit(self, evaluation: int, timestep: torch.Tensor, patch: Optional[int], bounds: tuple,
+             within=None) -> None:
         """PipeFusion's call before each unit it runs on this stage (in evaluation order): the whole stream
-        (``patch`` None) or the tokens ``bounds`` of patch ``patch``. The patches' sums of one evaluation add up to
-        the evaluation's (sums over tokens)."""
+        (``patch`` None) or the tokens ``bounds`` of patch ``patch``; ``within``: the
+        :class:`~dit_mcore.models.token_shard.TokenShard` that splits every unit's tokens over ranks (a patch's
+        first unit then gathers the warm-up's whole stream to find its piece: every rank of the split runs the
+        same units). The patches' sums of one evaluation add up to the evaluation's (sums over tokens)."""
         if evaluation != self._index:
             self.evaluation(timestep)
             self._index = evaluation
-        self._scope, self._bounds = patch, bounds
+        self._scope, self._bounds, self._within = patch, bounds, within
 
     def _close(self) -> None:
         if self._now:  # (the first evaluation has nothing to compare with)

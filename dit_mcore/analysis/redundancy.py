@@ -14,8 +14,9 @@ Under ``torchrun`` with a generation layout (``parallel.cfg_parallel``, tensor, 
 and the ranks left over sharing the items), each rank probes its layers and its part of the tokens and guidance
 halves, the sums are added over the ranks of its model replica, and the replicas' shares of the items are
 gathered in item order: the numbers equal the one-process run's. Under PipeFusion each stage probes its layers
-patch by patch (each patch against its own previous unit, the first against the warm-up's stream) and a patch's
-sums add to its evaluation's: the numbers equal those of the same patches on one process.
+patch by patch (each patch against its own previous unit, the first against the warm-up's stream, gathered
+where a sequence split cuts it) and a patch's sums add to its evaluation's: the numbers equal those of the same
+patches on one process.
 
     torchrun --nproc-per-node 2 -m dit_mcore.analysis.redundancy --checkpoint runs/digits --labels 0,3,7 \
         --out runs/digits/redundancy parallel.cfg_parallel=2
@@ -101,10 +102,11 @@ def plans(r: AnalysisRequest) -> list:
             if replicas > len(p.items):
                 raise ConfigError(f"{world} processes share {len(p.items)} item(s) over {replicas} model replicas: "
                                   "give at least as many items as replicas (--num-per-prompt) or fewer processes")
-            if p.parallel.patches() > 1 and (p.parallel.context_parallel_size > 1 or p.parallel.sequence_parallel):
-                raise ConfigError("parallel.pipefusion with context_parallel_size or sequence_parallel: the analysis "
-                                  "compares each patch with the warm-up's whole stream, which a sequence split cuts "
-                                  "elsewhere; analyse PipeFusion with tensor, CFG-parallel and items")
+            if p.parallel.patches() > 1 and p.parallel.token_shards() > 1 and p.run.model.family == "stdit":
+                raise ConfigError("parallel.pipefusion with context_parallel_size or sequence_parallel for an ST-DiT: "
+                                  "the analysis compares each patch's first unit with the warm-up's whole stream, "
+                                  "which its spatial-temporal attention lays out otherwise; analyse it with PipeFusion "
+                                  "over tensor, CFG-parallel and items, or with the sequence split alone")
             if out:
                 p.encode = out[0].encode  # one text encoder for every run
             if p.steps < 2:
