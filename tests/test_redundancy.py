@@ -201,7 +201,7 @@ LAYOUTS = {"dit_cfg2": {"cfg_parallel": 2}, "dit_tp2_sp": {"tensor_model_paralle
            "stdit_cp2_a2a": {"context_parallel_size": 2, "cp_comm_type": "a2a"},
            "dit_items2": {},  # (the two ranks share the items: 2 and 1)
            "dit_pf2": {"pipefusion": 2},  # (against the same patches on one process)
-           "dit_patches2_cp2": {"pipefusion_patches": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"}}
+           "stdit_patches2_cp2": {"pipefusion_patches": 2, "context_parallel_size": 2, "cp_comm_type": "a2a"}}
 
 
 def _request(runs, name, out, parallel=None) -> AnalysisRequest:
@@ -220,7 +220,7 @@ def _analyse_layouts(rank, world, runs, root):
 def test_under_every_analysis_layout_the_numbers_equal_one_process(runs, tmp_path):
     """CFG-parallel, tensor + sequence parallel, ring attention, pipeline stages and the items shared over the
     ranks on the DiT, Ulysses on the ST-DiT, at 2 ranks: every relative L1 and cosine (and the indicators) equal
-    the one-process run's; 2-stage PipeFusion's, and 2 patches split over Ulysses ranks, equal the same patches'
+    the one-process run's; 2-stage PipeFusion's, and an ST-DiT's 2 patches split over Ulysses ranks, equal the same patches'
     on one process, and with every step synchronous those equal the plain run's."""
     from dist_utils import run_distributed
     run_distributed(_analyse_layouts, 2, runs, tmp_path)

@@ -102,11 +102,6 @@ def plans(r: AnalysisRequest) -> list:
             if replicas > len(p.items):
                 raise ConfigError(f"{world} processes share {len(p.items)} item(s) over {replicas} model replicas: "
                                   "give at least as many items as replicas (--num-per-prompt) or fewer processes")
-            if p.parallel.patches() > 1 and p.parallel.token_shards() > 1 and p.run.model.family == "stdit":
-                raise ConfigError("parallel.pipefusion with context_parallel_size or sequence_parallel for an ST-DiT: "
-                                  "the analysis compares each patch's first unit with the warm-up's whole stream, "
-                                  "which its spatial-temporal attention lays out otherwise; analyse it with PipeFusion "
-                                  "over tensor, CFG-parallel and items, or with the sequence split alone")
             if out:
                 p.encode = out[0].encode  # one text encoder for every run
             if p.steps < 2:
