@@ -12,8 +12,13 @@ trainer compiles). The two latents are compared too (relative difference printed
     python benchmarks/generate_vs_diffusers.py                              # DiT-XL/2, 256 px, bf16 on a GPU
     python benchmarks/generate_vs_diffusers.py --size 512 --compile
     python benchmarks/generate_vs_diffusers.py --preset DiT-S/2 --size 128 --steps 4 --batch 2   # CPU smoke
+    python benchmarks/generate_vs_diffusers.py --size 512 --compile --cache fora:2,fora:3   # + step caching
 
-The issue's goal on one H100/H200: at least 1.3x at 256 and 512 px, both compiled. Writes
+The issue's goal on one H100/H200: at least 1.3x at 256 and 512 px, both compiled. ``--cache``: our sampler
+also with each step-caching policy (``python -m dit_mcore.generate --cache``), its wall-time speed-up over our
+uncached run and the share of layer evaluations it served from the cache (issue #37's GPU row; FORA's schedule
+does not depend on the weights, so random ones time it as a trained model's; TeaCache's and First-Block-Cache's
+decisions need trained weights: ``benchmarks/cache_tradeoff.py``). Writes
 ``benchmarks/results/generate_vs_diffusers_<device>.json``.
 """
 from __future__ import annotations
@@ -56,6 +61,35 @@ def _timed(fn, repeats: int, device) -> tuple[float, object]:
     return (time.perf_counter() - start) / repeats, out
 
 
+def _time_cached(policy: str, model, objective, model_fn, noise, labels, args, device) -> dict:
+    """Our sampler of the same noise with the step-caching ``policy`` (as ``dit_mcore.generate --cache``): seconds
+    per call and the share of layer evaluations served from the cache."""
+    from dit_mcore.diffusion.samplers import sample
+    from dit_mcore.generate.cache import StepCache, parse_cache
+    from dit_mcore.generate.job import sampler_evaluations
+
+    evaluations = sampler_evaluations("ddim", objective.name, args.steps)
+    cache = StepCache(parse_cache(policy, evaluations=evaluations, depth=model.config.num_layers), model, evaluations)
+    calls = [0]
+
+    def counted(*a, **k):
+        cache.evaluation(calls[0])
+        calls[0] += 1
+        return model_fn(*a, **k)
+
+    @torch.no_grad()
+    def run():
+        calls[0] = 0
+        cache.start()
+        with cache.installed():
+            return sample(objective, counted, noise, args.steps, sampler="ddim", labels=labels, null_label=1000,
+                          cfg_scale=args.cfg_scale)
+
+    seconds, _ = _timed(run, args.repeats, device)
+    stats = cache.stats.as_dict()
+    return {"seconds_per_call": seconds, "skipped_fraction": stats["skipped_fraction"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="DiT-XL/2")
@@ -66,6 +100,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: bf16 on a GPU, fp32 on CPU")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", default="", help="step-caching policies to time too, comma-separated (fora:2,fora:3)")
     ap.add_argument("--out", help="result JSON (default: benchmarks/results/generate_vs_diffusers_<device>.json)")
     args = ap.parse_args()
 
@@ -123,6 +158,11 @@ def main() -> None:
     seconds, results = {}, {}
     for name, fn in (("diffusers", run_theirs), ("dit_mcore", run_ours)):  # one after the other, same process
         seconds[name], results[name] = _timed(fn, args.repeats, device)
+    cached = {}
+    for policy in filter(None, args.cache.split(",")):
+        cached[policy] = _time_cached(policy, ours, objective, model_fn, noise.to(device, dtype), labels.to(device),
+                                      args, device)
+        seconds[f"dit_mcore {policy}"] = cached[policy]["seconds_per_call"]
     want, got = results["diffusers"].float(), results["dit_mcore"].float()
     rel = ((got - want).norm() / want.norm()).item()
     images_s = {k: args.batch / v for k, v in seconds.items()}
@@ -132,10 +172,14 @@ def main() -> None:
     for name in seconds:
         print(f"  {name:>9}: {seconds[name]:.3f} s per call, {images_s[name]:.2f} images/s")
     print(f"  ratio (dit_mcore / diffusers): {ratio:.2f}x; latents' relative difference {rel:.2e}")
+    for policy, row in cached.items():
+        row["speedup"] = seconds["dit_mcore"] / row["seconds_per_call"]
+        print(f"  cache {policy}: {row['speedup']:.2f}x our uncached wall time, {row['skipped_fraction']:.0%} of "
+              "layer evaluations served from the cache")
     result = {"device": device_name(), "torch": torch.__version__, "preset": args.preset, "size": args.size,
               "batch": args.batch, "steps": args.steps, "cfg_scale": args.cfg_scale, "dtype": str(dtype),
               "compiled": args.compile, "seconds_per_call": seconds, "images_per_s": images_s, "ratio": ratio,
-              "latents_rel_diff": rel, "command": " ".join(sys.argv)}
+              "latents_rel_diff": rel, "cache": cached, "command": " ".join(sys.argv)}
     print("wrote", write_result("generate_vs_diffusers", result, args.out))
 
 

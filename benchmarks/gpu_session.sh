@@ -18,8 +18,8 @@
 #           run shape builds a cuDNN graph, which the timed steps carry), profiled on the device and on the host
 #           (cProfile: the functions to cut), with the host's time per phase of the step
 #   generate  class-conditional sampling against diffusers' DiTPipeline (benchmarks/generate_vs_diffusers.py): DiT-XL/2,
-#           random weights, 50 DDIM steps, guidance 4, batch 8, bf16, 256 and 512 px, eager and compiled (~6 min; goal
-#           issue #35: >= 1.3x compiled)
+#           random weights, 50 DDIM steps, guidance 4, batch 8, bf16, 256 and 512 px, eager and compiled (~7 min; goal
+#           issue #35: >= 1.3x compiled); at 512 px also FORA step caching's wall-time speed-up (issue #37's GPU row)
 #   rates   the planner's attention calibration (~2 min): benchmarks/attention_rates.py, forward + backward by keys
 #           (256..16k) and head dim (64, 72, 128), dense (cuDNN) and packed (varlen), replacing plan/gpus.py's
 #           published FlashAttention-3 figures (issue #38)
@@ -115,8 +115,9 @@ case "$phase" in
   generate)
     for size in 256 512; do
       for compiled in "" "--compile"; do
-        timeout 140 python3 benchmarks/generate_vs_diffusers.py --size $size $compiled \
-          --out "$out/generate_vs_diffusers_${size}${compiled:+_compiled}.json" 2>&1 | grep -v -i warn | tail -n 5 || true
+        cache=""; [ "$size" = 512 ] && cache="--cache fora:2,fora:3"
+        timeout 200 python3 benchmarks/generate_vs_diffusers.py --size $size $compiled $cache \
+          --out "$out/generate_vs_diffusers_${size}${compiled:+_compiled}.json" 2>&1 | grep -v -i warn | tail -n 7 || true
       done
     done ;;
   rates)

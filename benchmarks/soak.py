@@ -20,7 +20,7 @@ Prints a table: faults injected, survived, steps (batches) lost and processes le
 killed runs (loader workers, checkpoint writers: both must be 0).
 
     python benchmarks/soak.py                       # 8 faults per soak, ~3 minutes on 2 CPU cores
-    python benchmarks/soak.py --faults 3 --steps 24  # the short variant CI runs (tests/test_soak.py)
+    python benchmarks/soak.py --faults 2 --steps 15  # the short variant CI runs (tests/test_soak.py)
 """
 from __future__ import annotations
 
