@@ -126,7 +126,7 @@ def _check_pipefusion(p: GenerateParallel, model_config) -> None:
                           "stages are the pipeline; set parallel.pipefusion only")
     if p.virtual_pipeline_model_parallel_size:
         raise ConfigError("parallel.pipefusion runs one chunk per stage; unset virtual_pipeline_model_parallel_size")
-    if p.patches() > 1 and p.hierarchical_context_parallel_sizes and getattr(model_config, "spatial_temporal", False):
+    if p.hierarchical_context_parallel_sizes and getattr(model_config, "spatial_temporal", False):
         raise ConfigError("parallel.hierarchical_context_parallel_sizes picks the ST-DiT's two-level mesh, which "
                           "PipeFusion does not run (its displaced layers gather every rank's keys and values); unset "
                           "it: PipeFusion with context_parallel_size samples the ST-DiT on its DSP path")

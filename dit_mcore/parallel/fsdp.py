@@ -37,6 +37,10 @@ from dit_mcore.parallel.adam_step import step_device
 from dit_mcore.parallel.initialize import on_any_rank
 
 
+class FailedOnAnotherRank(RuntimeError):
+    """A collective load that failed on another rank (whose own error names the cause)."""
+
+
 def fsdp_groups() -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     """(shard group, replicate group or None): megatron's partial data-parallel groups when the run
     was initialised with ``num_distributed_optimizer_instances > 1`` (HSDP), else DP x CP."""
@@ -283,7 +287,8 @@ def whole_checkpoint_view(modules, optimizer, *, loading: bool):
                 for shard, full in pairs:
                     shard.to_local().copy_(_shard_as(full.detach(), shard).to_local())
         elif loading and not failed:
-            raise RuntimeError("the checkpoint failed to load on another rank (see its error); nothing was loaded")
+            raise FailedOnAnotherRank("the checkpoint failed to load on another rank (see its error); nothing was "
+                                      "loaded")
 
 
 def _same_state_everywhere(opt) -> None:

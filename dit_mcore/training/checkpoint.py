@@ -18,7 +18,7 @@ import json
 import logging
 import multiprocessing.managers
 import os
-import queue
+from queue import Queue
 import random
 import re
 import shutil
@@ -212,7 +212,7 @@ def write_results_queue(asynchronous: bool):
             filesystem_async._async_results = manager.Queue()  # the proxy keeps the manager alive
         results = filesystem_async._async_results
     else:
-        results = queue.Queue()
+        results = Queue()
     saved, filesystem_async._results_queue = filesystem_async._results_queue, results
     try:
         yield

@@ -7,7 +7,8 @@ Weights from another library are first written as a dit_mcore checkpoint of the 
 (:func:`import_weights`, also ``python -m dit_mcore.convert SRC OUT --to checkpoint``); every rank then reads
 its shards of that checkpoint with megatron's dist_checkpointing, as a resume onto another layout does, so
 any training layout starts from them. The weights are loaded where a random init would have put them,
-before the data-parallel wrapper, the EMA and the optimizer copy them.
+before the data-parallel wrapper, the EMA and the optimizer copy them (a model built on the meta device under
+FSDP: into its shards once FSDP has allocated them, before the EMA and the optimizer copy them).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from dit_mcore.errors import ConfigError
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.config import ParallelConfig
-from dit_mcore.parallel.fsdp import shard_like, whole_checkpoint_view
+from dit_mcore.parallel.fsdp import FailedOnAnotherRank, shard_like, whole_checkpoint_view
 from dit_mcore.parallel.pipeline import ModelChunks
 from dit_mcore.training import checkpoint as ckpt
 from dit_mcore.training.config import DiffusionConfig, ModelConfig, RunConfig
@@ -250,6 +251,8 @@ class InitialWeights:
                                      fix=f"(from trainer.init_from={self.source}) set the model's fields to the "
                                          "source's, or leave them unset to take its")
             chunks.load_state_dict(shard_like(state, chunks), strict=False)
+        except FailedOnAnotherRank:  # (the failing rank's own error is agreed on below)
+            error = None
         except Exception as e:  # noqa: BLE001 -- agreed on below (a rank raising alone would hang the others)
             error = e
         _raise_agreed(error, f"trainer.init_from={self.source}: its weights could not be loaded")

@@ -70,8 +70,9 @@ def build_chunks(cfg: RunConfig, model_config, family, device, seed: Optional[in
 def parallelize(cfg: RunConfig, model_config, family, device: torch.device,
                 initial: Optional[Callable[[ModelChunks], None]] = None) -> ParallelModel:
     """Build, check, compile and wrap this rank's model and its EMA shadow for the run ``cfg``. ``initial``
-    loads the run's first weights (``trainer.init_from``) into the plain chunks, where the random init
-    would have put them: before the wrapper, the EMA and the optimizer copy them."""
+    loads the run's first weights (``trainer.init_from``) where the random init would have put them: into the
+    plain chunks before the wrapper (a model built on the meta device under FSDP: into its shards once FSDP has
+    allocated them), before the EMA and the optimizer copy them."""
     meta = bool(cfg.model.init_model_with_meta_device)
     fsdp = cfg.parallel.fsdp != "none"
 
