@@ -192,6 +192,10 @@ def sharded_state(model, ema_model, optimizer, *, extra: dict, per_rank: dict, i
     return state
 
 
+_async_results = None
+"""The asynchronous saves' results queue (:func:`write_results_queue`), started at the first one."""
+
+
 @contextlib.contextmanager
 def write_results_queue(asynchronous: bool):
     """Inside, megatron's checkpoint writer reports its results (``filesystem_async._get_write_results_queue``)
@@ -204,13 +208,14 @@ def write_results_queue(asynchronous: bool):
     sockets open as long as it lived, and a later process group could not bind its port. It lives as long
     as this process, for every later asynchronous save."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    global _async_results
     if asynchronous:
-        if not isinstance(getattr(filesystem_async, "_async_results", None), multiprocessing.managers.BaseProxy):
+        if _async_results is None:
             manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
             with preemption_signals_blocked():
                 manager.start(initializer=helper_init)
-            filesystem_async._async_results = manager.Queue()  # the proxy keeps the manager alive
-        results = filesystem_async._async_results
+            _async_results = manager.Queue()  # the proxy keeps the manager alive
+        results = _async_results
     else:
         results = Queue()
     saved, filesystem_async._results_queue = filesystem_async._results_queue, results
