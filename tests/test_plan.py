@@ -16,7 +16,7 @@ from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan import cli
 from dit_mcore.plan.gpus import gpu
 from dit_mcore.plan.memory import predict_memory
-from dit_mcore.plan.search import Layout, Planner
+from dit_mcore.plan.search import Layout, Planner, lighter_first, pipeline_splits
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.plan.op_costs import group_names
 from dit_mcore.plan.step_time import BUS_FACTOR, span
@@ -93,6 +93,37 @@ def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):
     whole = predict_memory(layout.apply(cfg), 2, _batch(), on_gpu=True)
     assert shortcut.total == pytest.approx(whole.total, rel=0.05), (shortcut.activations, whole.activations)
     assert whole.activations <= shortcut.activations <= 1.1 * whole.activations  # (the final layer: an over-count)
+    single_process_world()
+
+
+def test_layers_that_do_not_divide_over_the_stages_split_unevenly_and_a_lighter_first_stage_holds_less(tmp_path):
+    """Where the stages do not divide the layers, the search tries megatron's uneven splits whose largest stage is
+    the least possible (28 layers over 8 stages: 1 or 2 on the first, 3 or 2 on the last, 4 on each other); a
+    layer moved from the first stage (which holds the most micro-batches in flight) to the last lowers the peak,
+    and the step waits for the longer last stage. Each split passes the layout check."""
+    assert pipeline_splits(28, 8) == [(1, 3), (2, 2)]
+    assert pipeline_splits(5, 2) == [(2, 3)] and pipeline_splits(8, 4) == [(0, 0)] and pipeline_splits(3, 4) == []
+    cfg = layout_run(tmp_path, "dense")  # (rows of 16 x 16 tokens: activations outweigh the tiny model's state)
+    cfg.model.num_layers, cfg.model.input_size, cfg.data.image_size, cfg.data.global_batch_size = 5, 32, 32, 8
+    planner = Planner(cfg, 2, gpu("H100-80GB", workspace_gib=0.0), 8,
+                      lambda rows: MicroBatch.dense(torch.zeros(rows, 256, 16), (1, 16, 16), torch.arange(rows)))
+    done, _ = planner.plan()
+    staged = {e.layout.describe(2) for e in done if e.layout.pp == 2}
+    assert staged and all("PP2(first 2, last 3)" in d for d in staged), staged
+    for e in done:
+        if e.layout.pp == 2:
+            run = e.layout.apply(cfg)
+            check_layout(run.parallel, cfg.model.build(ParallelConfig()), run.data, 2)
+            if e.layout.recompute == "none":  # the peak with 2 micro-batches in flight: the first stage's 2 layers
+                in_flight = min(2, run.data.num_microbatches(1))  # (with one: the last stage's 3)
+                assert (e.memory.stage, e.memory.stage_layers) == ((0, 2) if in_flight == 2 else (1, 3)), e.layout
+    cfg.model.num_layers = 6
+    planner = Planner(cfg, 2, planner.gpu, 8, planner.batch)
+    even = Layout(pp=2, micro_batch=2)
+    lighter = lighter_first(even, 6)
+    assert (lighter.first_stage, lighter.last_stage) == (2, 4)
+    even, lighter = planner.evaluate(even), planner.evaluate(lighter)  # (4 micro-batches: 2 in flight on stage 0)
+    assert lighter.memory.total < even.memory.total and lighter.step.compute > even.step.compute
     single_process_world()
 
 

@@ -3,8 +3,8 @@ CPU: the step's live memory measured by :class:`LiveMemory` (every storage an op
 counted until freed) on top of the state the trainer holds (every distinct storage reachable from
 its model, DDP buffers, optimizer and EMA), and predicted by a fake-tensor trace of one and two
 layers in a fake process group of the layout. Each family, dense and packed, recompute on and off, in
-one process; TP+SP, context parallel, pipeline, FSDP, the distributed optimizer and expert
-parallelism on two ranks (one spawn)."""
+one process; TP+SP, context parallel, pipeline (even and uneven, each stage at its own rank), FSDP, the
+distributed optimizer and expert parallelism on two ranks (one spawn)."""
 import functools
 import gc
 import shutil
@@ -73,8 +73,8 @@ def _run(tmp, family="dit", data="dense", recompute=False, moe=False, chunk=None
     return cfg
 
 
-def check(cfg, measured: dict, world: int) -> None:
-    predicted = predict_memory(cfg, world, measured["batches"])
+def check(cfg, measured: dict, world: int, stage: int = 0) -> None:
+    predicted = predict_memory(cfg, world, measured["batches"], stage=stage)
     # the state counted from the parameters (megatron pads each gradient bucket; the model keeps a few
     # small caches of the last batch: KiBs here)
     assert predicted.state.total == pytest.approx(measured["state"], rel=0.05)
@@ -117,6 +117,8 @@ TWO = {
     "cp2_p2p_packed": dict(data="packed", context_parallel_size=2, cp_comm_type="p2p"),
     "cp2_a2a_llama": dict(family="llama", context_parallel_size=2, cp_comm_type="a2a"),
     "pp2": dict(pipeline_model_parallel_size=2),
+    # uneven: 1 layer on the first stage (2 micro-batches in flight), 3 on the last (1 in flight, the final layer)
+    "pp2_uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
     "fsdp": dict(fsdp="torch"),
     "dp2_distopt_recompute": dict(distopt=True, recompute=True),
     "ep2": dict(moe=True, expert_model_parallel_size=2),
@@ -137,9 +139,9 @@ def test_two_rank_layouts_peak_is_predicted(tmp_path):
     failures = []
     for name, kw in TWO.items():
         cfg = _run(f"{tmp_path}/{name}", **kw)
-        measured = ranks[0][name]
-        try:
-            check(cfg, measured, 2)
-        except AssertionError as e:
-            failures.append(f"{name}: {e}")
+        for stage in (0, 1) if name.startswith("pp") else (0,):  # (each pipeline stage: its own rank)
+            try:
+                check(cfg, ranks[stage][name], 2, stage)
+            except AssertionError as e:
+                failures.append(f"{name} (rank {stage}): {e}")
     assert not failures, "\n".join(failures)

@@ -131,7 +131,8 @@ HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'step s':>8} {'compute':>7} {
 def explain(planner: Planner, e, world: int) -> str:
     m, s = e.memory, e.step
     lines = [HEADER, _row(e, world), "", "memory per GPU (GiB): " + ", ".join(f"{k} {v}" for k, v in m.parts_gib().items()),
-             f"  {m.stage_layers} layers on the first stage, {m.microbatches_in_flight} micro-batch(es) in flight; "
+             f"  the peak on {f'pipeline stage {m.stage}' if e.layout.pp > 1 else 'every rank'}: {m.stage_layers} "
+             f"layers, {m.microbatches_in_flight} micro-batch(es) in flight; "
              f"the device holds {planner.gpu.memory_gib:.1f} GiB: "
              + (f"{planner.gpu.memory_gib - m.total / GiB:.1f} GiB left" if e.fits else
                 f"short by {m.total / GiB - planner.gpu.memory_gib:.1f} GiB"),

@@ -37,6 +37,8 @@ class MemoryPrediction:
     """The device's fixed reservation (cuBLAS and NCCL workspaces, allocator slack): from the GPU table; 0 on CPU."""
     microbatches_in_flight: int
     stage_layers: int
+    stage: int = 0
+    """The pipeline stage this is (the one whose peak is the highest, where the planner chose)."""
 
     @property
     def total(self) -> float:
@@ -49,26 +51,43 @@ class MemoryPrediction:
         return {name: float(f"{b / GiB:.5g}") for name, b in (parts | {"total": self.total}).items()}
 
 
-def in_flight(pipeline: int, virtual: int, microbatches: int) -> float:
-    """Micro-batches whose saved tensors the first pipeline stage holds at once, in units of its whole
-    share of layers: ``min(p, m)`` under 1F1B; interleaved over ``v`` chunks, megatron's
-    ``1 + (p - 1) / (p v)`` stages' worth (Narayanan et al., SC'21)."""
+def in_flight(pipeline: int, virtual: int, microbatches: int, stage: int = 0) -> float:
+    """Micro-batches whose saved tensors pipeline stage ``stage`` holds at once, in units of its whole share of
+    layers: ``min(p - stage, m)`` under 1F1B (the first stage the most); interleaved over ``v`` chunks, megatron's
+    warm-up of ``2 (p - stage - 1) + (v - 1) p`` chunk-micro-batches plus the one in its backward, over ``v``
+    (on the first stage ``1 + (p - 1) / (p v)`` stages' worth per micro-batch: Narayanan et al., SC'21)."""
     if pipeline == 1:
         return 1
     if virtual > 1:
-        return min(microbatches, pipeline) * (1 + (pipeline - 1) / (pipeline * virtual))
-    return min(microbatches, pipeline)
+        return min(microbatches, pipeline) / pipeline * (2 * (pipeline - stage - 1) + (virtual - 1) * pipeline + 1) \
+            / virtual
+    return min(microbatches, pipeline - stage)
 
 
-def stage_layers(cfg) -> int:
-    """Layers on the first pipeline stage (all of them without pipeline parallelism)."""
+def stage_split(cfg) -> list[int]:
+    """Layers on each pipeline stage, as megatron splits them: ``parallel.num_layers_in_first/last_pipeline_stage``
+    where set, the rest evenly over the other stages."""
     p = cfg.parallel
-    if p.pipeline_model_parallel_size == 1:
-        return cfg_layers(cfg)
-    if p.num_layers_in_first_pipeline_stage:
-        return p.num_layers_in_first_pipeline_stage
-    middle = p.pipeline_model_parallel_size - (p.num_layers_in_last_pipeline_stage is not None)
-    return (cfg_layers(cfg) - (p.num_layers_in_last_pipeline_stage or 0)) // middle
+    pp, layers = p.pipeline_model_parallel_size, cfg_layers(cfg)
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if pp == 1:
+        return [layers]
+    middle = pp - (first is not None) - (last is not None)
+    each = (layers - (first or 0) - (last or 0)) // middle if middle else 0
+    return ([first] if first is not None else []) + [each] * middle + ([last] if last is not None else [])
+
+
+def stages_to_check(cfg) -> list[int]:
+    """The pipeline stages whose memory can be the peak: the first (the most micro-batches in flight) where the
+    layers split evenly; with an uneven split also the second (the most in flight of the middle ones) and the
+    last (the most layers, as a rule)."""
+    split = stage_split(cfg)
+    return [0] if len(set(split)) == 1 else sorted({0, min(1, len(split) - 1), len(split) - 1})
+
+
+def stage_rank(parallel, world_size: int, stage: int) -> int:
+    """The first rank of pipeline stage ``stage`` (megatron's order: the pipeline outermost)."""
+    return stage * (world_size // parallel.pipeline_model_parallel_size)
 
 
 def cfg_layers(cfg) -> int:
@@ -80,19 +99,21 @@ def _shape(batch) -> tuple:
     return tuple(batch.tokens.shape), batch.seqlens, batch.text_seqlens
 
 
-def predict_memory(cfg, world_size: int, batches, *, workspace: float = 0.0, on_gpu: bool = False) -> MemoryPrediction:
-    """Rank 0's memory at the peak of a training step of ``cfg`` on ``world_size`` ranks whose
+def predict_memory(cfg, world_size: int, batches, *, workspace: float = 0.0, on_gpu: bool = False,
+                   stage: int = 0) -> MemoryPrediction:
+    """The memory of pipeline stage ``stage``'s first rank (rank 0 by default) at the peak of a training step of
+    ``cfg`` on ``world_size`` ranks whose
     micro-batches are ``batches`` (one or several of this data-parallel rank's, before the layout splits
     their tokens: the peak is the worst one's).
     ``on_gpu``: the optimizer the trainer picks on a GPU (``optim.adam_impl=auto``: the flat AdamW) and the
     GPU's fused kernels in the trace (:func:`~dit_mcore.plan.device_kernels.gpu_kernels`)."""
     cfg = gpu_optimizer(cfg) if on_gpu else cfg
-    with traced_world(cfg.parallel, world_size):
+    with traced_world(cfg.parallel, world_size, rank=stage_rank(cfg.parallel, world_size, stage)):
         shapes = {_shape(b): b for b in (batches if isinstance(batches, (list, tuple)) else [batches])}
         profiles = [layer_profile(cfg, b, on_gpu=on_gpu) for b in shapes.values()]
         model = RankModel.build(cfg)
         return rank_memory(cfg, profiles, model, rank_state(cfg, model), parallel_state.get_data_parallel_world_size(),
-                           workspace)
+                           workspace, stage)
 
 
 def gpu_optimizer(cfg):
@@ -140,15 +161,16 @@ def rank_state(cfg, model: RankModel):
         return state_budget(cfg, model.chunks, model.config, shards_ema(cfg, model.chunks))
 
 
-def rank_memory(cfg, profiles: list, model: RankModel, state, dp: int, workspace: float = 0.0) -> MemoryPrediction:
-    """Rank 0's peak from the traced micro-batches' ``profiles`` (the worst counts), its ``model``, its
-    :func:`rank_state` and the layout's data-parallel size ``dp``."""
-    layers = stage_layers(cfg)
+def rank_memory(cfg, profiles: list, model: RankModel, state, dp: int, workspace: float = 0.0,
+                stage: int = 0) -> MemoryPrediction:
+    """The peak of a rank of pipeline stage ``stage`` from the traced micro-batches' ``profiles`` (the worst
+    counts), its ``model``, its :func:`rank_state` and the layout's data-parallel size ``dp``."""
+    layers = stage_split(cfg)[stage]
     p = cfg.parallel
     flight = in_flight(p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1,
-                       cfg.data.num_microbatches(dp))
+                       cfg.data.num_microbatches(dp), stage)
     activations = max(profile.in_flight(layers, flight) for profile in profiles)
     # FSDP: the whole weights of the layer being computed (measured on CPU: one layer's worth over the
     # step's activations; a GPU's prefetch of the next layer is not yet measured)
     gathered = model.layer_bytes if p.fsdp != "none" else 0.0
-    return MemoryPrediction(state, activations, gathered, workspace, int(round(flight)), layers)
+    return MemoryPrediction(state, activations, gathered, workspace, int(round(flight)), layers, stage)

@@ -18,7 +18,8 @@ from dit_mcore.models.flops import dit_flops
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan.gpus import GPU
-from dit_mcore.plan.memory import MemoryPrediction, RankModel, gpu_optimizer, rank_memory, rank_state
+from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_optimizer, rank_memory, rank_state, stage_rank,
+                                   stage_split, stages_to_check)
 from dit_mcore.plan.step_time import StepTime, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
@@ -52,6 +53,10 @@ class Layout:
     pp: int = 1
     vpp: int = 1
     """Model chunks per pipeline stage (interleaved 1F1B)."""
+    first_stage: int = 0
+    last_stage: int = 0
+    """An uneven pipeline split: the layers of the first and of the last stage (``parallel.num_layers_in_first/last_
+    pipeline_stage``; 0: split evenly)."""
     ep: int = 1
     fsdp: str = "none"
     fsdp_shard: int = 0
@@ -72,6 +77,8 @@ class Layout:
         out = {"parallel.tensor_model_parallel_size": self.tp, "parallel.sequence_parallel": self.tp > 1,
                "parallel.context_parallel_size": self.cp, "parallel.pipeline_model_parallel_size": self.pp,
                "parallel.virtual_pipeline_model_parallel_size": self.vpp if self.vpp > 1 else None,
+               "parallel.num_layers_in_first_pipeline_stage": self.first_stage or None,
+               "parallel.num_layers_in_last_pipeline_stage": self.last_stage or None,
                "parallel.expert_model_parallel_size": self.ep, "parallel.fsdp": self.fsdp,
                "parallel.fsdp_shard_size": self.fsdp_shard or None,
                "parallel.overlap_grad_reduce": self.fsdp == "none", "parallel.overlap_param_gather": self.distopt,
@@ -97,7 +104,9 @@ class Layout:
         return cls(tp=p("tensor_model_parallel_size"), cp=p("context_parallel_size"),
                    cp_comm_type=p("cp_comm_type", "p2p"),
                    cp_a2a=(p("hierarchical_context_parallel_sizes") or [1])[0], pp=p("pipeline_model_parallel_size"),
-                   vpp=p("virtual_pipeline_model_parallel_size") or 1, ep=p("expert_model_parallel_size"),
+                   vpp=p("virtual_pipeline_model_parallel_size") or 1,
+                   first_stage=p("num_layers_in_first_pipeline_stage") or 0,
+                   last_stage=p("num_layers_in_last_pipeline_stage") or 0, ep=p("expert_model_parallel_size"),
                    fsdp=p("fsdp"), fsdp_shard=p("fsdp_shard_size") or 0,
                    distopt=overrides["optim.use_distributed_optimizer"], recompute=recompute,
                    chunk_tokens=model.get("chunk_tokens") or 0, micro_batch=overrides["data.micro_batch_size"],
@@ -116,7 +125,9 @@ class Layout:
         parts = [f"TP{self.tp}" + ("+SP" if self.tp > 1 else "")]
         method = f"a2a{self.cp_a2a}+p2p" if self.cp_comm_type == "a2a+p2p" else self.cp_comm_type
         parts += [f"CP{self.cp}({method})"] if self.cp > 1 else []
-        parts += [f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")] if self.pp > 1 else []
+        split = ", ".join(f"{name} {n}" for name, n in (("first", self.first_stage), ("last", self.last_stage)) if n)
+        split = f"({split})" if split else ""
+        parts += [f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "") + split] if self.pp > 1 else []
         parts += [f"EP{self.ep}"] if self.ep > 1 else []
         kind = "/MFSDP" if self.fsdp == "megatron" else "/FSDP"
         sharding = (f"{kind}:HSDP{self.fsdp_shard}" if self.fsdp_shard else kind) if self.fsdp != "none" else \
@@ -175,8 +186,8 @@ def _digits(x: float) -> float:
 
 def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> Iterator[Layout]:
     """Layouts of ``world`` ranks: TP up to a node (always with SP), CP up to 16 over ring, all-to-all or
-    all-to-all groups inside a ring, up to 8 pipeline stages dividing the layers (one or two model chunks
-    per stage), experts, FSDP (HSDP over every group size; Megatron-FSDP for MoE models, the FSDP that shards
+    all-to-all groups inside a ring, up to 8 pipeline stages (the layers split evenly, in one or two model chunks
+    per stage, or unevenly where they do not divide: :func:`pipeline_splits`), experts, FSDP (HSDP over every group size; Megatron-FSDP for MoE models, the FSDP that shards
     experts) or the distributed optimizer, no recompute, selective recompute of the MLP or full recompute,
     chunked MLPs where a micro-batch puts more than ``2 x CHUNK_TOKENS`` of its ``tokens``
     per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share
@@ -184,7 +195,8 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> I
     mc = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
     powers = [2 ** i for i in range(12) if 2 ** i <= world]
     for tp, cp, pp in itertools.product([t for t in powers if t <= gpus_per_node], powers[:5], powers[:4]):
-        if world % (tp * cp * pp) or mc.num_layers % pp:
+        splits = pipeline_splits(mc.num_layers, pp)
+        if world % (tp * cp * pp) or not splits:
             continue
         dp = world // (tp * cp * pp)
         experts = [e for e in powers if mc.num_moe_experts and mc.num_moe_experts % e == 0] or [1]
@@ -193,7 +205,7 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> I
         methods = [("p2p", 1), ("a2a", 1)] + [("a2a+p2p", a) for a in powers if 1 < a < cp and cp % a == 0] \
             if cp > 1 else [("p2p", 1)]
         chunks = [0, CHUNK_TOKENS] if not mc.num_moe_experts and tokens // (cp * tp) > 2 * CHUNK_TOKENS else [0]
-        virtual = [1, 2] if pp > 1 and mc.num_layers % (2 * pp) == 0 else [1]
+        virtual = [1, 2] if pp > 1 and mc.num_layers % (2 * pp) == 0 else [1]  # (interleaved: even splits only)
         shards = [("none", False, 0), ("none", True, 0), ("torch", False, 0)] + \
             [("torch", False, s) for s in powers if 1 < s < dp * cp and (dp * cp) % s == 0] + \
             ([("megatron", False, 0)] if mc.num_moe_experts else []) if dp * cp > 1 else [("none", False, 0)]
@@ -201,7 +213,33 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> I
                 experts, methods, virtual, shards, SEARCHED_RECOMPUTE, chunks, micro):
             if chunk and recompute == "selective_mlp":
                 continue  # (a chunked MLP branch is recomputed already: the same run)
-            yield Layout(tp, cp, method, a2a, pp, vpp, ep, fsdp, shard, distopt, recompute, chunk, mb)
+            for first, last in (splits if vpp == 1 else [(0, 0)]):
+                yield Layout(tp, cp, method, a2a, pp, vpp, first, last, ep, fsdp, shard, distopt, recompute, chunk, mb)
+
+
+def pipeline_splits(layers: int, pp: int) -> list[tuple[int, int]]:
+    """The ``(first, last)`` stage sizes the search tries for ``layers`` over ``pp`` stages, the rest split evenly
+    over the middle stages: ``(0, 0)`` (even) where ``pp`` divides the layers; otherwise every split whose largest
+    stage is the least possible (the step waits for it), the first stage no larger than the last (it holds the
+    most micro-batches in flight). None where there are fewer layers than stages."""
+    if pp == 1 or layers % pp == 0:
+        return [(0, 0)]
+    most = -(-layers // pp)
+    splits = []
+    for first, last in itertools.product(range(1, most + 1), repeat=2):
+        rest, middle = layers - first - last, pp - 2
+        if first <= last and (rest == 0 if middle == 0 else rest % middle == 0 and 1 <= rest // middle <= most):
+            splits.append((first, last))
+    return splits
+
+
+def lighter_first(layout: Layout, layers: int) -> Optional[Layout]:
+    """``layout``'s even pipeline split with a layer moved from the first stage to the last (the first holds the
+    most micro-batches in flight: a way to fit at the price of a longer last stage); None where it has none."""
+    each = layers // layout.pp if layout.pp > 1 else 0
+    if each < 2 or layout.vpp > 1 or layout.first_stage or layout.last_stage:
+        return None
+    return dataclasses.replace(layout, first_stage=each - 1, last_stage=each + 1)
 
 
 def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
@@ -232,15 +270,15 @@ class Planner:
         self._wanted: set = set()
         """The trace keys of the layouts :meth:`plan` will evaluate (traced together by split)."""
 
-    def _state(self, layout: Layout, cfg) -> tuple:
-        """``(RankModel, its per-parameter state)`` under ``layout`` (``cfg``: the run under it). The state depends
-        on the split and the sharding, not on the CP method, micro-batches, recompute or chunking: its world (a
-        hundred thousand fake groups at 256 GPUs) is set up once per such layout."""
-        model_key = (layout.tp, layout.pp, layout.vpp, layout.ep)
-        state_key = dataclasses.replace(layout, cp_comm_type="p2p", cp_a2a=1, recompute="none", chunk_tokens=0,
-                                        micro_batch=1)
+    def _state(self, layout: Layout, cfg, stage: int = 0) -> tuple:
+        """``(RankModel, its per-parameter state)`` of pipeline stage ``stage`` under ``layout`` (``cfg``: the run
+        under it). The state depends on the split and the sharding, not on the CP method, micro-batches, recompute
+        or chunking: its world (a hundred thousand fake groups at 256 GPUs) is set up once per such layout."""
+        model_key = (layout.tp, layout.pp, layout.vpp, layout.first_stage, layout.last_stage, layout.ep, stage)
+        state_key = (dataclasses.replace(layout, cp_comm_type="p2p", cp_a2a=1, recompute="none", chunk_tokens=0,
+                                         micro_batch=1), stage)
         if state_key not in self._states:
-            with traced_world(cfg.parallel, self.world):
+            with traced_world(cfg.parallel, self.world, rank=stage_rank(cfg.parallel, self.world, stage)):
                 if model_key not in self._models:
                     self._models[model_key] = RankModel.build(cfg)
                 self._states[state_key] = rank_state(cfg, self._models[model_key])
@@ -248,7 +286,8 @@ class Planner:
 
     def state_fits(self, layout: Layout) -> bool:
         """Whether ``layout``'s per-parameter state and the device's workspace leave room for activations: a
-        layout without it cannot fit, and needs no trace to say so."""
+        layout without it cannot fit, and needs no trace to say so (its first stage's: a stage's is a lower
+        bound of the peak)."""
         _, state = self._state(layout, layout.apply(self.cfg))
         return state.total + self.gpu.workspace_gib * GiB <= self.gpu.memory_gib * GiB
 
@@ -256,15 +295,19 @@ class Planner:
         cfg = layout.apply(self.cfg)
         p = cfg.parallel
         profile = self._profile(layout) * layout.micro_batch  # (traced in a world of its own, once per split)
-        model, state = self._state(layout, cfg)
         dp = self.world // (layout.tp * layout.cp * layout.pp)
-        memory = rank_memory(cfg, [profile], model, state, dp, self.gpu.workspace_gib * GiB)
+        split = stage_split(cfg)
+        stages = {stage: (rank_memory(cfg, [profile], model, state, dp, self.gpu.workspace_gib * GiB, stage), model)
+                  for stage in stages_to_check(cfg) for model, state in [self._state(layout, cfg, stage)]}
+        memory = max((m for m, _ in stages.values()), key=lambda m: m.total)  # (the first stage, split evenly)
+        # the step waits for the stage with the most layers
+        slowest, model = max(((m, model) for m, model in stages.values()), key=lambda pair: pair[0].stage_layers)
         micro = cfg.data.num_microbatches(dp)
-        s = memory.state
+        s = slowest.state
         stepped = (s.main_weights / 4 if cfg.trainer.bf16 else s.weights / 4)
         grad_bytes = model.numel * (2 if cfg.optim.main_grads_dtype == "bf16" else 4)
         offloaded = stepped * cfg.optim.offload_fraction if cfg.optim.cpu_offload else 0.0
-        step = step_time(profile.at(memory.stage_layers), parallel=p, microbatches=micro, gpu=self.gpu,
+        step = step_time(profile.at(max(split)), parallel=p, microbatches=micro, gpu=self.gpu,
                          gpus_per_node=self.gpus_per_node, world=self.world,
                          grad_bytes=grad_bytes, weight_bytes=model.weight_bytes, stepped_elements=stepped,
                          ema_elements=s.ema / 4, distributed_optimizer=cfg.optim.use_distributed_optimizer,
@@ -313,6 +356,13 @@ class Planner:
             done.append(self.evaluate(layout))
             if on_each:
                 on_each(done[-1])
+        if not any(e.fits for e in done):  # a lighter first stage, where the layers split evenly over stages
+            layers = cfg_layers(self.cfg)
+            for lighter in filter(None, (lighter_first(e.layout, layers) for e in list(done))):
+                if accepted(self.cfg, lighter, self.world) is None:
+                    done.append(self.evaluate(lighter))
+                    if on_each:
+                        on_each(done[-1])
         if not any(e.fits for e in done):  # Elixir's way out: optimizer state in host memory
             for offloaded in filter(None, map(self._offloaded, list(done))):
                 done.append(offloaded)

@@ -168,6 +168,8 @@ def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True, on_gpu
             for p in model.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            if not model.pre_process:
+                model.register_forward_pre_hook(_received_hidden)
             kernels = gpu_kernels() if on_gpu else contextlib.nullcontext()
             with kernels, _RealHostTensors(), OpCosts() as costs, LiveMemory() as live:
                 n, g = batch.num_samples, torch.Generator().manual_seed(0)
@@ -190,6 +192,25 @@ def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True, on_gpu
                            costs.memory_bytes, tuple((*key, b) for key, b in sorted(costs.comm.items())))
 
 
+def _received_hidden(model, args) -> None:
+    """On a pipeline stage after the first: the hidden states the stage before would send (received into a new
+    buffer, kept for this stage's backward), this rank's piece of the tokens, hidden wide."""
+    piece = model.token_shard.scatter(args[0])
+    dtype = next(model.parameters()).dtype
+    model.set_input_tensor(torch.zeros(*piece.shape[:-1], model.config.hidden_size, dtype=dtype, requires_grad=True))
+
+
+def evenly_staged(cfg):
+    """``cfg`` with its layers split evenly over the pipeline stages: a profile is per layer (an uneven split's
+    stage takes its own count of them), and its traces are one and two layers per stage deep."""
+    p = cfg.parallel
+    if p.num_layers_in_first_pipeline_stage is None and p.num_layers_in_last_pipeline_stage is None:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.num_layers_in_first_pipeline_stage = cfg.parallel.num_layers_in_last_pipeline_stage = None
+    return cfg
+
+
 def layer_profile(cfg, batch, *, on_gpu: bool = False) -> LayerProfile:
     """The run ``cfg``'s cost per micro-batch like ``batch`` on this rank's pipeline stage, from traces
     one and two layers per stage deep (``on_gpu``: see :func:`trace_microbatch`)."""
@@ -201,6 +222,7 @@ def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProf
     ranks; their recompute or chunking may differ): the tables the model caches are built once, by a
     warm-up trace of the first."""
     stages = cfgs[0].parallel.pipeline_model_parallel_size
+    cfgs = [evenly_staged(cfg) for cfg in cfgs]
     out = []
     try:  # a step after the first: the model's cached tables (positions, plans) are built already
         trace_microbatch(cfgs[0], batch, num_layers=stages, forget=False, on_gpu=on_gpu)

@@ -16,8 +16,8 @@ from dit_mcore.parallel.initialize import initialize_model_parallel, release_mod
 
 
 @contextlib.contextmanager
-def traced_world(parallel: ParallelConfig, world_size: int) -> Iterator[None]:
-    """Rank 0 of ``world_size`` fake ranks in ``parallel``'s layout (the first pipeline stage, where
+def traced_world(parallel: ParallelConfig, world_size: int, rank: int = 0) -> Iterator[None]:
+    """Rank ``rank`` of ``world_size`` fake ranks in ``parallel``'s layout (rank 0: the first pipeline stage, where
     1F1B keeps the most micro-batches in flight). A one-process world found on entry is released (its
     users set it up again, as a trainer does); a real multi-process one is refused."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -31,7 +31,7 @@ def traced_world(parallel: ParallelConfig, world_size: int) -> Iterator[None]:
     if not torch.cuda.is_available():
         from dit_mcore.parallel.cpu_shims import apply_cpu_shims
         apply_cpu_shims()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         initialize_model_parallel(parallel, create_gloo_process_groups=False)
         yield
