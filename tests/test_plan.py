@@ -103,6 +103,7 @@ def test_layers_that_do_not_divide_over_the_stages_split_unevenly_and_a_lighter_
     and the step waits for the longer last stage. Each split passes the layout check."""
     assert pipeline_splits(28, 8) == [(1, 3), (2, 2)]
     assert pipeline_splits(5, 2) == [(2, 3)] and pipeline_splits(8, 4) == [(0, 0)] and pipeline_splits(3, 4) == []
+    assert pipeline_splits(12, 8) == [(3, 3)]  # (one layer on each middle stage)
     cfg = layout_run(tmp_path, "dense")  # (rows of 16 x 16 tokens: activations outweigh the tiny model's state)
     cfg.model.num_layers, cfg.model.input_size, cfg.data.image_size, cfg.data.global_batch_size = 5, 32, 32, 8
     planner = Planner(cfg, 2, gpu("H100-80GB", workspace_gib=0.0), 8,

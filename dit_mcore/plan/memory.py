@@ -54,13 +54,12 @@ class MemoryPrediction:
 def in_flight(pipeline: int, virtual: int, microbatches: int, stage: int = 0) -> float:
     """Micro-batches whose saved tensors pipeline stage ``stage`` holds at once, in units of its whole share of
     layers: ``min(p - stage, m)`` under 1F1B (the first stage the most); interleaved over ``v`` chunks, megatron's
-    warm-up of ``2 (p - stage - 1) + (v - 1) p`` chunk-micro-batches plus the one in its backward, over ``v``
-    (on the first stage ``1 + (p - 1) / (p v)`` stages' worth per micro-batch: Narayanan et al., SC'21)."""
+    warm-up of ``2 (p - stage - 1) + (v - 1) p`` chunk-micro-batches plus the one in its backward (at most the
+    step's ``m v``), over ``v`` (on the first stage ``p + (p - 1) / v``: Narayanan et al., SC'21)."""
     if pipeline == 1:
         return 1
-    if virtual > 1:
-        return min(microbatches, pipeline) / pipeline * (2 * (pipeline - stage - 1) + (virtual - 1) * pipeline + 1) \
-            / virtual
+    if virtual > 1:  # (all of a step's chunk-micro-batches where the warm-up would exceed them)
+        return min(2 * (pipeline - stage - 1) + (virtual - 1) * pipeline + 1, microbatches * virtual) / virtual
     return min(microbatches, pipeline - stage)
 
 
@@ -154,7 +153,7 @@ class RankModel:
 
 
 def rank_state(cfg, model: RankModel):
-    """Rank 0's per-parameter state (weights, gradients, optimizer, EMA), inside the layout's traced world
+    """This rank's per-parameter state (weights, gradients, optimizer, EMA), inside the layout's traced world
     (which sets the data-parallel sizes that shard it). It does not depend on the micro-batch, recompute or
     chunking."""
     with FakeTensorMode():

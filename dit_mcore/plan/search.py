@@ -219,18 +219,19 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> I
 
 def pipeline_splits(layers: int, pp: int) -> list[tuple[int, int]]:
     """The ``(first, last)`` stage sizes the search tries for ``layers`` over ``pp`` stages, the rest split evenly
-    over the middle stages: ``(0, 0)`` (even) where ``pp`` divides the layers; otherwise every split whose largest
-    stage is the least possible (the step waits for it), the first stage no larger than the last (it holds the
-    most micro-batches in flight). None where there are fewer layers than stages."""
+    over the middle stages (at least one layer each): ``[(0, 0)]`` (even) where ``pp`` divides the layers;
+    otherwise every split whose largest stage is the least possible (the step waits for it), the first stage no
+    larger than the last (it holds the most micro-batches in flight); ``[]`` where no split exists (fewer layers
+    than stages)."""
     if pp == 1 or layers % pp == 0:
         return [(0, 0)]
-    most = -(-layers // pp)
-    splits = []
-    for first, last in itertools.product(range(1, most + 1), repeat=2):
-        rest, middle = layers - first - last, pp - 2
-        if first <= last and (rest == 0 if middle == 0 else rest % middle == 0 and 1 <= rest // middle <= most):
-            splits.append((first, last))
-    return splits
+    middle, splits = pp - 2, {}
+    for first, last in itertools.product(range(1, layers + 1), repeat=2):
+        rest = layers - first - last
+        if first <= last and (rest == 0 if middle == 0 else rest >= middle and rest % middle == 0):
+            splits[first, last] = max(first, last, rest // middle if middle else 0)
+    least = min(splits.values(), default=0)
+    return [split for split, largest in splits.items() if largest == least]
 
 
 def lighter_first(layout: Layout, layers: int) -> Optional[Layout]:
@@ -324,7 +325,8 @@ class Planner:
     def _profile(self, layout: Layout):
         """One sample's trace for ``layout``, shared by the layouts that split a micro-batch alike. Traced
         without pipeline stages (a stage's layers cost what they cost anywhere; its outside part is taken
-        whole, embeddings and final layer both: an over-count of the first stage's by the final layer),
+        whole, embeddings and final layer both: on the first stage an over-count by the final layer, on the last
+        by the embeddings, where the hidden states it receives are not counted),
         and for one sample: every part of a dense micro-batch's cost is per sample (checked against the
         whole micro-batch's trace in ``tests/test_plan.py``). The search's recompute and chunking variants
         of the same split are traced together (one warm-up)."""
