@@ -21,10 +21,10 @@ def layer_graph_breaks(preset_name: str = "DiT-S/2", tokens: int = 256, samples:
 
     from dit_mcore.models.dit.config import preset
     from dit_mcore.models import build_model
-    from dit_mcore.models.layer_stack import _quiet_default_tp_group
+    from dit_mcore.models.layer_stack import quiet_default_tp_group
     from dit_mcore.models.modulation import Conditioning
 
-    _quiet_default_tp_group()
+    quiet_default_tp_group()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # fused GPU attention needs half
     cfg = preset(preset_name, **overrides)

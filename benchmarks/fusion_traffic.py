@@ -281,8 +281,8 @@ def layer_traffic(which: str, preset_name: str, batch: int, size: int) -> dict:
     if which == "diffusers":
         theirs.transformer_blocks[0].compile(backend=recorder.backend, dynamic=False)
     else:
-        from dit_mcore.models.layer_stack import _quiet_default_tp_group
-        _quiet_default_tp_group()  # what compile_layers does first (a warning would break the graph)
+        from dit_mcore.models.layer_stack import quiet_default_tp_group
+        quiet_default_tp_group()  # what compile_layers does first (a warning would break the graph)
         ours.layers[0].compile(backend=recorder.backend, dynamic=False)
     cfg = ours.config
     x0 = torch.randn(batch, cfg.in_channels, size, size, dtype=torch.bfloat16)

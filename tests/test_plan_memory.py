@@ -21,6 +21,8 @@ from test_parallel_layouts import layout_run
 from dit_mcore.parallel.initialize import release_model_parallel_groups
 from dit_mcore.plan.live_memory import LiveMemory
 from dit_mcore.plan.memory import predict_memory
+from dit_mcore.plan.trace import layer_profile, layer_saved_bytes
+from dit_mcore.plan.world import traced_world
 from dit_mcore.training.trainer import Trainer
 
 TOLERANCE = 0.05  # (the goal is 10%; every case is within 1.5%: docs/planning.md)
@@ -109,6 +111,33 @@ def test_the_planner_knows_chunked_execution(tmp_path):
         check(cfg, measured, 1)
         peaks[chunk] = measured["peak"] - measured["state"]
     assert peaks[4] < 0.9 * peaks[None]
+
+
+@pytest.mark.parametrize("family, data", [("dit", "dense"), ("llama", "packed")])
+def test_the_planner_counts_what_a_compiled_layer_keeps(tmp_path, family, data):
+    """``model.compile``: what the planner counts a compiled layer keeping for its backward (AOTAutograd's min-cut
+    partition over Inductor's decompositions, on fake tensors, no code generated) is, byte for byte, what an
+    Inductor-compiled layer keeps on real tensors (CPU), and less than the eager layer keeps; the planner's
+    activations per layer drop by the difference."""
+    cfg = _run(tmp_path, family, data)
+    cfg.model.compile = True
+    single_process_world()
+    trainer = Trainer(cfg)
+    batch = trainer.loader.next_global_batch()[0]
+    del trainer
+    release_model_parallel_groups()
+    with traced_world(cfg.parallel, 1):
+        kept = {(backend, fake): layer_saved_bytes(cfg, batch, backend=backend, fake=fake)
+                for backend, fake in ((None, False), ("inductor", False), (None, True),
+                                      ("aot_eager_decomp_partition", True))}
+        assert kept["aot_eager_decomp_partition", True] == kept["inductor", False] < kept[None, False] == \
+            kept[None, True], kept
+        eager = layer_profile(cfg.__class__(**{**vars(cfg), "model": cfg.model.__class__(
+            **{**vars(cfg.model), "compile": False})}), batch)
+        compiled = layer_profile(cfg, batch)
+    saved = kept[None, True] - kept["aot_eager_decomp_partition", True]
+    assert eager.per_layer.saved - compiled.per_layer.saved == pytest.approx(saved)
+    single_process_world()
 
 
 TWO = {

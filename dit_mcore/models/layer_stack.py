@@ -57,7 +57,7 @@ def check_recompute_config(config) -> None:
                              "checkpointed chunk for 'uniform', checkpointed layers for 'block')")
 
 
-def _quiet_default_tp_group() -> None:
+def quiet_default_tp_group() -> None:
     """megatron 0.16's ``RowParallelLinear`` passes ``tp_group=None`` on every call, and the helper
     that substitutes the default group issues a ``DeprecationWarning`` each time; dynamo cannot
     trace ``warnings.warn`` and breaks the layer's graph there (twice per layer). Same group, no
@@ -125,7 +125,7 @@ class LayerStack(nn.ModuleList):
         over the mode's (torch.compile takes one or the other, so the mode is expanded)."""
         if mode is not None and mode not in COMPILE_MODES:
             raise ValueError(f"model.compile_mode={mode!r}: use one of {COMPILE_MODES} or None")
-        _quiet_default_tp_group()
+        quiet_default_tp_group()
         if options:
             import torch._inductor
             merged = {**torch._inductor.list_mode_options(mode or "default"), **options}

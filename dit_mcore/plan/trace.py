@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 from dit_mcore.diffusion import drop_labels
+from dit_mcore.models.layer_stack import quiet_default_tp_group
 from dit_mcore.models.moe import reset_moe_state
 from dit_mcore.models.registry import get_family
 from dit_mcore.parallel.pipeline import ModelChunks
@@ -200,6 +201,75 @@ def _received_hidden(model, args) -> None:
     model.set_input_tensor(torch.zeros(*piece.shape[:-1], model.config.hidden_size, dtype=dtype, requires_grad=True))
 
 
+class _Captured(Exception):
+    """Raised by a hook that has what it came for (a layer's inputs): the rest of the forward is not needed."""
+
+
+def compiled_layer_savings(cfg, batch, *, on_gpu: bool = False) -> float:
+    """How many fewer bytes a layer compiled by ``model.compile`` saves for its backward than the same layer run
+    eagerly as the trace ran it, on this rank's inputs of a micro-batch like ``batch`` (in the caller's traced
+    world). Inductor recomputes cheap elementwise work in the backward rather than keep its results: what it keeps
+    is decided by AOTAutograd's min-cut partitioner over Inductor's decompositions, which torch's
+    ``aot_eager_decomp_partition`` backend runs without generating code, here on fake tensors."""
+    return float(layer_saved_bytes(cfg, batch, on_gpu=on_gpu)
+                 - layer_saved_bytes(cfg, batch, backend="aot_eager_decomp_partition"))
+
+
+def layer_saved_bytes(cfg, batch, *, backend=None, fake: bool = True, on_gpu: bool = False) -> int:
+    """The bytes autograd saves for the backward of this rank's first layer on its inputs of a micro-batch like
+    ``batch`` (distinct storages; parameters not: they are state): eager (``backend`` None) or compiled by
+    ``torch.compile`` with ``backend``; on fake tensors (the planner, in the caller's traced world) or on real
+    ones (``fake=False``: what a run keeps, the planner's check in ``tests/test_plan_memory.py``)."""
+    stages = cfg.parallel.pipeline_model_parallel_size
+    model_config, objective, dtype = run_parts(evenly_staged(cfg), stages)
+    step = StepLoss(model_config, objective, dtype, cfg.model.family)
+    got = {}
+
+    def capture(module, args, kwargs):
+        got["args"], got["kwargs"] = args, kwargs
+        raise _Captured
+
+    reset_moe_state()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            model = fake_chunks(cfg, model_config)[0]
+            if not model.pre_process:
+                model.register_forward_pre_hook(_received_hidden)
+            layer = model.layers[0]
+            hook = layer.register_forward_pre_hook(capture, with_kwargs=True)
+            with _RealHostTensors() if fake else contextlib.nullcontext():
+                n, g = batch.num_samples, torch.Generator().manual_seed(0)
+                try:
+                    step.forward(model, batch, objective.sample_level(n, generator=g),
+                                 torch.randn(batch.tokens.shape, generator=g), step.labels_of(batch))
+                except _Captured:
+                    pass
+            hook.remove()
+            (hidden, *args), kwargs = got["args"], got["kwargs"]
+            state = {p.untyped_storage()._cdata for p in layer.parameters()}
+            storages = {}
+
+            def pack(t):
+                storage = t.untyped_storage()
+                if storage._cdata not in state:
+                    storages[storage._cdata] = storage.nbytes()
+                return t
+            torch.compiler.reset()  # (a layer compiled afresh: dynamo's recompile limit never reached)
+            quiet_default_tp_group()  # (as model.compile does: no warning for dynamo to break on)
+            try:
+                run = layer if backend is None else torch.compile(layer, backend=backend, fullgraph=True)
+                with gpu_kernels() if on_gpu and backend is None else contextlib.nullcontext(), \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    run(hidden.detach().requires_grad_(), *args, **kwargs)
+            finally:
+                torch.compiler.reset()
+    finally:
+        reset_moe_state()
+        if fake:  # (tables cached from fake tensors: a real run after it must not find them)
+            forget_cached_tables()
+    return sum(storages.values())
+
+
 def evenly_staged(cfg):
     """``cfg`` with its layers split evenly over the pipeline stages: a profile is per layer (an uneven split's
     stage takes its own count of them), and its traces are one and two layers per stage deep."""
@@ -230,6 +300,9 @@ def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProf
             one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False, on_gpu=on_gpu)
                         for n in (1, 2))
             per_layer = two + one * -1
+            if cfg.model.compile and cfg.model.recompute_granularity != "full":  # (full: a layer saves its input)
+                kept = compiled_layer_savings(cfg, batch, on_gpu=on_gpu)
+                per_layer = per_layer + MicroBatchTrace(-kept, -kept, 0.0, (), 0.0, ())
             out.append(LayerProfile(one + per_layer * -1, per_layer))
     finally:
         forget_cached_tables()
