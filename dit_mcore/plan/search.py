@@ -23,7 +23,7 @@ from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_
 from dit_mcore.plan.step_time import StepTime, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
-from dit_mcore.training.validate import check_cpu_offload
+from dit_mcore.training.validate import check_cpu_offload, model_problems
 from dit_mcore.training.memory import GiB
 
 _OFF = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
@@ -253,7 +253,8 @@ def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
             check_cpu_offload(run)
     except ConfigError as e:
         return str(e)
-    return None
+    problems = model_problems(run.model)  # (the layout's recompute against the run's compile)
+    return problems[0] if problems else None
 
 
 class Planner:

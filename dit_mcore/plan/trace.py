@@ -211,15 +211,19 @@ def compiled_layer_savings(cfg, batch, *, on_gpu: bool = False) -> float:
     world). Inductor recomputes cheap elementwise work in the backward rather than keep its results: what it keeps
     is decided by AOTAutograd's min-cut partitioner over Inductor's decompositions, which torch's
     ``aot_eager_decomp_partition`` backend runs without generating code, here on fake tensors."""
-    return float(layer_saved_bytes(cfg, batch, on_gpu=on_gpu)
-                 - layer_saved_bytes(cfg, batch, backend="aot_eager_decomp_partition"))
+    return float(layer_saved_bytes(cfg, batch, on_gpu=on_gpu, forget=False)
+                 - layer_saved_bytes(cfg, batch, backend="aot_eager_decomp_partition", forget=False))
 
 
-def layer_saved_bytes(cfg, batch, *, backend=None, fake: bool = True, on_gpu: bool = False) -> int:
+def layer_saved_bytes(cfg, batch, *, backend=None, fake: bool = True, on_gpu: bool = False,
+                      forget: bool = True) -> int:
     """The bytes autograd saves for the backward of this rank's first layer on its inputs of a micro-batch like
     ``batch`` (distinct storages; parameters not: they are state): eager (``backend`` None) or compiled by
-    ``torch.compile`` with ``backend``; on fake tensors (the planner, in the caller's traced world) or on real
-    ones (``fake=False``: what a run keeps, the planner's check in ``tests/test_plan_memory.py``)."""
+    ``torch.compile`` with ``backend`` as ``model.compile`` compiles it (graph breaks allowed, each piece
+    partitioned; dynamo's caches are reset before and after: call it before a run compiles anything); on fake
+    tensors (the planner, in the caller's traced world; the tables the model caches from them are forgotten after,
+    unless ``forget`` is False) or on real ones (``fake=False``: what a run keeps, the planner's check in
+    ``tests/test_plan_memory.py``)."""
     stages = cfg.parallel.pipeline_model_parallel_size
     model_config, objective, dtype = run_parts(evenly_staged(cfg), stages)
     step = StepLoss(model_config, objective, dtype, cfg.model.family)
@@ -247,27 +251,30 @@ def layer_saved_bytes(cfg, batch, *, backend=None, fake: bool = True, on_gpu: bo
             hook.remove()
             (hidden, *args), kwargs = got["args"], got["kwargs"]
             state = {p.untyped_storage()._cdata for p in layer.parameters()}
-            storages = {}
+            storages = {}  # (each storage held, so that no other takes its address)
 
             def pack(t):
                 storage = t.untyped_storage()
                 if storage._cdata not in state:
-                    storages[storage._cdata] = storage.nbytes()
+                    storages[storage._cdata] = storage
                 return t
-            torch.compiler.reset()  # (a layer compiled afresh: dynamo's recompile limit never reached)
-            quiet_default_tp_group()  # (as model.compile does: no warning for dynamo to break on)
+            compiled = backend is not None
+            if compiled:
+                torch.compiler.reset()  # (a layer compiled afresh: dynamo's recompile limit never reached)
+                quiet_default_tp_group()  # (as model.compile does: no warning for dynamo to break on)
             try:
-                run = layer if backend is None else torch.compile(layer, backend=backend, fullgraph=True)
-                with gpu_kernels() if on_gpu and backend is None else contextlib.nullcontext(), \
+                run = torch.compile(layer, backend=backend) if compiled else layer
+                with gpu_kernels() if on_gpu and not compiled else contextlib.nullcontext(), \
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     run(hidden.detach().requires_grad_(), *args, **kwargs)
             finally:
-                torch.compiler.reset()
+                if compiled:
+                    torch.compiler.reset()
     finally:
         reset_moe_state()
-        if fake:  # (tables cached from fake tensors: a real run after it must not find them)
+        if fake and forget:  # (tables cached from fake tensors: a real run after it must not find them)
             forget_cached_tables()
-    return sum(storages.values())
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 def evenly_staged(cfg):
@@ -290,7 +297,10 @@ def layer_profile(cfg, batch, *, on_gpu: bool = False) -> LayerProfile:
 def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProfile]:
     """:func:`layer_profile` of each of ``cfgs``, runs that split a micro-batch alike (the same layout of
     ranks; their recompute or chunking may differ): the tables the model caches are built once, by a
-    warm-up trace of the first."""
+    warm-up trace of the first. A run that compiles its layers (``model.compile``) has each layer's saved bytes
+    and peak lowered by what compiling it saves (:func:`compiled_layer_savings`); not under full recompute (a
+    layer keeps its input alone) nor with MoE layers (their token dispatch reads counts on the host, which a layer
+    compiled on fake tensors cannot: counted eager, an over-estimate)."""
     stages = cfgs[0].parallel.pipeline_model_parallel_size
     cfgs = [evenly_staged(cfg) for cfg in cfgs]
     out = []
@@ -300,10 +310,11 @@ def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProf
             one, two = (trace_microbatch(cfg, batch, num_layers=n * stages, forget=False, on_gpu=on_gpu)
                         for n in (1, 2))
             per_layer = two + one * -1
-            if cfg.model.compile and cfg.model.recompute_granularity != "full":  # (full: a layer saves its input)
+            outside = one + per_layer * -1
+            if cfg.model.compile and cfg.model.recompute_granularity != "full" and not cfg.model.num_moe_experts:
                 kept = compiled_layer_savings(cfg, batch, on_gpu=on_gpu)
                 per_layer = per_layer + MicroBatchTrace(-kept, -kept, 0.0, (), 0.0, ())
-            out.append(LayerProfile(one + per_layer * -1, per_layer))
+            out.append(LayerProfile(outside, per_layer))
     finally:
         forget_cached_tables()
     return out

@@ -334,6 +334,14 @@ def _log_rules(r: _Rules, g) -> None:
             r.need(not problem, "log.wandb", g.wandb, problem)
 
 
+def model_problems(model) -> list[str]:
+    """The problems of a ``ModelConfig`` alone (the rules that combine its fields, such as what compiles), one
+    line each."""
+    r = _Rules()
+    _model_rules(r, model)
+    return r.problems
+
+
 def run_problems(cfg, world_size: int) -> list[str]:
     """Every problem of ``cfg`` (a ``RunConfig``) for ``world_size`` processes, one line each."""
     sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
