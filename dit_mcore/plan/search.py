@@ -404,7 +404,8 @@ class Planner:
     def smallest_fitting(self, factors=(2, 4, 8, 16, 32, 64)) -> Optional[tuple[int, Evaluation]]:
         """The smallest cluster ``factor`` times larger where a layout fits, and there the layout that needs the
         least memory among the frugal ones (full recompute, one sample per micro-batch, state sharded over all the
-        data-parallel ranks, one model chunk per stage, the ring or Ulysses alone)."""
+        data-parallel ranks, one model chunk per stage, the first a layer lighter or not, the ring or Ulysses
+        alone)."""
         for factor in factors:
             bigger = self.resized(self.world * factor)
             frugal = [layout for layout in candidate_layouts(self.cfg, bigger.world, self.gpus_per_node, self.tokens)
@@ -412,6 +413,9 @@ class Planner:
                       and not layout.fsdp_shard and layout.cp_comm_type != "a2a+p2p"
                       and (layout.distopt or layout.fsdp != "none" or bigger.world == layout.tp * layout.cp * layout.pp)
                       and accepted(self.cfg, layout, bigger.world) is None and bigger.state_fits(layout)]
+            layers = cfg_layers(self.cfg)  # (and each even pipeline split with its first stage a layer lighter)
+            frugal += [lighter for lighter in (lighter_first(layout, layers) for layout in frugal)
+                       if lighter is not None and accepted(self.cfg, lighter, bigger.world) is None]
             fitting = [e for e in map(bigger.evaluate, frugal) if e.fits]
             if fitting:
                 return bigger.world, min(fitting, key=lambda e: e.memory.total)
