@@ -19,7 +19,7 @@ from dit_mcore.plan.memory import predict_memory
 from dit_mcore.plan.search import Layout, Planner, lighter_first, pipeline_splits
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.plan.op_costs import group_names
-from dit_mcore.plan.step_time import BUS_FACTOR, span
+from dit_mcore.plan.step_time import BUS_FACTOR, operator_times, span
 from dit_mcore.plan.trace import trace_microbatch
 from dit_mcore.plan.world import traced_world
 from dit_mcore.recipes.pretrain_xl import pretrain_tiny
@@ -125,6 +125,31 @@ def test_layers_that_do_not_divide_over_the_stages_split_unevenly_and_a_lighter_
     assert (lighter.first_stage, lighter.last_stage) == (2, 4)
     even, lighter = planner.evaluate(even), planner.evaluate(lighter)  # (4 micro-batches: 2 in flight on stage 0)
     assert lighter.memory.total < even.memory.total and lighter.step.compute > even.step.compute
+    single_process_world()
+
+
+def test_explain_breaks_a_layer_down_operator_by_operator(tmp_path, capsys):
+    """``--explain``'s operators: their matrix products are the layer's linears (6 FLOPs per weight per token
+    forward and backward; adaLN's modulation per sample), and their times add up to the layer's compute as the
+    step-time model prices it."""
+    cfg = layout_run(tmp_path, "dense")
+    cfg.model.input_size, cfg.data.image_size = 8, 8
+    device = gpu("H100-80GB", workspace_gib=0.0)
+    planner = Planner(cfg, 1, device, 8, lambda rows: _batch(rows))
+    layer = planner.profile(Layout()).per_layer
+    rows = operator_times(layer, device)
+    h, ffn, tokens = cfg.model.hidden_size, cfg.model.build(ParallelConfig()).ffn_hidden_size, SEQ
+    assert sum(f for name, _, f, _, _ in rows if "attention" not in name) == layer.gemm_flops == \
+        6 * tokens * (4 * h * h + 2 * h * ffn) + 6 * 1 * (h * 6 * h)
+    r = device.rates
+    attention = sum(f / (r.attention_tflops(k) * 1e12) for k, f in layer.attention)
+    kernels = layer.gemm_flops / (r.gemm_tflops * 1e12) + attention + layer.memory_bytes / (r.memory_gbs * 1e9)
+    assert sum(row[4] for row in rows) == pytest.approx(kernels, rel=1e-9)
+    single_process_world()
+    assert cli.main(["--preset", "tiny", "--seq", "16", "--global-batch", "8", "--gpu", "H100-80GB", "--gpus", "2",
+                     "--explain", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "operator by operator" in out and "reduce_scatter over tp (2 ranks)" in out
     single_process_world()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import sys
@@ -21,6 +22,7 @@ import torch
 from dit_mcore.errors import ConfigError
 from dit_mcore.plan.gpus import GPUS, gpu as gpu_entry
 from dit_mcore.plan.search import Layout, Planner, accepted
+from dit_mcore.plan.step_time import link, operator_times, seconds, span
 from dit_mcore.training.memory import GiB, size
 
 
@@ -128,6 +130,36 @@ HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'step s':>8} {'compute':>7} {
           f"{'TFLOPS':>7} {'MFU':>6} {'tok/s/GPU':>9}")
 
 
+OPERATORS = 12
+"""The operators ``--explain`` lists by name (the longest; the rest summed)."""
+
+
+def _operators(planner: Planner, e, world: int) -> list[str]:
+    """One layer's forward and backward on one micro-batch, operator by operator, then its collectives."""
+    # (traced for one sample: its calls are the micro-batch's, its work scales with the samples)
+    mb = e.layout.micro_batch
+    layer = planner.profile(dataclasses.replace(e.layout, micro_batch=1)).per_layer
+    rows = [(name, calls, flops * mb, moved * mb, took * mb)
+            for name, calls, flops, moved, took in operator_times(layer, planner.gpu) if took > 0]
+    total = sum(row[4] for row in rows) or 1.0
+    lines = ["", "one layer, one micro-batch (forward, backward and recompute), operator by operator:",
+             f"  {'operator':<52} {'calls':>5} {'GFLOP':>10} {'MB moved':>10} {'ms':>8} {'share':>6}"]
+    for name, calls, flops, moved, took in rows[:OPERATORS]:
+        lines.append(f"  {name:<52} {calls:>5} {flops / 1e9:10.2f} {moved / 1e6:10.1f} {took * 1e3:8.3f} "
+                     f"{took / total:6.1%}")
+    rest = rows[OPERATORS:]
+    if rest:
+        lines.append(f"  {f'{len(rest)} other operators':<52} {sum(r[1] for r in rest):>5} "
+                     f"{sum(r[2] for r in rest) / 1e9:10.2f} {sum(r[3] for r in rest) / 1e6:10.1f} "
+                     f"{sum(r[4] for r in rest) * 1e3:8.3f} {sum(r[4] for r in rest) / total:6.1%}")
+    p = e.layout.apply(planner.cfg).parallel
+    for kind, name, group, nbytes in (layer * mb).comm:
+        wire = seconds(kind, group, nbytes, link(span(name, group, p, world), planner.gpu, planner.gpus_per_node))
+        lines.append(f"  {f'{kind} over {name} ({group} ranks)':<52} {'':>5} {'':>10} {nbytes / 1e6:10.1f} "
+                     f"{wire * 1e3:8.3f}   (on the wire)")
+    return lines
+
+
 def explain(planner: Planner, e, world: int) -> str:
     m, s = e.memory, e.step
     lines = [HEADER, _row(e, world), "", "memory per GPU (GiB): " + ", ".join(f"{k} {v}" for k, v in m.parts_gib().items()),
@@ -140,7 +172,7 @@ def explain(planner: Planner, e, world: int) -> str:
              f"optimizer and EMA {s.optimizer:.4f}",
              f"  compute: matrix products {s.gemm:.4f}, attention {s.attention:.4f}, other operators {s.memory_bound:.4f}",
              f"  rates from {planner.gpu.rates.source}"]
-    return "\n".join(lines)
+    return "\n".join(lines + _operators(planner, e, world))
 
 
 def planner_of(args) -> Planner:

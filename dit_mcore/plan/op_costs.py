@@ -66,6 +66,8 @@ class OpCosts(TorchDispatchMode):
         self.attention: dict = collections.defaultdict(float)
         self.memory_bytes = 0.0
         self.comm: dict = collections.defaultdict(float)
+        self.ops: dict = collections.defaultdict(float)
+        """``{(operator, "calls" | "flops" | "bytes"): amount}``: the same work, operator by operator."""
         self._names = group_names()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -85,13 +87,22 @@ class OpCosts(TorchDispatchMode):
                 self.attention[_keys_length(name, args)] += flops
             else:
                 self.gemm_flops += flops
+            self._count(name, "flops", flops)
         elif name in _CPU_FLASH:
             q, k = (args[0], args[1]) if name.endswith("cpu") else (args[1], args[2])
             b, h, s_q, d = q.shape
-            self.attention[int(k.shape[2])] += _CPU_FLASH[name] * 4 * b * h * s_q * k.shape[2] * d
+            flops = _CPU_FLASH[name] * 4 * b * h * s_q * k.shape[2] * d
+            self.attention[int(k.shape[2])] += flops
+            self._count(name, "flops", flops)
         elif _moves_data(func, args, out):  # (an in-place operator reads and writes its input: counted twice)
-            self.memory_bytes += _nbytes((args, kwargs)) + _nbytes(out)
+            moved = _nbytes((args, kwargs)) + _nbytes(out)
+            self.memory_bytes += moved
+            self._count(name, "bytes", moved)
         return out
+
+    def _count(self, name: str, measure: str, amount: float) -> None:
+        self.ops[name, "calls"] += 1
+        self.ops[name, measure] += amount
 
 
 def _keys_length(name: str, args) -> int:

@@ -296,7 +296,7 @@ class Planner:
     def evaluate(self, layout: Layout) -> Evaluation:
         cfg = layout.apply(self.cfg)
         p = cfg.parallel
-        profile = self._profile(layout) * layout.micro_batch  # (traced in a world of its own, once per split)
+        profile = self.profile(layout)  # (traced in a world of its own, once per split)
         dp = self.world // (layout.tp * layout.cp * layout.pp)
         split = stage_split(cfg)
         stages = {stage: (rank_memory(cfg, [profile], model, state, dp, self.gpu.workspace_gib * GiB, stage), model)
@@ -322,6 +322,10 @@ class Planner:
         tokens = sum(batch.seqlens) * samples / step.total / self.world
         fits = memory.total <= self.gpu.memory_gib * GiB
         return Evaluation(layout, memory, step, fits, tokens, tflops, tflops / self.gpu.bf16_tflops)
+
+    def profile(self, layout: Layout):
+        """A micro-batch of ``layout`` on its rank: ``outside + layers x per_layer`` (:class:`LayerProfile`)."""
+        return self._profile(layout) * layout.micro_batch
 
     def _profile(self, layout: Layout):
         """One sample's trace for ``layout``, shared by the layouts that split a micro-batch alike. Traced

@@ -111,3 +111,23 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     optimizer += offloaded_elements * (OFFLOAD_LINK_BYTES / gpu.pcie_gbs + HOST_ADAM_BYTES / gpu.host_gbs) / GB
     return StepTime(microbatches * kernels, microbatches * exposed + dp_exposed, bubble, optimizer,
                     microbatches * gemm, microbatches * attention, microbatches * memory_bound)
+
+
+def operator_times(micro: MicroBatchTrace, gpu: GPU) -> list[tuple]:
+    """``micro``'s work operator by operator, priced as :func:`step_time` prices it: ``(operator, calls, FLOPs,
+    bytes moved, seconds)``, the longest first. Matrix products at the GEMM rate, attention kernels at the rate
+    of the keys they attend to (their share of the micro-batch's attention time), the other operators at the
+    memory bandwidth."""
+    r, ops = gpu.rates, {}
+    for name, measure, amount in micro.ops:
+        ops.setdefault(name, {"calls": 0.0, "flops": 0.0, "bytes": 0.0})[measure] += amount
+    attention_s = sum(flops / (r.attention_tflops(keys) * 1e12) for keys, flops in micro.attention)
+    per_attention_flop = attention_s / micro.attention_flops if micro.attention_flops else 0.0
+    rows = []
+    for name, m in ops.items():
+        if m["flops"]:
+            seconds = m["flops"] * per_attention_flop if "attention" in name else m["flops"] / (r.gemm_tflops * 1e12)
+        else:
+            seconds = m["bytes"] / (r.memory_gbs * GB)
+        rows.append((name, round(m["calls"]), m["flops"], m["bytes"], seconds))
+    return sorted(rows, key=lambda row: -row[4])

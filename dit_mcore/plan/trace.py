@@ -49,6 +49,8 @@ class MicroBatchTrace:
     comm: tuple = ()
     """``((collective, group name, group size, bytes), ...)`` sent inside the micro-batch (TP/SP, CP, EP; the
     names of :func:`~dit_mcore.plan.op_costs.group_names`)."""
+    ops: tuple = ()
+    """``((operator, "calls" | "flops" | "bytes", amount), ...)``: the work above, operator by operator."""
 
     @property
     def attention_flops(self) -> float:
@@ -57,12 +59,13 @@ class MicroBatchTrace:
     def __add__(self, other: "MicroBatchTrace") -> "MicroBatchTrace":
         return MicroBatchTrace(self.saved + other.saved, self.peak + other.peak, self.gemm_flops + other.gemm_flops,
                                _merged(self.attention, other.attention), self.memory_bytes + other.memory_bytes,
-                               _merged(self.comm, other.comm))
+                               _merged(self.comm, other.comm), _merged(self.ops, other.ops))
 
     def __mul__(self, x: float) -> "MicroBatchTrace":
         return MicroBatchTrace(self.saved * x, self.peak * x, self.gemm_flops * x,
                                tuple((*key, f * x) for *key, f in self.attention), self.memory_bytes * x,
-                               tuple((*key, b * x) for *key, b in self.comm))
+                               tuple((*key, b * x) for *key, b in self.comm),
+                               tuple((*key, a * x) for *key, a in self.ops))
 
 
 def _merged(a: tuple, b: tuple) -> tuple:
@@ -190,7 +193,8 @@ def trace_microbatch(cfg, batch, *, num_layers: int, forget: bool = True, on_gpu
         if forget:
             forget_cached_tables()
     return MicroBatchTrace(saved, live.peak, costs.gemm_flops, tuple(sorted(costs.attention.items())),
-                           costs.memory_bytes, tuple((*key, b) for key, b in sorted(costs.comm.items())))
+                           costs.memory_bytes, tuple((*key, b) for key, b in sorted(costs.comm.items())),
+                           tuple((*key, a) for key, a in sorted(costs.ops.items())))
 
 
 def _received_hidden(model, args) -> None:
