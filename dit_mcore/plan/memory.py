@@ -81,7 +81,7 @@ def stages_to_check(cfg) -> list[int]:
     layers split evenly; with an uneven split also the second (the most in flight of the middle ones) and the
     last (the most layers, as a rule)."""
     split = stage_split(cfg)
-    return [0] if len(set(split)) == 1 else sorted({0, min(1, len(split) - 1), len(split) - 1})
+    return [0] if len(set(split)) == 1 else sorted({0, 1, len(split) - 1})
 
 
 def stage_rank(parallel, world_size: int, stage: int) -> int:

@@ -18,8 +18,8 @@ from dit_mcore.models.flops import dit_flops
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan.gpus import GPU
-from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_optimizer, rank_memory, rank_state, stage_rank,
-                                   stage_split, stages_to_check)
+from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_optimizer, rank_memory, rank_state,
+                                   stage_rank, stage_split, stages_to_check)
 from dit_mcore.plan.step_time import StepTime, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
@@ -187,10 +187,10 @@ def _digits(x: float) -> float:
 def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> Iterator[Layout]:
     """Layouts of ``world`` ranks: TP up to a node (always with SP), CP up to 16 over ring, all-to-all or
     all-to-all groups inside a ring, up to 8 pipeline stages (the layers split evenly, in one or two model chunks
-    per stage, or unevenly where they do not divide: :func:`pipeline_splits`), experts, FSDP (HSDP over every group size; Megatron-FSDP for MoE models, the FSDP that shards
-    experts) or the distributed optimizer, no recompute, selective recompute of the MLP or full recompute,
-    chunked MLPs where a micro-batch puts more than ``2 x CHUNK_TOKENS`` of its ``tokens``
-    per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share
+    per stage, or unevenly where they do not divide: :func:`pipeline_splits`), experts, FSDP (HSDP over every
+    group size; Megatron-FSDP for MoE models, the FSDP that shards experts) or the distributed optimizer, no
+    recompute, selective recompute of the MLP or full recompute, chunked MLPs where a micro-batch puts more than
+    ``2 x CHUNK_TOKENS`` of its ``tokens`` per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share
     of the global batch."""
     mc = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
     powers = [2 ** i for i in range(12) if 2 ** i <= world]
@@ -364,12 +364,10 @@ class Planner:
             if on_each:
                 on_each(done[-1])
         if not any(e.fits for e in done):  # a lighter first stage, where the layers split evenly over stages
-            layers = cfg_layers(self.cfg)
-            for lighter in filter(None, (lighter_first(e.layout, layers) for e in list(done))):
-                if accepted(self.cfg, lighter, self.world) is None:
-                    done.append(self.evaluate(lighter))
-                    if on_each:
-                        on_each(done[-1])
+            for lighter in self._lighter_firsts([e.layout for e in done]):
+                done.append(self.evaluate(lighter))
+                if on_each:
+                    on_each(done[-1])
         if not any(e.fits for e in done):  # Elixir's way out: optimizer state in host memory
             for offloaded in filter(None, map(self._offloaded, list(done))):
                 done.append(offloaded)
@@ -399,6 +397,12 @@ class Planner:
             if offloaded.fits:
                 return offloaded
         return None
+    def _lighter_firsts(self, layouts: list) -> list:
+        """The :func:`lighter_first` twins of ``layouts`` that the layout check accepts on this world."""
+        layers = cfg_layers(self.cfg)
+        return [lighter for lighter in (lighter_first(layout, layers) for layout in layouts)
+                if lighter is not None and accepted(self.cfg, lighter, self.world) is None]
+
     def resized(self, world: int) -> "Planner":
         """The same run on ``world`` GPUs, sharing the traces (they do not depend on the data-parallel size)."""
         other = Planner(self.cfg, world, self.gpu, self.gpus_per_node, self.batch)
@@ -417,9 +421,7 @@ class Planner:
                       and not layout.fsdp_shard and layout.cp_comm_type != "a2a+p2p"
                       and (layout.distopt or layout.fsdp != "none" or bigger.world == layout.tp * layout.cp * layout.pp)
                       and accepted(self.cfg, layout, bigger.world) is None and bigger.state_fits(layout)]
-            layers = cfg_layers(self.cfg)  # (and each even pipeline split with its first stage a layer lighter)
-            frugal += [lighter for lighter in (lighter_first(layout, layers) for layout in frugal)
-                       if lighter is not None and accepted(self.cfg, lighter, bigger.world) is None]
+            frugal += bigger._lighter_firsts(frugal)
             fitting = [e for e in map(bigger.evaluate, frugal) if e.fits]
             if fitting:
                 return bigger.world, min(fitting, key=lambda e: e.memory.total)

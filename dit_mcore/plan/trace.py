@@ -215,19 +215,20 @@ def compiled_layer_savings(cfg, batch, *, on_gpu: bool = False) -> float:
     world). Inductor recomputes cheap elementwise work in the backward rather than keep its results: what it keeps
     is decided by AOTAutograd's min-cut partitioner over Inductor's decompositions, which torch's
     ``aot_eager_decomp_partition`` backend runs without generating code, here on fake tensors."""
-    return float(layer_saved_bytes(cfg, batch, on_gpu=on_gpu, forget=False)
-                 - layer_saved_bytes(cfg, batch, backend="aot_eager_decomp_partition", forget=False))
+    eager, compiled = layer_saved_bytes(cfg, batch, backends=(None, "aot_eager_decomp_partition"), on_gpu=on_gpu,
+                                        forget=False)
+    return float(eager - compiled)
 
 
-def layer_saved_bytes(cfg, batch, *, backend=None, fake: bool = True, on_gpu: bool = False,
-                      forget: bool = True) -> int:
+def layer_saved_bytes(cfg, batch, *, backends=(None,), fake: bool = True, on_gpu: bool = False,
+                      forget: bool = True) -> list[int]:
     """The bytes autograd saves for the backward of this rank's first layer on its inputs of a micro-batch like
-    ``batch`` (distinct storages; parameters not: they are state): eager (``backend`` None) or compiled by
-    ``torch.compile`` with ``backend`` as ``model.compile`` compiles it (graph breaks allowed, each piece
-    partitioned; dynamo's caches are reset before and after: call it before a run compiles anything); on fake
-    tensors (the planner, in the caller's traced world; the tables the model caches from them are forgotten after,
-    unless ``forget`` is False) or on real ones (``fake=False``: what a run keeps, the planner's check in
-    ``tests/test_plan_memory.py``)."""
+    ``batch`` (distinct storages; parameters not: they are state), for each of ``backends`` on the same inputs:
+    eager (None) or compiled by ``torch.compile`` with that backend as ``model.compile`` compiles it (graph
+    breaks allowed, each piece partitioned; dynamo's caches are reset before and after: call it before a run
+    compiles anything); on fake tensors (the planner, in the caller's traced world; the tables the model caches
+    from them are forgotten after, unless ``forget`` is False) or on real ones (``fake=False``: what a run keeps,
+    the planner's check in ``tests/test_plan_memory.py``)."""
     stages = cfg.parallel.pipeline_model_parallel_size
     model_config, objective, dtype = run_parts(evenly_staged(cfg), stages)
     step = StepLoss(model_config, objective, dtype, cfg.model.family)
@@ -255,30 +256,33 @@ def layer_saved_bytes(cfg, batch, *, backend=None, fake: bool = True, on_gpu: bo
             hook.remove()
             (hidden, *args), kwargs = got["args"], got["kwargs"]
             state = {p.untyped_storage()._cdata for p in layer.parameters()}
-            storages = {}  # (each storage held, so that no other takes its address)
+            kept = []
+            for backend in backends:
+                storages = {}  # (each storage held, so that no other takes its address)
 
-            def pack(t):
-                storage = t.untyped_storage()
-                if storage._cdata not in state:
-                    storages[storage._cdata] = storage
-                return t
-            compiled = backend is not None
-            if compiled:
-                torch.compiler.reset()  # (a layer compiled afresh: dynamo's recompile limit never reached)
-                quiet_default_tp_group()  # (as model.compile does: no warning for dynamo to break on)
-            try:
-                run = torch.compile(layer, backend=backend) if compiled else layer
-                with gpu_kernels() if on_gpu and not compiled else contextlib.nullcontext(), \
-                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    run(hidden.detach().requires_grad_(), *args, **kwargs)
-            finally:
+                def pack(t):
+                    storage = t.untyped_storage()
+                    if storage._cdata not in state:
+                        storages[storage._cdata] = storage
+                    return t
+                compiled = backend is not None
                 if compiled:
-                    torch.compiler.reset()
+                    torch.compiler.reset()  # (a layer compiled afresh: dynamo's recompile limit never reached)
+                    quiet_default_tp_group()  # (as model.compile does: no warning for dynamo to break on)
+                try:
+                    run = torch.compile(layer, backend=backend) if compiled else layer
+                    with gpu_kernels() if on_gpu and not compiled else contextlib.nullcontext(), \
+                            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        run(hidden.detach().requires_grad_(), *args, **kwargs)
+                finally:
+                    if compiled:
+                        torch.compiler.reset()
+                kept.append(sum(storage.nbytes() for storage in storages.values()))
     finally:
         reset_moe_state()
         if fake and forget:  # (tables cached from fake tensors: a real run after it must not find them)
             forget_cached_tables()
-    return sum(storage.nbytes() for storage in storages.values())
+    return kept
 
 
 def evenly_staged(cfg):
