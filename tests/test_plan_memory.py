@@ -19,6 +19,7 @@ from dist_utils import run_distributed
 from megatron_env import single_process_world
 from test_parallel_layouts import layout_run
 from dit_mcore.parallel.initialize import release_model_parallel_groups
+from dit_mcore.plan import trace
 from dit_mcore.plan.live_memory import LiveMemory
 from dit_mcore.plan.memory import predict_memory
 from dit_mcore.plan.trace import layer_profile, layer_saved_bytes
@@ -113,13 +114,15 @@ def test_the_planner_knows_chunked_execution(tmp_path):
     assert peaks[4] < 0.9 * peaks[None]
 
 
-@pytest.mark.parametrize("family, data", [("dit", "dense"), ("llama", "packed")])
-def test_the_planner_counts_what_a_compiled_layer_keeps(tmp_path, family, data):
+@pytest.mark.parametrize("family, data, moe", [("dit", "dense", False), ("llama", "packed", False),
+                                             ("dit", "dense", True)])
+def test_the_planner_counts_what_a_compiled_layer_keeps(tmp_path, monkeypatch, family, data, moe):
     """``model.compile``: what the planner counts a compiled layer keeping for its backward (AOTAutograd's min-cut
     partition over Inductor's decompositions, on fake tensors, no code generated) is, byte for byte, what an
     Inductor-compiled layer keeps on real tensors (CPU), and less than the eager layer keeps; the planner's
-    activations per layer drop by the difference."""
-    cfg = _run(tmp_path, family, data)
+    activations per layer drop by the difference. An MoE layer too (its experts read their token counts on the
+    host, where dynamo breaks the graph)."""
+    cfg = _run(tmp_path, family, data, moe=moe)
     cfg.model.compile = True
     single_process_world()
     trainer = Trainer(cfg)
@@ -133,10 +136,12 @@ def test_the_planner_counts_what_a_compiled_layer_keeps(tmp_path, family, data):
                          zip(backends, layer_saved_bytes(cfg, batch, backends=backends, fake=fake))})
         assert kept["aot_eager_decomp_partition", True] == kept["inductor", False] < kept[None, False] == \
             kept[None, True], kept
+        saved = kept[None, True] - kept["aot_eager_decomp_partition", True]
+        if moe:  # (the partition just measured, not run again: MoE's graph breaks make it ~10 s)
+            monkeypatch.setattr(trace, "compiled_layer_savings", lambda *args, **kwargs: saved)
         eager = layer_profile(cfg.__class__(**{**vars(cfg), "model": cfg.model.__class__(
             **{**vars(cfg.model), "compile": False})}), batch)
         compiled = layer_profile(cfg, batch)
-    saved = kept[None, True] - kept["aot_eager_decomp_partition", True]
     assert compiled.outside.saved == pytest.approx(eager.outside.saved)  # (the embeddings and final layer: eager)
     assert eager.at(3).saved - compiled.at(3).saved == pytest.approx(3 * saved)
     assert eager.at(3).peak - compiled.at(3).peak == pytest.approx(3 * saved)

@@ -141,6 +141,29 @@ class _RealHostTensors(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def _host_counts():
+    """An MoE layer compiled on fake tensors: the token dispatcher's counts (tokens per expert, the capacity's
+    under the trace's balanced routing) made real, as :class:`_RealHostTensors` makes them in an eager trace, by a
+    dispatch mode around megatron's ``preprocess`` alone, which dynamo leaves uncompiled (a mode around the whole
+    layer would keep dynamo from compiling it). The counts come back real, so the experts' host read of them,
+    where dynamo breaks the graph as it does in a run, reads numbers. ``preprocess`` makes integers only: nothing
+    in it is saved for the backward, compiled or not."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as dispatcher
+
+    preprocess = dispatcher.preprocess
+
+    @torch.compiler.disable
+    def real_counts(self, routing_map):
+        with _RealHostTensors():
+            return preprocess(self, routing_map)
+    dispatcher.preprocess = real_counts
+    try:
+        yield
+    finally:
+        dispatcher.preprocess = preprocess
+
+
 def forget_cached_tables() -> None:
     """Empty every ``functools.lru_cache`` of the project's, its kernels' and megatron's modules: the
     tables they keep (positions, rotary frequencies, attention plans) were built from fake tensors
@@ -272,6 +295,7 @@ def layer_saved_bytes(cfg, batch, *, backends=(None,), fake: bool = True, on_gpu
                 try:
                     run = torch.compile(layer, backend=backend) if compiled else layer
                     with gpu_kernels() if on_gpu and not compiled else contextlib.nullcontext(), \
+                            (_host_counts() if compiled else _RealHostTensors()) if fake else contextlib.nullcontext(), \
                             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         run(hidden.detach().requires_grad_(), *args, **kwargs)
                 finally:
@@ -306,9 +330,8 @@ def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProf
     """:func:`layer_profile` of each of ``cfgs``, runs that split a micro-batch alike (the same layout of
     ranks; their recompute or chunking may differ): the tables the model caches are built once, by a
     warm-up trace of the first. A run that compiles its layers (``model.compile``) has each layer's saved bytes
-    and peak lowered by what compiling it saves (:func:`compiled_layer_savings`); not under full recompute (a
-    layer keeps its input alone) nor with MoE layers (their token dispatch reads counts on the host, which a layer
-    compiled on fake tensors cannot: counted eager, an over-estimate)."""
+    and peak lowered by what compiling it saves (:func:`compiled_layer_savings`; MoE layers too); not under full
+    recompute (a layer keeps its input alone)."""
     stages = cfgs[0].parallel.pipeline_model_parallel_size
     cfgs = [evenly_staged(cfg) for cfg in cfgs]
     out = []
@@ -319,7 +342,7 @@ def layer_profiles(cfgs: list, batch, *, on_gpu: bool = False) -> list[LayerProf
                         for n in (1, 2))
             per_layer = two + one * -1
             outside = one + per_layer * -1
-            if cfg.model.compile and cfg.model.recompute_granularity != "full" and not cfg.model.num_moe_experts:
+            if cfg.model.compile and cfg.model.recompute_granularity != "full":
                 kept = compiled_layer_savings(cfg, batch, on_gpu=on_gpu)
                 per_layer = per_layer + MicroBatchTrace(-kept, -kept, 0.0, (), 0.0, ())
             out.append(LayerProfile(outside, per_layer))
