@@ -2,6 +2,7 @@
 its shortcuts (one sample's trace, no pipeline stages) against the whole micro-batch's trace, and the
 command: every layout it prints passes the layout check, the best one's overrides train, bad input
 gets one line."""
+import collections
 import json
 import sys
 from pathlib import Path
@@ -14,12 +15,12 @@ from test_parallel_layouts import layout_run
 from test_recipes import resolve
 from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan import cli
-from dit_mcore.plan.gpus import gpu
+from dit_mcore.plan.gpus import GB, gpu
 from dit_mcore.plan.memory import predict_memory
 from dit_mcore.plan.search import Layout, Planner, lighter_first, pipeline_splits
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.plan.op_costs import group_names
-from dit_mcore.plan.step_time import BUS_FACTOR, operator_times, span
+from dit_mcore.plan.step_time import BUS_FACTOR, on_wire, operator_times, ranks_per_node, span
 from dit_mcore.plan.trace import trace_microbatch
 from dit_mcore.plan.world import traced_world
 from dit_mcore.recipes.pretrain_xl import pretrain_tiny
@@ -67,8 +68,9 @@ def test_the_traced_collectives_are_the_analytic_volumes(tmp_path, method):
     (16, dict(context_parallel_size=2, pipeline_model_parallel_size=4)),
 ])
 def test_each_group_is_priced_on_the_link_megatron_puts_it(world, parallel):
-    """A collective goes over NVLink when all of its group's ranks are in one node: the step-time model's
-    span of each named group against the ranks megatron's parallel state gives it, for every node size."""
+    """A collective goes over NVLink when all of its group's ranks are in one node, and between nodes through as
+    many network ports as the group has ranks in a node: the step-time model's span of each named group, and its
+    ranks in a node, against the ranks megatron's parallel state gives it, for every node size."""
     p = ParallelConfig(**parallel)
     with traced_world(p, world):
         groups = group_names()
@@ -76,9 +78,23 @@ def test_each_group_is_priced_on_the_link_megatron_puts_it(world, parallel):
         for group, name in groups.items():
             ranks = torch.distributed.get_process_group_ranks(group)
             for per_node in (1, 2, 4, 8, 16, 32):
-                same_node = len({r // per_node for r in ranks}) == 1
-                assert (span(name, len(ranks), p, world) <= per_node) == same_node, (name, ranks, per_node)
+                nodes = collections.Counter(r // per_node for r in ranks)
+                spread = span(name, len(ranks), p, world)
+                assert (spread <= per_node) == (len(nodes) == 1), (name, ranks, per_node)
+                assert ranks_per_node(spread, len(ranks), per_node) == max(nodes.values()), (name, ranks, per_node)
     single_process_world()
+
+
+def test_collectives_between_nodes_use_a_port_per_rank_in_a_node():
+    """Between nodes each GPU has its own port (H100: 50 GB/s): a ring over 16 ranks, 8 in each of two nodes,
+    moves 8 ports' worth (nccl-tests' ~400 GB/s bus bandwidth on DGX H100 nodes), one rank a node moves one port's;
+    an all-to-all sends the other node's half of each rank's data out of its own port."""
+    h100, size = gpu("H100-80GB"), 16
+    bus = BUS_FACTOR["all_reduce"](size) * 1e9
+    assert bus / on_wire("all_reduce", size, 16, 1e9, h100, 8) / GB == pytest.approx(8 * h100.network_gbs)
+    assert bus / on_wire("all_reduce", size, 16 * 8, 1e9, h100, 8) / GB == pytest.approx(h100.network_gbs)
+    assert bus / on_wire("all_reduce", size, 16, 1e9, h100, 16) / GB == pytest.approx(h100.nvlink_gbs)
+    assert on_wire("all_to_all", size, 16, 1e9, h100, 8) == pytest.approx(0.5e9 / (h100.network_gbs * GB))
 
 
 def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):

@@ -50,10 +50,26 @@ def seconds(kind: str, group: int, nbytes: float, gbs: float) -> float:
     return BUS_FACTOR[kind](group) * nbytes / (gbs * GB) if group > 1 else 0.0
 
 
-def link(span: int, gpu: GPU, gpus_per_node: int) -> float:
-    """The bandwidth of a group spanning ``span`` consecutive ranks (megatron's order: TP fastest, then
-    CP, then data/expert parallel, then pipeline)."""
-    return gpu.nvlink_gbs if span <= gpus_per_node else gpu.network_gbs
+def ranks_per_node(span: int, size: int, gpus_per_node: int) -> int:
+    """How many of a group's ``size`` ranks, evenly strided over ``span`` consecutive ranks, share a node."""
+    return max(1, min(size, gpus_per_node * size // span))
+
+
+def on_wire(kind: str, size: int, span: int, nbytes: float, gpu: GPU, gpus_per_node: int) -> float:
+    """One collective's time in a group of ``size`` ranks spanning ``span`` consecutive ranks: over NVLink
+    inside a node; between nodes, each GPU with its own network port (a DGX's rails). A ring collective crosses
+    between nodes once every :func:`ranks_per_node` hops, and NCCL runs one ring through each of those ranks'
+    ports, so the group moves ``k`` ports' worth (k ranks in a node; NVLink the limit; nccl-tests' ~400 GB/s bus
+    bandwidth over DGX H100 nodes, 8 x 50 GB/s, is k = 8). An all-to-all sends each rank's share for the other
+    nodes' ranks out of its own port (the node's share over NVLink, at the same time)."""
+    if size <= 1:
+        return 0.0
+    if span <= gpus_per_node:
+        return seconds(kind, size, nbytes, gpu.nvlink_gbs)
+    k = ranks_per_node(span, size, gpus_per_node)
+    if kind == "all_to_all":
+        return max(nbytes * (size - k) / size / (gpu.network_gbs * GB), nbytes * (k - 1) / size / (gpu.nvlink_gbs * GB))
+    return seconds(kind, size, nbytes, min(gpu.nvlink_gbs, k * gpu.network_gbs))
 
 
 def span(name: str, size: int, parallel, world: int) -> int:
@@ -85,22 +101,24 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     kernels = gemm + attention + memory_bound
     exposed = 0.0
     for kind, name, group, nbytes in micro.comm:
-        t = seconds(kind, group, nbytes, link(span(name, group, parallel, world), gpu, gpus_per_node))
+        t = on_wire(kind, group, span(name, group, parallel, world), nbytes, gpu, gpus_per_node)
         exposed += max(0.0, t - attention) if kind == "p2p" else t  # (ring attention overlaps its exchange)
     per_micro = kernels + exposed
     # data parallel over DP x CP: gradients reduced (scattered under the distributed optimizer or FSDP), weights gathered
-    replicas = dp * cp
-    dp_gbs = link(tp * cp * dp, gpu, gpus_per_node)
+    replicas, spread = dp * cp, tp * cp * dp
     fsdp = p.fsdp != "none"
-    reduce = seconds("reduce_scatter" if distributed_optimizer or fsdp else "all_reduce", replicas, grad_bytes, dp_gbs)
-    gather = seconds("all_gather", replicas, weight_bytes, dp_gbs) if distributed_optimizer or fsdp else 0.0
+
+    def wire(kind, size, nbytes, over=spread):
+        return on_wire(kind, size, over, nbytes, gpu, gpus_per_node)
+    reduce = wire("reduce_scatter" if distributed_optimizer or fsdp else "all_reduce", replicas, grad_bytes)
+    gather = wire("all_gather", replicas, weight_bytes) if distributed_optimizer or fsdp else 0.0
     if fsdp:  # every micro-batch gathers the weights twice (forward, backward) and scatters the gradients
         shard = p.fsdp_shard_size or replicas  # (HSDP: within groups of consecutive data x context ranks)
         if shard < replicas:
-            gather, reduce = (seconds(kind, shard, grad_bytes if kind == "reduce_scatter" else weight_bytes,
-                                      link(tp * shard, gpu, gpus_per_node)) for kind in ("all_gather", "reduce_scatter"))
+            gather, reduce = (wire(kind, shard, grad_bytes if kind == "reduce_scatter" else weight_bytes, tp * shard)
+                              for kind in ("all_gather", "reduce_scatter"))
         # HSDP: each shard's gradients all-reduced across the replicas once a step
-        across = seconds("all_reduce", replicas // shard, grad_bytes / shard, dp_gbs)
+        across = wire("all_reduce", replicas // shard, grad_bytes / shard)
         # (the gathers and scatters hide behind the micro-batches' kernels; the all-reduce follows the last backward)
         dp_exposed = max(0.0, microbatches * (2 * gather + reduce) - microbatches * kernels) + across
     else:  # overlapped with the last micro-batch's backward (~2/3 of it) and the next forward (~1/3)
