@@ -20,7 +20,7 @@ from dit_mcore.plan.memory import predict_memory
 from dit_mcore.plan.search import Layout, Planner, lighter_first, pipeline_splits
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.plan.op_costs import group_names
-from dit_mcore.plan.step_time import BUS_FACTOR, on_wire, operator_times, ranks_per_node, span
+from dit_mcore.plan.step_time import BUS_FACTOR, on_wire, operator_times, placement, span
 from dit_mcore.plan.trace import trace_microbatch
 from dit_mcore.plan.world import traced_world
 from dit_mcore.recipes.pretrain_xl import pretrain_tiny
@@ -66,35 +66,52 @@ def test_the_traced_collectives_are_the_analytic_volumes(tmp_path, method):
               hierarchical_context_parallel_sizes=[2, 2])),
     (32, dict(tensor_model_parallel_size=2, expert_model_parallel_size=4, pipeline_model_parallel_size=2)),
     (16, dict(context_parallel_size=2, pipeline_model_parallel_size=4)),
+    (24, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),  # (stages of 12 ranks, nodes of 8)
 ])
 def test_each_group_is_priced_on_the_link_megatron_puts_it(world, parallel):
     """A collective goes over NVLink when all of its group's ranks are in one node, and between nodes through as
-    many network ports as the group has ranks in a node: the step-time model's span of each named group, and its
-    ranks in a node, against the ranks megatron's parallel state gives it, for every node size."""
+    many network ports as its group has ranks in the node with the fewest: the step-time model's placement of
+    each named group (and of the data-parallel reductions' group, data x context) against the ranks megatron's
+    parallel state gives every rank, for every node size."""
+    from megatron.core import parallel_state
+
     p = ParallelConfig(**parallel)
-    with traced_world(p, world):
-        groups = group_names()
-        assert {"tp", "cp", "pp", "dp"} <= set(groups.values())
-        for group, name in groups.items():
-            ranks = torch.distributed.get_process_group_ranks(group)
-            for per_node in (1, 2, 4, 8, 16, 32):
-                nodes = collections.Counter(r // per_node for r in ranks)
-                spread = span(name, len(ranks), p, world)
-                assert (spread <= per_node) == (len(nodes) == 1), (name, ranks, per_node)
-                assert ranks_per_node(spread, len(ranks), per_node) == max(nodes.values()), (name, ranks, per_node)
+    dp_cp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    found = collections.defaultdict(list)  # (name, size, span): every group's ranks
+    for rank in range(world):
+        with traced_world(p, world, rank=rank):
+            named = {**group_names(), parallel_state.get_data_parallel_group(with_context_parallel=True): "dp_cp"}
+            for group, name in named.items():
+                ranks = tuple(torch.distributed.get_process_group_ranks(group))
+                spread = p.tensor_model_parallel_size * dp_cp if name == "dp_cp" else span(name, len(ranks), p, world)
+                found[name, len(ranks), spread].append(ranks)
+    assert {"tp", "cp", "pp", "dp", "dp_cp"} <= {name for name, *_ in found}
+    for (name, size, spread), groups in found.items():
+        for per_node in (1, 2, 4, 8, 16, 32):
+            nodes = [collections.Counter(r // per_node for r in ranks) for ranks in set(groups)]
+            want = (all(len(n) == 1 for n in nodes), min(min(n.values()) for n in nodes))
+            assert placement(spread, size, per_node, world) == want, (name, groups, per_node)
     single_process_world()
 
 
 def test_collectives_between_nodes_use_a_port_per_rank_in_a_node():
     """Between nodes each GPU has its own port (H100: 50 GB/s): a ring over 16 ranks, 8 in each of two nodes,
-    moves 8 ports' worth (nccl-tests' ~400 GB/s bus bandwidth on DGX H100 nodes), one rank a node moves one port's;
-    an all-to-all sends the other node's half of each rank's data out of its own port."""
+    moves 8 ports' worth (nccl-tests' ~400 GB/s bus bandwidth on DGX H100 nodes), one rank a node moves one port's,
+    and a ring over the 12 ranks of a pipeline stage of 24 GPUs in nodes of 8 (8 + 4 or 4 + 8) four ports' worth;
+    an all-to-all sends the other node's half of each rank's data out of its own port; a send between nodes
+    goes out of one port."""
     h100, size = gpu("H100-80GB"), 16
     bus = BUS_FACTOR["all_reduce"](size) * 1e9
-    assert bus / on_wire("all_reduce", size, 16, 1e9, h100, 8) / GB == pytest.approx(8 * h100.network_gbs)
-    assert bus / on_wire("all_reduce", size, 16 * 8, 1e9, h100, 8) / GB == pytest.approx(h100.network_gbs)
-    assert bus / on_wire("all_reduce", size, 16, 1e9, h100, 16) / GB == pytest.approx(h100.nvlink_gbs)
-    assert on_wire("all_to_all", size, 16, 1e9, h100, 8) == pytest.approx(0.5e9 / (h100.network_gbs * GB))
+
+    def bandwidth(*where):
+        return bus / on_wire("all_reduce", size, *where) / GB
+    assert bandwidth(16, 1e9, h100, 8, 16) == pytest.approx(8 * h100.network_gbs)
+    assert bandwidth(16 * 8, 1e9, h100, 8, 16 * 8) == pytest.approx(h100.network_gbs)
+    assert bandwidth(16, 1e9, h100, 16, 16) == pytest.approx(h100.nvlink_gbs)
+    assert BUS_FACTOR["all_reduce"](12) * 1e9 / on_wire("all_reduce", 12, 12, 1e9, h100, 8, 24) / GB == \
+        pytest.approx(4 * h100.network_gbs)
+    assert on_wire("all_to_all", size, 16, 1e9, h100, 8, 16) == pytest.approx(0.5e9 / (h100.network_gbs * GB))
+    assert on_wire("p2p", 2, 16, 1e9, h100, 8, 16) == pytest.approx(1e9 / (h100.network_gbs * GB))
 
 
 def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):

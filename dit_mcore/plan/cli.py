@@ -154,7 +154,7 @@ def _operators(planner: Planner, e, world: int) -> list[str]:
                      f"{sum(r[4] for r in rest) * 1e3:8.3f} {sum(r[4] for r in rest) / total:6.1%}")
     p = e.layout.apply(planner.cfg).parallel
     for kind, name, group, nbytes in (layer * mb).comm:
-        wire = on_wire(kind, group, span(name, group, p, world), nbytes, planner.gpu, planner.gpus_per_node)
+        wire = on_wire(kind, group, span(name, group, p, world), nbytes, planner.gpu, planner.gpus_per_node, world)
         lines.append(f"  {f'{kind} over {name} ({group} ranks)':<52} {'':>5} {'':>10} {nbytes / 1e6:10.1f} "
                      f"{wire * 1e3:8.3f}   (on the wire)")
     return lines

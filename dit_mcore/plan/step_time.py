@@ -9,6 +9,8 @@ says how far it is off on the points it was not fitted to (NeMo's and Megatron-B
 ``tests/test_plan_published.py``)."""
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass
 
 from dit_mcore.plan.gpus import GB, GPU
@@ -50,23 +52,34 @@ def seconds(kind: str, group: int, nbytes: float, gbs: float) -> float:
     return BUS_FACTOR[kind](group) * nbytes / (gbs * GB) if group > 1 else 0.0
 
 
-def ranks_per_node(span: int, size: int, gpus_per_node: int) -> int:
-    """How many of a group's ``size`` ranks, evenly strided over ``span`` consecutive ranks, share a node."""
-    return max(1, min(size, gpus_per_node * size // span))
+@functools.lru_cache(maxsize=None)
+def placement(span: int, size: int, gpus_per_node: int, world: int) -> tuple[bool, int]:
+    """Where megatron's rank order puts the groups of ``size`` ranks evenly strided over blocks of ``span``
+    consecutive ranks (every block of the ``world``): whether each group lies in one node, and the fewest of a
+    group's ranks in any node it spans (a ring between nodes is as fast as its node with the fewest ports)."""
+    stride, one_node, fewest = max(1, span // size), True, size
+    for start in range(0, world, span):
+        for base in range(start, start + stride):
+            nodes = collections.Counter((base + i * stride) // gpus_per_node for i in range(size))
+            one_node, fewest = one_node and len(nodes) == 1, min(fewest, *nodes.values())
+    return one_node, fewest
 
 
-def on_wire(kind: str, size: int, span: int, nbytes: float, gpu: GPU, gpus_per_node: int) -> float:
-    """One collective's time in a group of ``size`` ranks spanning ``span`` consecutive ranks: over NVLink
-    inside a node; between nodes, each GPU with its own network port (a DGX's rails). A ring collective crosses
-    between nodes once every :func:`ranks_per_node` hops, and NCCL runs one ring through each of those ranks'
-    ports, so the group moves ``k`` ports' worth (k ranks in a node; NVLink the limit; nccl-tests' ~400 GB/s bus
-    bandwidth over DGX H100 nodes, 8 x 50 GB/s, is k = 8). An all-to-all sends each rank's share for the other
-    nodes' ranks out of its own port (the node's share over NVLink, at the same time)."""
+def on_wire(kind: str, size: int, span: int, nbytes: float, gpu: GPU, gpus_per_node: int, world: int) -> float:
+    """One collective's time in a group of ``size`` ranks spanning ``span`` consecutive ranks (of ``world``):
+    over NVLink inside a node; between nodes, each GPU with its own network port (a DGX's rails). A ring
+    collective crosses between nodes once every k hops (k of its ranks in a node, :func:`placement`), and NCCL
+    runs one ring through each of those ranks' ports, so the group moves k ports' worth, NVLink the limit
+    (nccl-tests' ~400 GB/s bus bandwidth over DGX H100 nodes is k = 8, 8 x 50 GB/s). An all-to-all sends each
+    rank's share for the other nodes' ranks out of its own port (the node's share over NVLink, at the same time);
+    a point-to-point send between nodes goes out of one port."""
     if size <= 1:
         return 0.0
-    if span <= gpus_per_node:
+    one_node, k = placement(span, size, gpus_per_node, world)
+    if one_node:
         return seconds(kind, size, nbytes, gpu.nvlink_gbs)
-    k = ranks_per_node(span, size, gpus_per_node)
+    if kind == "p2p":
+        return seconds(kind, size, nbytes, gpu.network_gbs)
     if kind == "all_to_all":
         return max(nbytes * (size - k) / size / (gpu.network_gbs * GB), nbytes * (k - 1) / size / (gpu.nvlink_gbs * GB))
     return seconds(kind, size, nbytes, min(gpu.nvlink_gbs, k * gpu.network_gbs))
@@ -101,7 +114,7 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     kernels = gemm + attention + memory_bound
     exposed = 0.0
     for kind, name, group, nbytes in micro.comm:
-        t = on_wire(kind, group, span(name, group, parallel, world), nbytes, gpu, gpus_per_node)
+        t = on_wire(kind, group, span(name, group, parallel, world), nbytes, gpu, gpus_per_node, world)
         exposed += max(0.0, t - attention) if kind == "p2p" else t  # (ring attention overlaps its exchange)
     per_micro = kernels + exposed
     # data parallel over DP x CP: gradients reduced (scattered under the distributed optimizer or FSDP), weights gathered
@@ -109,7 +122,7 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     fsdp = p.fsdp != "none"
 
     def wire(kind, size, nbytes, over=spread):
-        return on_wire(kind, size, over, nbytes, gpu, gpus_per_node)
+        return on_wire(kind, size, over, nbytes, gpu, gpus_per_node, world)
     reduce = wire("reduce_scatter" if distributed_optimizer or fsdp else "all_reduce", replicas, grad_bytes)
     gather = wire("all_gather", replicas, weight_bytes) if distributed_optimizer or fsdp else 0.0
     if fsdp:  # every micro-batch gathers the weights twice (forward, backward) and scatters the gradients
