@@ -190,8 +190,8 @@ def candidate_layouts(cfg, world: int, gpus_per_node: int, tokens: int = 0) -> I
     per stage, or unevenly where they do not divide: :func:`pipeline_splits`), experts, FSDP (HSDP over every
     group size; Megatron-FSDP for MoE models, the FSDP that shards experts) or the distributed optimizer, no
     recompute, selective recompute of the MLP or full recompute, chunked MLPs where a micro-batch puts more than
-    ``2 x CHUNK_TOKENS`` of its ``tokens`` per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples dividing a data-parallel rank's share
-    of the global batch."""
+    ``2 x CHUNK_TOKENS`` of its ``tokens`` per sample on a rank, and micro-batches of 1, 2, 4 or 8 samples
+    dividing a data-parallel rank's share of the global batch."""
     mc = cfg.model.build(cfg.parallel, bf16=cfg.trainer.bf16)
     powers = [2 ** i for i in range(12) if 2 ** i <= world]
     for tp, cp, pp in itertools.product([t for t in powers if t <= gpus_per_node], powers[:5], powers[:4]):

@@ -292,10 +292,12 @@ def layer_saved_bytes(cfg, batch, *, backends=(None,), fake: bool = True, on_gpu
                 if compiled:
                     torch.compiler.reset()  # (a layer compiled afresh: dynamo's recompile limit never reached)
                     quiet_default_tp_group()  # (as model.compile does: no warning for dynamo to break on)
+                # (on fake tensors the counts the model reads on the host made real: the whole layer's operators
+                # eagerly, the dispatcher's alone where dynamo compiles the rest)
+                host = (_host_counts() if compiled else _RealHostTensors()) if fake else contextlib.nullcontext()
                 try:
                     run = torch.compile(layer, backend=backend) if compiled else layer
-                    with gpu_kernels() if on_gpu and not compiled else contextlib.nullcontext(), \
-                            (_host_counts() if compiled else _RealHostTensors()) if fake else contextlib.nullcontext(), \
+                    with gpu_kernels() if on_gpu and not compiled else contextlib.nullcontext(), host, \
                             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         run(hidden.detach().requires_grad_(), *args, **kwargs)
                 finally:
