@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -46,39 +45,6 @@ def plan_gpu(parallel: ParallelConfig):
                       f"parallel.layout_gpu to the nearest of {sorted(GPUS)}")
 
 
-def sample_grid(cfg) -> tuple[int, int, int]:
-    """The token grid the planner traces for one sample of the run: a packed stream as one
-    ``data.max_seq_len``-token sequence (its rows x columns the nearest to square); a built-in source's
-    frames x rows x columns; a prepared dataset's largest latent (from its ``prepare_state.json``)."""
-    model = cfg.model.build(ParallelConfig())
-    if cfg.data.packs:
-        tokens = cfg.data.max_seq_len
-        rows = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
-        return 1, rows, tokens // rows
-    if not cfg.data.uses_energon:
-        side = cfg.data.image_size // model.patch_size
-        return cfg.data.dense_tokens_per_sample(model.patch_size, model.patch_size_t) // (side * side), side, side
-    from energon_data.prepare import prepare_record
-    from dit_mcore.training.data_fit import latent_shapes
-    record = prepare_record(cfg.data.path) if cfg.data.path and Path(cfg.data.path).is_dir() else None
-    shapes = latent_shapes(record) if record and record.get("shards") else set()
-    if not shapes:
-        raise ConfigError("parallel.layout=auto needs a sample's shape, and data.path has no prepare record listing "
-                          "its latents (a metadataset, a blend, or data prepared elsewhere): pack the data "
-                          "(data.packing=true plans data.max_seq_len tokens) or set the layout yourself")
-    _, t, h, w = max(shapes, key=lambda s: s[1] * s[2] * s[3])
-    return max(1, t // (model.patch_size_t or 1)), h // model.patch_size, w // model.patch_size
-
-
-def text_tokens(cfg) -> int:
-    """Text tokens per sample the planner assumes for a text model: the built-in captions' encoder's
-    length, else 256 (the planner's default)."""
-    if cfg.data.name == "moving_digits" and not cfg.data.uses_energon:
-        from energon_data.datasets import moving_digits_text_encoder
-        return moving_digits_text_encoder().max_length
-    return 256
-
-
 def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = None):
     """``cfg`` (a ``RunConfig``) with its layout chosen by the planner when ``parallel.layout=auto`` (else
     unchanged); ``world`` / ``gpus_per_node``: torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` by default."""
@@ -86,7 +52,7 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
     check_layout_request(p)
     if p.layout is None:
         return cfg
-    from dit_mcore.plan.cli import batch_maker
+    from dit_mcore.plan.samples import Samples, batch_maker, sample_grids, text_tokens
     from dit_mcore.plan.search import Layout, Planner
     from dit_mcore.training.data_fit import fit_model_to_data
 
@@ -105,8 +71,10 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
     planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
     fit_model_to_data(planned)  # (the shape the trainer will give the model)
     _LOGGER.info("parallel.layout=auto: planning %d x %s (%d per node) ...", world, device.name, gpus_per_node)
-    planner = Planner(planned, world, device, gpus_per_node, batch_maker(planned, sample_grid(planned),
-                                                                          text_tokens(planned)))
+    grids = sample_grids(planned, fix="pack the data (data.packing=true plans data.max_seq_len tokens) or set "
+                         "the layout yourself")
+    samples = Samples(grids, planned.data.max_seq_len if planned.data.packs else None)
+    planner = Planner(planned, world, device, gpus_per_node, batch_maker(planned, samples, text_tokens(planned)))
     done, refused = planner.plan()
     fitting = [e for e in done if e.fits]
     if not fitting:

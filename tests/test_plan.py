@@ -3,6 +3,7 @@ its shortcuts (one sample's trace, no pipeline stages) against the whole micro-b
 command: every layout it prints passes the layout check, the best one's overrides train, bad input
 gets one line."""
 import collections
+import copy
 import json
 import sys
 from pathlib import Path
@@ -283,13 +284,37 @@ def test_the_search_offers_fsdp_with_experts_where_the_layout_check_takes_it():
     assert not any(layout.fsdp != "none" and layout.ep * layout.tp * layout.pp == 4 and layout.ep > 1 for layout in taken)
 
 
-def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, caplog):
+def test_the_search_takes_only_layouts_the_runs_own_settings_allow():
+    """A run's optimizer, EMA and precision settings rule out some layouts (FSDP shards the EMA itself and steps
+    torch's AdamW; a split EMA needs the distributed optimizer): for a run with each such setting, every layout
+    the search accepts passes the trainer's whole check of that run, and the layouts the setting rules out are
+    refused."""
+    from dit_mcore.plan.search import accepted, candidate_layouts
+    from dit_mcore.training.validate import run_problems
+    base, _ = cli.run_config(cli.parse_args([*TINY, "--gpus", "4"]))
+    settings = {"trainer.ema_offload": True, "optim.main_grads_dtype": "bf16", "optim.exp_avg_dtype": "bf16",
+                "optim.split_main_params": True, "trainer.ema_shard": True}
+    candidates = list(candidate_layouts(base, 4, 8))
+    for key, value in settings.items():
+        run = copy.deepcopy(base)
+        section, name = key.split(".")
+        setattr(getattr(run, section), name, value)
+        taken = [layout for layout in candidates if accepted(run, layout, 4) is None]
+        assert taken and all(not run_problems(layout.apply(run), 4) for layout in taken), key
+        ruled_out = [layout for layout in candidates
+                     if layout.fsdp != "none" or (key == "trainer.ema_shard" and not layout.distopt)]
+        assert ruled_out and not set(ruled_out) & set(taken), key
+
+
+def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, caplog, capsys):
     """``parallel.layout=auto`` through the recipes' ``train``: the run trains on the layout the planner
     ranks first for it (its model, its data's samples, its global batch, this world), logs it with its
-    prediction and writes ``plan.json`` beside ``metrics.jsonl``."""
+    prediction and writes ``plan.json`` beside ``metrics.jsonl``; ``python -m dit_mcore.plan --run`` of the
+    recorded run (its directory, its checkpoint) chooses the same."""
     import fiddle as fdl
     from nemo_run.cli.cli_parser import parse_cli_args
-    from dit_mcore.recipes.auto_layout import choose_layout, sample_grid, text_tokens
+    from dit_mcore.plan.samples import Samples, batch_maker, sample_grids, text_tokens
+    from dit_mcore.recipes.auto_layout import choose_layout
     from dit_mcore.recipes.entry import train
     from dit_mcore.training.data_fit import fit_model_to_data
 
@@ -298,8 +323,9 @@ def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, ca
     cfg = resolve(pretrain_tiny, args)
     fit_model_to_data(cfg)
     side = 8 // cfg.model.build(ParallelConfig()).patch_size  # (the recipe's 8x8 digits)
-    assert sample_grid(cfg) == (1, side, side)
-    done, _ = Planner(cfg, 1, gpu("H100-80GB"), 1, cli.batch_maker(cfg, sample_grid(cfg), text_tokens(cfg))).plan()
+    assert sample_grids(cfg, fix="") == [(1, side, side)]
+    samples = Samples([(1, side, side)])
+    done, _ = Planner(cfg, 1, gpu("H100-80GB"), 1, batch_maker(cfg, samples, text_tokens(cfg))).plan()
     want = done[0].layout
     task = pretrain_tiny()
     parse_cli_args(task, args, task)
@@ -313,6 +339,11 @@ def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, ca
     assert metrics and metrics[-1]["step"] == 1
     chosen = choose_layout(resolve(pretrain_tiny, args), world=1)
     assert chosen.data.micro_batch_size == want.micro_batch and chosen.parallel.layout is None
+    for recorded in (run_dir, run_dir / "checkpoints"):
+        capsys.readouterr()
+        assert cli.main(["--run", str(recorded), "--gpus", "1", "--gpu", "H100-80GB", "--emit"]) == 0
+        emitted = capsys.readouterr().out.strip().splitlines()[-1]
+        assert emitted == " ".join(f"{k}={v}" for k, v in want.overrides().items())
 
 
 def test_layout_auto_plans_the_world_slurm_or_torchrun_launched(tmp_path, monkeypatch):
@@ -372,12 +403,58 @@ def test_bad_input_gets_one_line(args, message, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "16", "model.input_size=8"], "model.input_size=8: the samples' size comes from --seq"),
+    (["--mix", "1x4x4,2x4x4"], "--mix '1x4x4,2x4x4' packs its samples: give --pack TOKENS"),
+    (["--mix", "1x4", "--pack", "64"], "'1x4' is not a token grid TxHxW"),
+    (["--mix", "1x4x4:0", "--pack", "64"], "with an optional positive :weight"),
+    (["--pack", "8", "--mix", "1x4x4"], "a sample of 1x4x4 = 16 tokens is longer than a pack of 8"),
+    (["--seq", "16", "--mix", "1x4x4", "--pack", "64"], "--mix and --seq both give the samples' shape"),
+    ([], "--seq is needed (tokens per sample), or --mix with --pack, or --run a recorded run"),
+    (["--seq", "16", "optim.lr=1e-3", "parallel.fsdp=torch"], "parallel.fsdp=torch: give model.<field>=<value>"),
+    (["--run", "/nonexistent/run"], "--run /nonexistent/run: no such directory"),
+])
+def test_bad_samples_get_one_line(args, message, capsys):
+    assert cli.main(["--preset", "tiny", "--global-batch", "8", "--gpus", "2", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_packed_samples_attend_each_to_itself():
+    """``--pack`` with ``--mix``: the planner traces packs of the mix's grids, in the shares of the tokens their
+    sample weights give them, each sample attending to its own tokens: a pack of four 16-token images costs what
+    a dense micro-batch of four such images costs, and a quarter of one 64-token clip's attention; three images
+    to one 32-token clip pack as image, clip, image."""
+    from dit_mcore.plan.samples import pack
+    base = ["--preset", "tiny", "--global-batch", "8", "--gpus", "1"]
+
+    def per_layer(*flags, micro_batch=1):
+        planner = cli.planner_of(cli.parse_args([*base, *flags]))
+        return planner.tokens, planner.profile(Layout(micro_batch=micro_batch)).per_layer
+    packed_tokens, packed = per_layer("--pack", "64", "--mix", "1x4x4")
+    _, dense = per_layer("--seq", "16", micro_batch=4)
+    clip_tokens, clip = per_layer("--seq", "64", "--frames", "4")
+    assert packed_tokens == clip_tokens == 64
+    assert [keys for keys, _ in packed.attention] == [16] and [keys for keys, _ in clip.attention] == [64]
+    assert packed.attention_flops == pytest.approx(dense.attention_flops, rel=1e-9)
+    assert packed.attention_flops == pytest.approx(clip.attention_flops / 4, rel=1e-9)
+    assert packed.gemm_flops == pytest.approx(dense.gemm_flops, rel=1e-9)
+    assert pack([(1, 4, 4), (2, 4, 4)], 64, [3, 1]) == [(1, 4, 4), (2, 4, 4), (1, 4, 4)]
+    _, mixed = per_layer("--pack", "64", "--mix", "1x4x4:3,2x4x4:1")
+    (_, small), (_, large) = mixed.attention
+    assert large / small == pytest.approx(32 ** 2 / (2 * 16 ** 2), rel=1e-9)
+
+
 def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):
     """Nothing fits one GPU whose memory is under the tiny run's need, even with its optimizer state in host
     memory; the message names the smallest cluster that fits (its state sharded over more ranks), or says
-    that 64x more GPUs do not."""
-    assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.002"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    that 64x more GPUs do not; run as a user runs it, the line is all it prints on stderr (the warnings of the
+    runs it traces are its own business)."""
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "dit_mcore.plan", *TINY, "--gpus", "1", "--workspace-gib", "0",
+                           "--gpu-memory-gib", "0.002"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    err = done.stderr.strip().splitlines()
     assert len(err) == 1 and "no layout fits 1 x H100-80GB; the smallest needs" in err[0], err
     assert "; 4 GPUs fit it (" in err[0] and " MiB per GPU)" in err[0], err
     assert cli.main([*TINY, "--gpus", "1", "--workspace-gib", "0", "--gpu-memory-gib", "0.00001"]) == 1

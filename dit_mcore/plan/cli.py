@@ -2,9 +2,13 @@
 
     python -m dit_mcore.plan --family dit_xattn --preset DiT-XAttn-7B --seq 8192 --text-len 256 \\
         --global-batch 256 --gpus 256 --gpu H100-80GB [--top 5] [--json layouts.jsonl] [--emit]
+    python -m dit_mcore.plan --family llama --preset MovieGen-3B --pack 8192 --mix 1x32x32,16x32x32 \
+        --global-batch 64 --gpus 64                                  # packed images and clips
+    python -m dit_mcore.plan --run runs/my_run --gpus 64             # a recorded run (directory or checkpoint)
     python -m dit_mcore.plan ... --explain "tp=2,recompute=full"    # one layout, part by part
 
-Model fields the preset does not fix go as ``model.<field>=<value>`` (e.g. ``model.num_layers=28``).
+Model fields the preset does not fix go as ``model.<field>=<value>`` (e.g. ``model.num_layers=28``), optimizer and
+trainer fields as ``optim.<field>=...`` and ``trainer.<field>=...``.
 """
 from __future__ import annotations
 
@@ -15,12 +19,14 @@ import json
 import math
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
-import torch
 
 from dit_mcore.errors import ConfigError
+from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.plan.gpus import GPUS, gpu as gpu_entry
+from dit_mcore.plan.samples import Samples, batch_maker, sample_grids, text_tokens
 from dit_mcore.plan.search import Layout, Planner, accepted
 from dit_mcore.plan.step_time import on_wire, operator_times, span
 from dit_mcore.training.memory import GiB, size
@@ -29,14 +35,22 @@ from dit_mcore.training.memory import GiB, size
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dit_mcore.plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", metavar="PATH", help="plan a recorded run: its directory (its run_config.json), a "
+                    "checkpoint, or a run_config.json; its model, optimizer, trainer and data, which the flags "
+                    "below replace where given")
     ap.add_argument("--family", default="dit", help="model family (dit, dit_xattn, llama, stdit)")
     ap.add_argument("--preset", default="DiT-XL/2", help="a preset of the family")
-    ap.add_argument("--seq", type=int, required=True, help="tokens per sample (a packed sequence's length)")
+    ap.add_argument("--seq", type=int, help="tokens per sample (after patching)")
     ap.add_argument("--frames", type=int, default=1, help="latent frames per sample (the token grid's t)")
     ap.add_argument("--frame-width", type=int, help="tokens across a frame (default: a square frame); the height is "
                     "the frame's tokens over it")
-    ap.add_argument("--text-len", type=int, default=256, help="text tokens per sample (text families)")
-    ap.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    ap.add_argument("--pack", type=int, metavar="TOKENS", help="pack the samples into sequences of this many tokens "
+                    "(data.max_seq_len); the global batch then counts packs")
+    ap.add_argument("--mix", metavar="TxHxW[:W],...", help="samples of several token grids, packed (with --pack), "
+                    "drawn evenly or by weight: e.g. three images to a clip, 1x32x32:3,16x32x32")
+    ap.add_argument("--text-len", type=int, help="text tokens per sample (text families; default 256, or the "
+                    "recorded run's captions)")
+    ap.add_argument("--global-batch", type=int, help="samples (packs) per optimizer step (default: the recorded run's)")
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", default="H100-80GB", help=f"one of {sorted(GPUS)}")
@@ -58,75 +72,153 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--explain", metavar="LAYOUT", help="break one layout down instead of ranking (e.g. "
                     "'tp=2,cp=4,recompute=full'; fields: tp cp cp_comm_type cp_a2a pp vpp ep fsdp distopt "
                     "recompute (none, selective, selective_mlp, full) chunk_tokens micro_batch)")
-    ap.add_argument("overrides", nargs="*", help="model.<field>=<value>")
+    ap.add_argument("overrides", nargs="*", help="model.<field>=<value>, optim.<field>=<value> or "
+                    "trainer.<field>=<value>")
     return ap.parse_args(argv)
 
 
-def run_config(args):
-    """The run to plan: the model, mock data of the given shape, the default optimizer, bf16."""
+OVERRIDDEN = ("model", "optim", "trainer")
+"""The run's sections a command line may set fields of (the planner chooses the layout; the flags give the data)."""
+
+
+def recorded_run(path: str):
+    """The run recorded at ``path``: a run directory's ``run_config.json`` (written when the run starts), a
+    ``run_config.json`` itself, or a checkpoint (the run it records)."""
+    from dit_mcore.training.config import RunConfig
+    from dit_mcore.training.weights import find_checkpoint, read_run
+    where = Path(path)
+    recorded = where if where.is_file() else where / "run_config.json"
+    if recorded.is_file():
+        try:
+            values = json.loads(recorded.read_text())
+            if not isinstance(values, dict) or not isinstance(values.get("model"), dict):
+                raise ValueError("no model section")
+            return RunConfig.from_dict(values)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"--run {path}: {recorded} is not a run's configuration ({e}); give a run directory, "
+                              "its run_config.json or a checkpoint") from None
+    return read_run(find_checkpoint(where, flag="--run"), flag="--run")
+
+
+def _new_run(args):
+    """A run of ``--family`` / ``--preset`` with the default optimizer, bf16 (the rates are bf16 runs'), on mock
+    data."""
     from dit_mcore.models.registry import get_family
-    from dit_mcore.parallel.config import ParallelConfig
     from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                            RunConfig, TrainerConfig)
-    model = ModelConfig(family=args.family, preset=args.preset)
     if args.family not in ("dit", "dit_xattn", "llama", "stdit") or args.preset not in get_family(args.family).presets():
         raise ConfigError(f"--family {args.family} --preset {args.preset}: unknown; see --help of "
                           "recipes/pretrain_xl.py for the families and their presets")
-    for item in args.overrides:
+    if args.global_batch is None:
+        raise ConfigError("--global-batch is needed (samples, or packs, per optimizer step), or --run a recorded run")
+    return RunConfig(model=ModelConfig(family=args.family, preset=args.preset),
+                     data=DataConfig(name="mock", micro_batch_size=1), optim=OptimConfig(),
+                     diffusion=DiffusionConfig(objective="flow"), trainer=TrainerConfig(bf16=True),
+                     log=LogConfig(dir=str(Path(tempfile.gettempdir()) / "dit_plan"), tensorboard=False,
+                                   progress_bar=False),  # (never written: nothing trains)
+                     parallel=ParallelConfig())
+
+
+def _set_fields(cfg, items: list[str]) -> None:
+    for item in items:
         key, sep, raw = item.partition("=")
         section, _, name = key.partition(".")
-        if not sep or section != "model" or not hasattr(model, name):
-            raise ConfigError(f"{item}: give model.<field>=<value> with a field of ModelConfig")
+        if not sep or section not in OVERRIDDEN or not hasattr(getattr(cfg, section), name):
+            raise ConfigError(f"{item}: give model.<field>=<value> with a field of ModelConfig (or optim.<field>, "
+                              "trainer.<field>); the layout is the planner's, the data the flags'")
+        if key == "model.input_size":
+            raise ConfigError(f"{item}: the samples' size comes from --seq / --frames / --frame-width (or --mix); "
+                              "drop it (the families compute their positions from the grid: no length limit)")
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             value = raw
-        setattr(model, name, value)
-    if args.seq < 1 or args.seq % args.frames:
+        setattr(getattr(cfg, section), name, value)
+
+
+def _grid_of(args) -> tuple[int, int, int]:
+    """The one token grid of ``--seq`` / ``--frames`` / ``--frame-width``."""
+    if args.seq < 1 or args.frames < 1 or args.seq % args.frames:
         raise ConfigError(f"--seq {args.seq} must be a positive multiple of --frames {args.frames}")
-    built = model.build(ParallelConfig())
     per_frame = args.seq // args.frames
     width = args.frame_width or math.isqrt(per_frame)
     if width < 1 or per_frame % width or (not args.frame_width and width * width != per_frame):
         raise ConfigError(f"--seq {args.seq} / --frames {args.frames} = {per_frame} tokens per frame "
                           + (f"do not split into rows of --frame-width {args.frame_width}" if args.frame_width else
                              "is not a square grid; give a square number of tokens per frame or --frame-width"))
-    frame = (per_frame // width, width)
-    model.input_size = max(frame) * built.patch_size  # (the families compute positions from the grid: no length limit)
-    return RunConfig(model=model,
-                     data=DataConfig(name="mock", image_size=model.input_size, global_batch_size=args.global_batch,
-                                     micro_batch_size=1),
-                     optim=OptimConfig(), diffusion=DiffusionConfig(objective="flow"),
-                     trainer=TrainerConfig(bf16=True),  # (the rates are bf16 runs')
-                     log=LogConfig(dir=str(Path(tempfile.gettempdir()) / "dit_plan"), tensorboard=False,
-                                   progress_bar=False),  # (never written: nothing trains)
-                     parallel=ParallelConfig()), frame
+    return args.frames, per_frame // width, width
 
 
-def batch_maker(cfg, grid: tuple, text_len: int):
-    """One data-parallel rank's micro-batch of ``micro`` samples, each a ``grid`` (frames, rows, columns) of
-    tokens with ``text_len`` text tokens for a text model (values do not matter)."""
-    from energon_data.batch import MicroBatch, cumsum0
-    from dit_mcore.parallel.config import ParallelConfig
-    mc = cfg.model.build(ParallelConfig())
+def _mix_of(text: str) -> tuple[list, list]:
+    """``--mix``'s token grids and their sample weights (``TxHxW[:weight]``, 1 by default)."""
+    grids, weights = [], []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        shape, _, weight = item.partition(":")
+        try:
+            t, h, w = (int(x) for x in shape.lower().split("x"))
+            share = float(weight or 1)
+        except ValueError:
+            t = share = 0
+        if t < 1 or h < 1 or w < 1 or not share > 0:
+            raise ConfigError(f"--mix {text!r}: {item!r} is not a token grid TxHxW (frames x rows x columns) with an "
+                              "optional positive :weight (samples drawn), e.g. 1x32x32:3,16x32x32:1")
+        grids.append((t, h, w))
+        weights.append(share)
+    return grids, weights
 
-    def make(micro: int):
-        extra = {}
-        if mc.text_dim:
-            extra = dict(text_emb=torch.zeros(micro * text_len, mc.text_dim), cu_seqlens_text=cumsum0([text_len] * micro))
-        return MicroBatch.dense(torch.zeros(micro, math.prod(grid), mc.patch_dim), tuple(grid),
-                                torch.zeros(micro, dtype=torch.long), **extra)
-    return make
+
+def run_config(args):
+    """The run to plan and its :class:`~dit_mcore.plan.samples.Samples`:
+    a recorded run (``--run``) with its own model, optimizer, trainer and data, or a ``--family`` / ``--preset``
+    run with the default optimizer, bf16, on mock data; ``--seq`` (``--frames``, ``--frame-width``), ``--mix`` and
+    ``--pack`` give its samples (a recorded run's data where none is given); overrides set its fields."""
+    cfg = recorded_run(args.run) if args.run else _new_run(args)
+    _set_fields(cfg, args.overrides)
+    if args.global_batch is not None:
+        cfg.data.global_batch_size = args.global_batch
+    if args.mix and args.seq is not None:
+        raise ConfigError("--mix and --seq both give the samples' shape: keep one")
+    if args.mix and not (args.pack or (args.run and cfg.data.packs)):
+        raise ConfigError(f"--mix {args.mix!r} packs its samples: give --pack TOKENS (tokens per packed sequence)")
+    weights = None
+    if args.mix or args.seq is not None:
+        grids, weights = _mix_of(args.mix) if args.mix else ([_grid_of(args)], None)
+        pack_len = args.pack or (cfg.data.max_seq_len if args.mix else None)
+        _mock_data(cfg, grids, pack_len)
+    elif args.run:  # (the run's own samples; --pack packs them)
+        if args.pack and cfg.data.uses_energon:
+            cfg.data.max_seq_len, cfg.data.packing = args.pack, True
+        grids = sample_grids(cfg, fix="give the samples' shape with --seq (--frames), or --mix with --pack")
+        if args.pack and not cfg.data.uses_energon:
+            _mock_data(cfg, grids, args.pack)
+        pack_len = cfg.data.max_seq_len if cfg.data.packs else None
+    else:
+        raise ConfigError("--seq is needed (tokens per sample), or --mix with --pack, or --run a recorded run")
+    return cfg, Samples(grids, pack_len, weights)
+
+
+def _mock_data(cfg, grids: list, pack_len) -> None:
+    """``cfg``'s data made mock samples of ``grids`` (tokens), packed ``pack_len`` to a sequence or dense; the
+    model's preview size from the largest frame (the families compute positions from the grid: no length limit)."""
+    built = cfg.model.build(ParallelConfig())
+    pt, p = built.patch_size_t or 1, built.patch_size
+    cfg.model.input_size = max(max(h, w) for _, h, w in grids) * p
+    cfg.data.path = cfg.data.blend = cfg.data.val_path = None
+    cfg.data.name, cfg.data.image_size = "mock", cfg.model.input_size
+    cfg.data.mock_latent_shapes = [[t * pt, h * p, w * p] for t, h, w in grids] if pack_len else None
+    if pack_len:
+        cfg.data.max_seq_len = pack_len
 
 
 def _row(e, world: int) -> str:
     m, s = e.memory, e.step
     return (f"{e.layout.describe(world):<44} {'yes' if e.fits else 'NO ':>4} {m.total / GiB:7.1f} "
+            f"{e.headroom_gib:7.1f} "
             f"{s.total:8.3f} {s.compute:7.3f} {s.exposed_comm:7.3f} {s.bubble:7.3f} {e.tflops_per_gpu:7.1f} "
             f"{e.mfu:6.1%} {e.tokens_per_s_per_gpu:9.0f}")
 
 
-HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'step s':>8} {'compute':>7} {'comm':>7} {'bubble':>7} "
+HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'free':>7} {'step s':>8} {'compute':>7} {'comm':>7} {'bubble':>7} "
           f"{'TFLOPS':>7} {'MFU':>6} {'tok/s/GPU':>9}")
 
 
@@ -180,10 +272,11 @@ def planner_of(args) -> Planner:
     device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
                        nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib,
                        pcie_gbs=args.pcie_gbs, host_gbs=args.host_gbs)
-    cfg, frame = run_config(args)
+    cfg, samples = run_config(args)
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError("--gpus and --gpus-per-node must be >= 1")
-    return Planner(cfg, args.gpus, device, args.gpus_per_node, batch_maker(cfg, (args.frames, *frame), args.text_len))
+    text_len = args.text_len if args.text_len is not None else text_tokens(cfg)
+    return Planner(cfg, args.gpus, device, args.gpus_per_node, batch_maker(cfg, samples, text_len))
 
 
 def explained(planner: Planner, text: str):
@@ -197,6 +290,12 @@ def explained(planner: Planner, text: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with warnings.catch_warnings():  # (torch's and megatron's warnings about the fake runs the planner traces)
+        warnings.simplefilter("ignore")
+        return _main(args)
+
+
+def _main(args) -> int:
     try:
         planner = planner_of(args)
         device = planner.gpu
@@ -213,7 +312,8 @@ def main(argv=None) -> int:
                 f.write(json.dumps(e.record(args.gpus)) + "\n")
     if not done:
         print(f"error: no layout of {args.gpus} GPUs passes the layout check ({refused} refused): --global-batch "
-              f"{args.global_batch} must divide over the data-parallel ranks; see --explain for one layout's reason",
+              f"{planner.cfg.data.global_batch_size} must divide over the data-parallel ranks; see --explain for one "
+              "layout's reason",
               file=sys.stderr)
         return 1
     fitting = [e for e in done if e.fits]

@@ -23,7 +23,7 @@ from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_
 from dit_mcore.plan.step_time import StepTime, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
-from dit_mcore.training.validate import check_cpu_offload, model_problems
+from dit_mcore.training.validate import check_settings_with_layout, model_problems
 from dit_mcore.training.memory import GiB
 
 _OFF = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
@@ -167,11 +167,13 @@ class Evaluation:
     tokens_per_s_per_gpu: float
     tflops_per_gpu: float
     mfu: float
+    headroom_gib: float = 0.0
+    """The device's memory left over the predicted peak (negative: short by that much)."""
 
     def record(self, world: int) -> dict:
         """One line of ``--json``."""
         return {"layout": self.layout.describe(world), "overrides": self.layout.overrides(), "fits": self.fits,
-                "memory_gib": self.memory.parts_gib(),
+                "memory_gib": self.memory.parts_gib(), "headroom_gib": round(self.headroom_gib, 2),
                 "step_s": _digits(self.step.total),
                 "step_parts_s": {k: _digits(getattr(self.step, k)) for k in ("compute", "exposed_comm", "bubble",
                                                                              "optimizer")},
@@ -244,13 +246,13 @@ def lighter_first(layout: Layout, layers: int) -> Optional[Layout]:
 
 
 def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
-    """None if the layout check accepts ``layout`` for ``cfg``, else its message."""
+    """None if the trainer's rules of a layout accept ``layout`` for ``cfg`` (the layout check, the run's settings
+    against the layout, the model's recompute against its compile), else the first refusal."""
     run = layout.apply(cfg)
     try:  # (the model's sizes: megatron's own checks of the layout would raise first)
         check_layout(run.parallel, run.model.build(ParallelConfig(), bf16=run.trainer.bf16), run.data, world,
                      use_distributed_optimizer=run.optim.use_distributed_optimizer)
-        if run.optim.cpu_offload:
-            check_cpu_offload(run)
+        check_settings_with_layout(run)  # (the run's optimizer, EMA and precision settings against the layout)
     except ConfigError as e:
         return str(e)
     problems = model_problems(run.model)  # (the layout's recompute against the run's compile)
@@ -321,7 +323,8 @@ class Planner:
         tflops = per_sample * samples / step.total / self.world / 1e12
         tokens = sum(batch.seqlens) * samples / step.total / self.world
         fits = memory.total <= self.gpu.memory_gib * GiB
-        return Evaluation(layout, memory, step, fits, tokens, tflops, tflops / self.gpu.bf16_tflops)
+        return Evaluation(layout, memory, step, fits, tokens, tflops, tflops / self.gpu.bf16_tflops,
+                          self.gpu.memory_gib - memory.total / GiB)
 
     def profile(self, layout: Layout):
         """A micro-batch of ``layout`` on its rank: ``outside + layers x per_layer`` (:class:`LayerProfile`)."""

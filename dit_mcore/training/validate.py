@@ -380,35 +380,42 @@ def run_problems(cfg, world_size: int) -> list[str]:
                               "outputs are not supported on every GPU); set trainer.bf16=True")
         if cfg.parallel.tp_comm_overlap:
             tp_comm_overlap.check_run(cfg.model, cfg.trainer.bf16)
-        if cfg.trainer.ema_offload and cfg.parallel.fsdp != "none":
-            raise ConfigError(f"trainer.ema_offload=True with parallel.fsdp={cfg.parallel.fsdp!r}: FSDP shards the EMA "
-                              "shadow over the data-parallel ranks already; set trainer.ema_offload=False")
-        if cfg.trainer.ema_shard and (not cfg.optim.use_distributed_optimizer or cfg.parallel.fsdp != "none"):
-            raise ConfigError("trainer.ema_shard=True splits the EMA like the distributed optimizer's state: it needs "
-                              "optim.use_distributed_optimizer=True under parallel.fsdp='none' (FSDP shards the EMA "
-                              "already); set trainer.ema_shard=None to choose automatically")
-        if cfg.optim.split_main_params:
-            _check_split_main_params(cfg)
-        if cfg.optim.cpu_offload:
-            check_cpu_offload(cfg)
-        if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
-            raise ConfigError("optim.main_grads_dtype='bf16' needs trainer.bf16=True (an fp32 model's gradients are "
-                              "fp32); set trainer.bf16=True or optim.main_grads_dtype=fp32")
-        if cfg.optim.main_grads_dtype == "bf16" and cfg.parallel.fsdp != "none":
-            raise ConfigError(f"optim.main_grads_dtype='bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: bf16 gradient "
-                              "buffers are megatron DDP's (FSDP reduces its own way); set optim.main_grads_dtype=fp32 "
-                              "or parallel.fsdp=none")
-        if moments_below_fp32(cfg.optim) and cfg.parallel.fsdp != "none":
-            raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: "
-                              "FSDP steps torch's AdamW, whose moments are fp32; set both to fp32 (FSDP shards them "
-                              "over the data-parallel ranks already)")
-        if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
-            raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
-                              "(only sharded parameters are gathered)")
+        check_settings_with_layout(cfg)
         cfg.data.num_microbatches(cfg.parallel.data_parallel_size(world_size))
     except ConfigError as e:
         return [str(e)]
     return []
+
+
+def check_settings_with_layout(cfg) -> None:
+    """The run's optimizer, EMA and precision settings against its layout (FSDP, the distributed optimizer): the
+    rules a layout planner must apply to every layout it offers (:func:`dit_mcore.plan.search.accepted`), as
+    :func:`run_problems` applies them to the run."""
+    if cfg.trainer.ema_offload and cfg.parallel.fsdp != "none":
+        raise ConfigError(f"trainer.ema_offload=True with parallel.fsdp={cfg.parallel.fsdp!r}: FSDP shards the EMA "
+                          "shadow over the data-parallel ranks already; set trainer.ema_offload=False")
+    if cfg.trainer.ema_shard and (not cfg.optim.use_distributed_optimizer or cfg.parallel.fsdp != "none"):
+        raise ConfigError("trainer.ema_shard=True splits the EMA like the distributed optimizer's state: it needs "
+                          "optim.use_distributed_optimizer=True under parallel.fsdp='none' (FSDP shards the EMA "
+                          "already); set trainer.ema_shard=None to choose automatically")
+    if cfg.optim.split_main_params:
+        _check_split_main_params(cfg)
+    if cfg.optim.cpu_offload:
+        check_cpu_offload(cfg)
+    if cfg.optim.main_grads_dtype == "bf16" and not cfg.trainer.bf16:
+        raise ConfigError("optim.main_grads_dtype='bf16' needs trainer.bf16=True (an fp32 model's gradients are "
+                          "fp32); set trainer.bf16=True or optim.main_grads_dtype=fp32")
+    if cfg.optim.main_grads_dtype == "bf16" and cfg.parallel.fsdp != "none":
+        raise ConfigError(f"optim.main_grads_dtype='bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: bf16 gradient "
+                          "buffers are megatron DDP's (FSDP reduces its own way); set optim.main_grads_dtype=fp32 "
+                          "or parallel.fsdp=none")
+    if moments_below_fp32(cfg.optim) and cfg.parallel.fsdp != "none":
+        raise ConfigError(f"optim.exp_avg_dtype / exp_avg_sq_dtype 'bf16' with parallel.fsdp={cfg.parallel.fsdp!r}: "
+                          "FSDP steps torch's AdamW, whose moments are fp32; set both to fp32 (FSDP shards them "
+                          "over the data-parallel ranks already)")
+    if cfg.parallel.overlap_param_gather and not cfg.optim.use_distributed_optimizer:
+        raise ConfigError("parallel.overlap_param_gather=True needs optim.use_distributed_optimizer=True "
+                          "(only sharded parameters are gathered)")
 
 
 def _check_text(data, model, family) -> None:
