@@ -43,16 +43,21 @@ def _per_layer_wire_bytes(cfg, world=2) -> float:
     return sum(BUS_FACTOR[kind](n) * b for kind, _, n, b in (two + one * -1).comm)
 
 
-@pytest.mark.parametrize("method", ["tp_sp", "p2p", "a2a"])
+@pytest.mark.parametrize("method", ["tp_sp", "p2p", "a2a", "ep2"])
 def test_the_traced_collectives_are_the_analytic_volumes(tmp_path, method):
     """Per layer and micro-batch, what a rank puts on the wire (fp32): TP2 + SP, 4 all-gathers and
     reduce-scatters forward and 6 backward of a ``[tokens, hidden]`` activation (benchmarks/parallel_step.py);
-    CP2, the ring's and Ulysses' volumes of benchmarks/attention_comm.py."""
+    CP2, the ring's and Ulysses' volumes of benchmarks/attention_comm.py; EP2, top-2 routing: each token's two
+    copies of ``[hidden]`` dispatched and combined, forward and backward (4 all-to-alls; the dispatcher's token
+    counts add under 2%)."""
     parallel = dict(tensor_model_parallel_size=2, sequence_parallel=True) if method == "tp_sp" else \
-        dict(context_parallel_size=2, cp_comm_type=method)
-    cfg = layout_run(tmp_path, "dense", **parallel)
+        dict(expert_model_parallel_size=2) if method == "ep2" else dict(context_parallel_size=2, cp_comm_type=method)
+    cfg = layout_run(tmp_path, "dense", moe=method == "ep2", **parallel)
     traced = _per_layer_wire_bytes(cfg)
     h = cfg.model.hidden_size
+    if method == "ep2":
+        assert traced == pytest.approx(4 * (2 - 1) / 2 * ROWS * SEQ * cfg.model.moe_router_topk * h * 4, rel=0.02)
+        return
     if method == "tp_sp":
         want = 10 * (2 - 1) / 2 * ROWS * SEQ * h * 4
     else:
@@ -113,6 +118,34 @@ def test_collectives_between_nodes_use_a_port_per_rank_in_a_node():
         pytest.approx(4 * h100.network_gbs)
     assert on_wire("all_to_all", size, 16, 1e9, h100, 8, 16) == pytest.approx(0.5e9 / (h100.network_gbs * GB))
     assert on_wire("p2p", 2, 16, 1e9, h100, 8, 16) == pytest.approx(1e9 / (h100.network_gbs * GB))
+
+
+@pytest.mark.parametrize("world, parallel", [
+    (4, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    (8, dict(pipeline_model_parallel_size=2, context_parallel_size=2, tensor_model_parallel_size=2,
+             virtual_pipeline_model_parallel_size=2)),
+])
+def test_pipeline_stages_wait_for_the_tensors_megatrons_schedule_sends(tmp_path, world, parallel):
+    """Each micro-batch's exchanges between pipeline stages, a send and a receive forward and again backward for
+    each model chunk, priced on the link between the stages, of the tensors megatron's schedule sends
+    (``schedules.get_tensor_shapes``: the sequence over CP, and over TP under sequence parallelism)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+    from dit_mcore.plan.step_time import stage_send_bytes, step_time
+    from dit_mcore.plan.trace import MicroBatchTrace
+    cfg = layout_run(tmp_path, "dense", **parallel)
+    p, config = cfg.parallel, cfg.model.build(cfg.parallel)
+    with traced_world(p, world):
+        (shape,) = get_tensor_shapes(seq_length=SEQ * 4, micro_batch_size=ROWS, decoder_seq_length=None, config=config,
+                                     tp_group=ps.get_tensor_model_parallel_group(),
+                                     cp_group=ps.get_context_parallel_group())
+    sent = stage_send_bytes(p, SEQ * 4, ROWS, config.hidden_size, 2)
+    assert sent == shape[0] * shape[1] * shape[2] * 2
+    h100, chunks = gpu("H100-80GB"), parallel.get("virtual_pipeline_model_parallel_size", 1)
+    step = step_time(MicroBatchTrace(0.0, 0.0), parallel=p, microbatches=3, gpu=h100, gpus_per_node=8, world=world,
+                     grad_bytes=0.0, weight_bytes=0.0, stepped_elements=0.0, ema_elements=0.0,
+                     distributed_optimizer=False, stage_send_bytes=sent)
+    assert step.exposed_comm == pytest.approx(3 * 2 * chunks * sent / (h100.nvlink_gbs * GB))
 
 
 def test_one_sample_without_stages_predicts_the_whole_micro_batch(tmp_path):

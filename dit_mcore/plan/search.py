@@ -20,7 +20,7 @@ from dit_mcore.parallel.layout import check_layout
 from dit_mcore.plan.gpus import GPU
 from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_optimizer, rank_memory, rank_state,
                                    stage_rank, stage_split, stages_to_check)
-from dit_mcore.plan.step_time import StepTime, step_time
+from dit_mcore.plan.step_time import StepTime, stage_send_bytes, step_time
 from dit_mcore.plan.trace import layer_profiles
 from dit_mcore.plan.world import traced_world
 from dit_mcore.training.validate import check_settings_with_layout, model_problems
@@ -269,8 +269,11 @@ class Planner:
         self._profiles: dict = {}
         self._models: dict = {}
         self._states: dict = {}
-        self.tokens = sum(batch(1).seqlens)
-        """Tokens per sample."""
+        one = batch(1)
+        self.tokens = sum(one.seqlens)
+        """Tokens per sample (a pack's real tokens)."""
+        self.row_tokens = one.tokens.shape[1]
+        """Tokens per row of a micro-batch, padding included (a sample, or a pack)."""
         self._wanted: set = set()
         """The trace keys of the layouts :meth:`plan` will evaluate (traced together by split)."""
 
@@ -315,7 +318,9 @@ class Planner:
                          gpus_per_node=self.gpus_per_node, world=self.world,
                          grad_bytes=grad_bytes, weight_bytes=model.weight_bytes, stepped_elements=stepped,
                          ema_elements=s.ema / 4, distributed_optimizer=cfg.optim.use_distributed_optimizer,
-                         offloaded_elements=offloaded)
+                         offloaded_elements=offloaded,
+                         stage_send_bytes=stage_send_bytes(p, self.row_tokens, layout.micro_batch,
+                                                           model.config.hidden_size, 2 if cfg.trainer.bf16 else 4))
         batch = self.batch(1)
         per_sample = dit_flops(model.config, batch.seqlens, batch.text_seqlens,
                                [int(g[0]) for g in batch.grids]).model

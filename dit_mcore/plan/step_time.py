@@ -99,13 +99,15 @@ def span(name: str, size: int, parallel, world: int) -> int:
 
 def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, gpus_per_node: int,
               world: int, grad_bytes: float, weight_bytes: float, stepped_elements: float, ema_elements: float,
-              distributed_optimizer: bool, offloaded_elements: float = 0.0) -> StepTime:
+              distributed_optimizer: bool, offloaded_elements: float = 0.0, stage_send_bytes: float = 0.0) -> StepTime:
     """The step of a rank whose every micro-batch costs ``micro`` (its stage's layers), ``microbatches`` per
     step; ``grad_bytes`` / ``weight_bytes``: the whole gradient buffer and weights of its share of the model
     (TP/PP/EP), unsharded: what data parallelism reduces and gathers; ``stepped_elements``: the main
     weights its optimizer steps, ``offloaded_elements`` of them on the host (``optim.cpu_offload``:
     megatron's offload copies their gradients over, steps them and copies them back one after the other);
-    ``ema_elements``: the EMA it folds (0: offloaded)."""
+    ``ema_elements``: the EMA it folds (0: offloaded); ``stage_send_bytes``: what one pipeline stage sends the next
+    per micro-batch and model chunk (:func:`stage_send_bytes`): megatron's 1F1B (no ``overlap_p2p_comm``) waits for
+    each send of activations forward and of their gradients back, a send and a receive at once (batched)."""
     p, r = parallel, gpu.rates
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     dp = world // (tp * cp * pp)
@@ -116,6 +118,9 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     for kind, name, group, nbytes in micro.comm:
         t = on_wire(kind, group, span(name, group, parallel, world), nbytes, gpu, gpus_per_node, world)
         exposed += max(0.0, t - attention) if kind == "p2p" else t  # (ring attention overlaps its exchange)
+    if pp > 1:  # (a stage boundary's exchanges: forward and backward, for each model chunk)
+        exposed += 2 * (p.virtual_pipeline_model_parallel_size or 1) * on_wire(
+            "p2p", pp, span("pp", pp, parallel, world), stage_send_bytes, gpu, gpus_per_node, world)
     per_micro = kernels + exposed
     # data parallel over DP x CP: gradients reduced (scattered under the distributed optimizer or FSDP), weights gathered
     replicas, spread = dp * cp, tp * cp * dp
@@ -142,6 +147,16 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     optimizer += offloaded_elements * (OFFLOAD_LINK_BYTES / gpu.pcie_gbs + HOST_ADAM_BYTES / gpu.host_gbs) / GB
     return StepTime(microbatches * kernels, microbatches * exposed + dp_exposed, bubble, optimizer,
                     microbatches * gemm, microbatches * attention, microbatches * memory_bound)
+
+
+def stage_send_bytes(parallel, row_tokens: int, rows: int, hidden: int, element_bytes: int) -> int:
+    """The bytes a pipeline stage sends the next per micro-batch of ``rows`` rows of ``row_tokens`` tokens: the
+    hidden states of its share of the tokens, the shape megatron's schedule gives them
+    (``schedules.get_tensor_shapes``: the sequence over CP, and over TP under sequence parallelism)."""
+    tokens = row_tokens // parallel.context_parallel_size
+    if parallel.sequence_parallel:
+        tokens //= parallel.tensor_model_parallel_size
+    return tokens * rows * hidden * element_bytes
 
 
 def operator_times(micro: MicroBatchTrace, gpu: GPU) -> list[tuple]:
