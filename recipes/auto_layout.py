@@ -52,7 +52,7 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
     check_layout_request(p)
     if p.layout is None:
         return cfg
-    from dit_mcore.plan.samples import Samples, batch_maker, sample_grids, text_tokens
+    from dit_mcore.plan.samples import batch_maker, run_samples, text_tokens
     from dit_mcore.plan.search import Layout, Planner
     from dit_mcore.training.data_fit import fit_model_to_data
 
@@ -71,9 +71,8 @@ def choose_layout(cfg, world: int | None = None, gpus_per_node: int | None = Non
     planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
     fit_model_to_data(planned)  # (the shape the trainer will give the model)
     _LOGGER.info("parallel.layout=auto: planning %d x %s (%d per node) ...", world, device.name, gpus_per_node)
-    grids = sample_grids(planned, fix="pack the data (data.packing=true plans data.max_seq_len tokens) or set "
-                         "the layout yourself")
-    samples = Samples(grids, planned.data.max_seq_len if planned.data.packs else None)
+    samples = run_samples(planned, fix="pack the data (data.packing=true plans data.max_seq_len tokens) or set "
+                          "the layout yourself")
     planner = Planner(planned, world, device, gpus_per_node, batch_maker(planned, samples, text_tokens(planned)))
     done, refused = planner.plan()
     fitting = [e for e in done if e.fits]

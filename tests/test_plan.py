@@ -235,7 +235,7 @@ def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, cap
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records and {"overrides", "fits", "memory_gib", "step_s", "tflops_per_gpu", "mfu",
                         "tokens_per_s_per_gpu"} <= set(records[0])
-    base, _ = cli.run_config(cli.parse_args([*LONG, "--gpus", "4"]))
+    base = cli.run_config(cli.parse_args([*LONG, "--gpus", "4"]))[0]
     by_layout = {}
     for record in records:
         layout = Layout.of(record["overrides"])
@@ -287,7 +287,7 @@ def test_where_nothing_fits_the_device_the_search_offloads_the_least_optimizer_s
     best = next(iter(records))
     assert best.offload and records[best]["fits"] and not any(r["fits"] for layout, r in records.items()
                                                              if not layout.offload)
-    base, _ = cli.run_config(cli.parse_args(small))
+    base = cli.run_config(cli.parse_args(small))[0]
     planner = cli.planner_of(cli.parse_args(small))
     for layout, record in offloaded.items():
         assert accepted(base, layout, 1) is None
@@ -310,7 +310,8 @@ def test_the_search_offers_fsdp_with_experts_where_the_layout_check_takes_it():
     """An MoE model on 4 GPUs: Megatron-FSDP with EP2 (experts over two expert-data-parallel ranks) is among
     the accepted candidates; FSDP2 with EP, and EP with no rank sharing an expert under FSDP, are not."""
     from dit_mcore.plan.search import accepted, candidate_layouts
-    base, _ = cli.run_config(cli.parse_args([*TINY, "--gpus", "4", "model.num_moe_experts=4", "model.moe_router_topk=2"]))
+    moe = ["model.num_moe_experts=4", "model.moe_router_topk=2"]
+    base = cli.run_config(cli.parse_args([*TINY, "--gpus", "4", *moe]))[0]
     taken = [layout for layout in candidate_layouts(base, 4, 8) if accepted(base, layout, 4) is None]
     assert any(layout.fsdp == "megatron" and layout.ep == 2 for layout in taken)
     assert not any(layout.fsdp == "torch" and layout.ep > 1 for layout in taken)
@@ -324,7 +325,7 @@ def test_the_search_takes_only_layouts_the_runs_own_settings_allow():
     refused."""
     from dit_mcore.plan.search import accepted, candidate_layouts
     from dit_mcore.training.validate import run_problems
-    base, _ = cli.run_config(cli.parse_args([*TINY, "--gpus", "4"]))
+    base = cli.run_config(cli.parse_args([*TINY, "--gpus", "4"]))[0]
     settings = {"trainer.ema_offload": True, "optim.main_grads_dtype": "bf16", "optim.exp_avg_dtype": "bf16",
                 "optim.split_main_params": True, "trainer.ema_shard": True}
     candidates = list(candidate_layouts(base, 4, 8))
@@ -346,7 +347,7 @@ def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, ca
     recorded run (its directory, its checkpoint) chooses the same."""
     import fiddle as fdl
     from nemo_run.cli.cli_parser import parse_cli_args
-    from dit_mcore.plan.samples import Samples, batch_maker, sample_grids, text_tokens
+    from dit_mcore.plan.samples import Samples, batch_maker, run_samples, text_tokens
     from dit_mcore.recipes.auto_layout import choose_layout
     from dit_mcore.recipes.entry import train
     from dit_mcore.training.data_fit import fit_model_to_data
@@ -356,7 +357,7 @@ def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, ca
     cfg = resolve(pretrain_tiny, args)
     fit_model_to_data(cfg)
     side = 8 // cfg.model.build(ParallelConfig()).patch_size  # (the recipe's 8x8 digits)
-    assert sample_grids(cfg, fix="") == [(1, side, side)]
+    assert run_samples(cfg, fix="") == Samples([(1, side, side)])
     samples = Samples([(1, side, side)])
     done, _ = Planner(cfg, 1, gpu("H100-80GB"), 1, batch_maker(cfg, samples, text_tokens(cfg))).plan()
     want = done[0].layout
@@ -442,23 +443,31 @@ def test_bad_input_gets_one_line(args, message, capsys):
     (["--mix", "1x4", "--pack", "64"], "'1x4' is not a token grid TxHxW"),
     (["--mix", "1x4x4:0", "--pack", "64"], "with an optional positive :weight"),
     (["--pack", "8", "--mix", "1x4x4"], "a sample of 1x4x4 = 16 tokens is longer than a pack of 8"),
-    (["--seq", "16", "--mix", "1x4x4", "--pack", "64"], "--mix and --seq both give the samples' shape"),
+    (["--seq", "16", "--mix", "1x4x4", "--pack", "64"], "--mix gives the samples' grids: drop --seq"),
+    (["--seq", "16", "--pack", "0"], "--pack 0: tokens per packed sequence must be >= 1"),
+    (["--seq", "16", "optim.use_distributed_optimizer=True"], "the planner chooses optim.use_distributed_optimizer"),
+    (["--run", "/nonexistent/run", "--preset", "tiny"], "fixes its model: drop --family / --preset"),
+    (["--seq", "16", "trainer.bf16=False", "optim.main_grads_dtype=bf16"],
+     "data parallel over all of them: optim.main_grads_dtype='bf16' needs trainer.bf16=True"),
     ([], "--seq is needed (tokens per sample), or --mix with --pack, or --run a recorded run"),
     (["--seq", "16", "optim.lr=1e-3", "parallel.fsdp=torch"], "parallel.fsdp=torch: give model.<field>=<value>"),
     (["--run", "/nonexistent/run"], "--run /nonexistent/run: no such directory"),
 ])
 def test_bad_samples_get_one_line(args, message, capsys):
-    assert cli.main(["--preset", "tiny", "--global-batch", "8", "--gpus", "2", *args]) == 2
+    argv = ["--preset", "tiny", "--global-batch", "8", "--gpus", "2", *args]
+    if "--run" in args:  # (a recorded run brings its own model)
+        argv = argv[2:]
+    assert cli.main(argv) == (1 if "data parallel over all" in message else 2)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
 
 def test_packed_samples_attend_each_to_itself():
-    """``--pack`` with ``--mix``: the planner traces packs of the mix's grids, in the shares of the tokens their
-    sample weights give them, each sample attending to its own tokens: a pack of four 16-token images costs what
-    a dense micro-batch of four such images costs, and a quarter of one 64-token clip's attention; three images
-    to one 32-token clip pack as image, clip, image."""
-    from dit_mcore.plan.samples import pack
+    """``--pack`` with ``--mix``: the planner traces the packs the loader's packer makes of a round of samples
+    drawn with the mix's weights, each sample attending to its own tokens, their costs averaged per pack: a pack
+    of four 16-token images costs what a dense micro-batch of four such images costs; three images to one 32-token
+    clip (a round of 48 and 16: 20 packs of 64 tokens) cost 5.6 images' attention per pack."""
+    from dit_mcore.plan.samples import packing_round
     base = ["--preset", "tiny", "--global-batch", "8", "--gpus", "1"]
 
     def per_layer(*flags, micro_batch=1):
@@ -466,16 +475,36 @@ def test_packed_samples_attend_each_to_itself():
         return planner.tokens, planner.profile(Layout(micro_batch=micro_batch)).per_layer
     packed_tokens, packed = per_layer("--pack", "64", "--mix", "1x4x4")
     _, dense = per_layer("--seq", "16", micro_batch=4)
-    clip_tokens, clip = per_layer("--seq", "64", "--frames", "4")
-    assert packed_tokens == clip_tokens == 64
-    assert [keys for keys, _ in packed.attention] == [16] and [keys for keys, _ in clip.attention] == [64]
+    assert packed_tokens == 64 and [keys for keys, _ in packed.attention] == [16]
     assert packed.attention_flops == pytest.approx(dense.attention_flops, rel=1e-9)
-    assert packed.attention_flops == pytest.approx(clip.attention_flops / 4, rel=1e-9)
     assert packed.gemm_flops == pytest.approx(dense.gemm_flops, rel=1e-9)
-    assert pack([(1, 4, 4), (2, 4, 4)], 64, [3, 1]) == [(1, 4, 4), (2, 4, 4), (1, 4, 4)]
-    _, mixed = per_layer("--pack", "64", "--mix", "1x4x4:3,2x4x4:1")
-    (_, small), (_, large) = mixed.attention
-    assert large / small == pytest.approx(32 ** 2 / (2 * 16 ** 2), rel=1e-9)
+    image = dense.attention_flops / 4
+    packs = packing_round([(1, 4, 4), (2, 4, 4)], 64, [3, 1])
+    assert len(packs) == 20 and sum(len(p) for p in packs) == 64
+    assert sorted(len(p) for p in packs) == [2] * 8 + [4] * 12  # (two clips, or four images)
+    mixed_tokens, mixed = per_layer("--pack", "64", "--mix", "1x4x4:3,2x4x4:1")
+    assert mixed_tokens == 64 and [keys for keys, _ in mixed.attention] == [16, 32]
+    assert mixed.attention_flops == pytest.approx(5.6 * image, rel=1e-9)
+
+
+def test_a_prepared_datasets_packs_are_planned_from_its_record(tmp_path):
+    """A packed run on a prepared dataset: its record's latent shapes, weighted by their shards' samples, those
+    longer than a pack left out (the loader skips them); without a record, one sample filling the pack."""
+    import dataclasses
+    from dit_mcore.plan.samples import run_samples
+    from energon_data.prepare import STATE_FILE
+    cfg = layout_run(tmp_path / "run", "energon:" + str(tmp_path / "data"))
+    (tmp_path / "data").mkdir()
+    shards = [{"samples": 30, "latent_shapes": [[1, 1, 8, 8], [1, 2, 8, 8]]},
+              {"samples": 10, "latent_shape": [1, 1, 8, 8]}, {"samples": 5, "latent_shape": [1, 16, 16, 16]}]
+    (tmp_path / "data" / STATE_FILE).write_text(json.dumps({"shards": shards}))
+    p = cfg.model.build(ParallelConfig()).patch_size
+    samples = run_samples(cfg, fix="")  # (16 and 32 tokens; 1,024 do not fit a pack of 62)
+    assert samples == ([(1, 8 // p, 8 // p), (2, 8 // p, 8 // p)], cfg.data.max_seq_len, [25.0, 15.0])
+    (tmp_path / "data" / STATE_FILE).unlink()
+    assert run_samples(cfg, fix="").grids == [(1, 2, 31)]  # (62 tokens: the nearest to square)
+    with pytest.raises(Exception, match="no prepare record"):
+        run_samples(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=False)), fix="x")
 
 
 def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):

@@ -26,7 +26,7 @@ from pathlib import Path
 from dit_mcore.errors import ConfigError
 from dit_mcore.parallel.config import ParallelConfig
 from dit_mcore.plan.gpus import GPUS, gpu as gpu_entry
-from dit_mcore.plan.samples import Samples, batch_maker, sample_grids, text_tokens
+from dit_mcore.plan.samples import Samples, batch_maker, run_samples, text_tokens
 from dit_mcore.plan.search import Layout, Planner, accepted
 from dit_mcore.plan.step_time import on_wire, operator_times, span
 from dit_mcore.training.memory import GiB, size
@@ -36,10 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dit_mcore.plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", metavar="PATH", help="plan a recorded run: its directory (its run_config.json), a "
-                    "checkpoint, or a run_config.json; its model, optimizer, trainer and data, which the flags "
-                    "below replace where given")
-    ap.add_argument("--family", default="dit", help="model family (dit, dit_xattn, llama, stdit)")
-    ap.add_argument("--preset", default="DiT-XL/2", help="a preset of the family")
+                    "checkpoint, or a run_config.json; its model, optimizer, trainer and data (the data flags below "
+                    "replace its samples, overrides its fields; its layout is the planner's to choose)")
+    ap.add_argument("--family", help="model family (dit, dit_xattn, llama, stdit; default dit)")
+    ap.add_argument("--preset", help="a preset of the family (default DiT-XL/2)")
     ap.add_argument("--seq", type=int, help="tokens per sample (after patching)")
     ap.add_argument("--frames", type=int, default=1, help="latent frames per sample (the token grid's t)")
     ap.add_argument("--frame-width", type=int, help="tokens across a frame (default: a square frame); the height is "
@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 OVERRIDDEN = ("model", "optim", "trainer")
 """The run's sections a command line may set fields of (the planner chooses the layout; the flags give the data)."""
+CHOSEN = {k for k in Layout(offload=0.5).overrides() if k.startswith(("model.", "optim."))} - {"optim.adam_impl"}
+"""The model and optimizer fields the planner sets with each layout: recompute, chunking, the distributed
+optimizer, offload (an offloading layout also sets bf16 and the AdamW megatron's offload steps, which a run may
+set itself)."""
 
 
 def recorded_run(path: str):
@@ -106,12 +110,13 @@ def _new_run(args):
     from dit_mcore.models.registry import get_family
     from dit_mcore.training.config import (DataConfig, DiffusionConfig, LogConfig, ModelConfig, OptimConfig,
                                            RunConfig, TrainerConfig)
-    if args.family not in ("dit", "dit_xattn", "llama", "stdit") or args.preset not in get_family(args.family).presets():
-        raise ConfigError(f"--family {args.family} --preset {args.preset}: unknown; see --help of "
+    family, preset = args.family or "dit", args.preset or "DiT-XL/2"
+    if family not in ("dit", "dit_xattn", "llama", "stdit") or preset not in get_family(family).presets():
+        raise ConfigError(f"--family {family} --preset {preset}: unknown; see --help of "
                           "recipes/pretrain_xl.py for the families and their presets")
     if args.global_batch is None:
         raise ConfigError("--global-batch is needed (samples, or packs, per optimizer step), or --run a recorded run")
-    return RunConfig(model=ModelConfig(family=args.family, preset=args.preset),
+    return RunConfig(model=ModelConfig(family=family, preset=preset),
                      data=DataConfig(name="mock", micro_batch_size=1), optim=OptimConfig(),
                      diffusion=DiffusionConfig(objective="flow"), trainer=TrainerConfig(bf16=True),
                      log=LogConfig(dir=str(Path(tempfile.gettempdir()) / "dit_plan"), tensorboard=False,
@@ -129,6 +134,9 @@ def _set_fields(cfg, items: list[str]) -> None:
         if key == "model.input_size":
             raise ConfigError(f"{item}: the samples' size comes from --seq / --frames / --frame-width (or --mix); "
                               "drop it (the families compute their positions from the grid: no length limit)")
+        if key in CHOSEN:
+            raise ConfigError(f"{item}: the planner chooses {key} with the layout; drop it (--explain prices one "
+                              "layout of your choosing)")
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
@@ -168,33 +176,43 @@ def _mix_of(text: str) -> tuple[list, list]:
 
 
 def run_config(args):
-    """The run to plan and its :class:`~dit_mcore.plan.samples.Samples`:
-    a recorded run (``--run``) with its own model, optimizer, trainer and data, or a ``--family`` / ``--preset``
-    run with the default optimizer, bf16, on mock data; ``--seq`` (``--frames``, ``--frame-width``), ``--mix`` and
-    ``--pack`` give its samples (a recorded run's data where none is given); overrides set its fields."""
+    """The run to plan and its :class:`~dit_mcore.plan.samples.Samples`: a recorded run (``--run``) with its own
+    model, optimizer, trainer and data (its layout, offload included, left to the planner), or a ``--family`` /
+    ``--preset`` run with the default optimizer, bf16, on mock data; ``--seq`` (``--frames``, ``--frame-width``),
+    ``--mix`` and ``--pack`` give its samples (a recorded run's own where none is given; packed to its packs'
+    length where it packs); overrides set its fields. Also the text tokens per sample a text model reads."""
+    if args.run and (args.family or args.preset):
+        raise ConfigError(f"--run {args.run} fixes its model: drop --family / --preset (model.<field>=<value> "
+                          "changes a field)")
+    if args.pack is not None and args.pack < 1:
+        raise ConfigError(f"--pack {args.pack}: tokens per packed sequence must be >= 1")
+    if args.mix and (args.seq is not None or args.frames != 1 or args.frame_width):
+        raise ConfigError("--mix gives the samples' grids: drop --seq / --frames / --frame-width")
     cfg = recorded_run(args.run) if args.run else _new_run(args)
+    if args.run:  # (the layout the run took, offload included, is the planner's to choose anew)
+        cfg = Layout().apply(cfg)
+        cfg.optim.cpu_offload = False
     _set_fields(cfg, args.overrides)
+    text_len = args.text_len if args.text_len is not None else text_tokens(cfg)
     if args.global_batch is not None:
         cfg.data.global_batch_size = args.global_batch
-    if args.mix and args.seq is not None:
-        raise ConfigError("--mix and --seq both give the samples' shape: keep one")
-    if args.mix and not (args.pack or (args.run and cfg.data.packs)):
+    recorded_packs = cfg.data.max_seq_len if args.run and cfg.data.packs else None
+    if args.mix and not (args.pack or recorded_packs):
         raise ConfigError(f"--mix {args.mix!r} packs its samples: give --pack TOKENS (tokens per packed sequence)")
-    weights = None
     if args.mix or args.seq is not None:
         grids, weights = _mix_of(args.mix) if args.mix else ([_grid_of(args)], None)
-        pack_len = args.pack or (cfg.data.max_seq_len if args.mix else None)
-        _mock_data(cfg, grids, pack_len)
+        samples = Samples(grids, args.pack or recorded_packs, weights)
     elif args.run:  # (the run's own samples; --pack packs them)
         if args.pack and cfg.data.uses_energon:
             cfg.data.max_seq_len, cfg.data.packing = args.pack, True
-        grids = sample_grids(cfg, fix="give the samples' shape with --seq (--frames), or --mix with --pack")
-        if args.pack and not cfg.data.uses_energon:
-            _mock_data(cfg, grids, args.pack)
-        pack_len = cfg.data.max_seq_len if cfg.data.packs else None
+        samples = run_samples(cfg, fix="give the samples' shape with --seq (--frames), or --mix with --pack")
+        if args.pack:
+            samples = Samples(samples.grids, args.pack, samples.weights)
     else:
         raise ConfigError("--seq is needed (tokens per sample), or --mix with --pack, or --run a recorded run")
-    return cfg, Samples(grids, pack_len, weights)
+    if args.mix or args.seq is not None or (args.pack and not cfg.data.uses_energon):
+        _mock_data(cfg, samples.grids, samples.pack_len)
+    return cfg, samples, text_len
 
 
 def _mock_data(cfg, grids: list, pack_len) -> None:
@@ -272,10 +290,9 @@ def planner_of(args) -> Planner:
     device = gpu_entry(args.gpu, memory_gib=args.gpu_memory_gib, bf16_tflops=args.peak_tflops,
                        nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs, workspace_gib=args.workspace_gib,
                        pcie_gbs=args.pcie_gbs, host_gbs=args.host_gbs)
-    cfg, samples = run_config(args)
+    cfg, samples, text_len = run_config(args)
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError("--gpus and --gpus-per-node must be >= 1")
-    text_len = args.text_len if args.text_len is not None else text_tokens(cfg)
     return Planner(cfg, args.gpus, device, args.gpus_per_node, batch_maker(cfg, samples, text_len))
 
 
@@ -310,11 +327,11 @@ def _main(args) -> int:
         with open(args.json, "w") as f:
             for e in done:
                 f.write(json.dumps(e.record(args.gpus)) + "\n")
-    if not done:
-        print(f"error: no layout of {args.gpus} GPUs passes the layout check ({refused} refused): --global-batch "
-              f"{planner.cfg.data.global_batch_size} must divide over the data-parallel ranks; see --explain for one "
-              "layout's reason",
-              file=sys.stderr)
+    if not done:  # (the plainest layout's refusal: data parallel over every GPU)
+        why = accepted(planner.cfg, Layout(), args.gpus) or (
+            f"--global-batch {planner.cfg.data.global_batch_size} must divide over the data-parallel ranks")
+        print(f"error: no layout of {args.gpus} GPUs passes the layout check ({refused} refused); data parallel over "
+              f"all of them: {why}", file=sys.stderr)
         return 1
     fitting = [e for e in done if e.fits]
     print(f"{len(done)} layouts evaluated ({refused} refused by the layout check), {len(fitting)} fit "

@@ -1,5 +1,5 @@
 """What the planner traces of a run's data: its samples' token grids, dense (a micro-batch of one grid) or
-packed (``data.max_seq_len``-token packs filled with the data's sample shapes, each sample attending to
+packed (``data.max_seq_len``-token packs as the loader packs the data's samples, each sample attending to
 itself), and the text tokens a text model reads per sample."""
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from dit_mcore.parallel.config import ParallelConfig
 Grid = tuple[int, int, int]
 """A sample's tokens as (frames, rows, columns) after patching."""
 
+PACKING_ROUND = 64
+"""Samples the planner packs at once (``data.packing_buffer_size``'s default): the packs of one such round are
+what it traces for a packed run, their costs averaged per pack."""
+
 
 class Samples(NamedTuple):
     """What a run's micro-batches hold: samples of ``grids``, dense (``pack_len`` None: one grid) or packed
@@ -25,32 +29,40 @@ class Samples(NamedTuple):
     weights: Optional[list] = None
 
 
-def sample_grids(cfg, fix: str) -> list[Grid]:
-    """The token grids of the run ``cfg``'s samples: a built-in source's one grid; a mock mix's
-    (``data.mock_latent_shapes``); a prepared dataset's latents, from its prepare record (packed: every
-    shape it lists; dense: the largest, the one that sets the peak). Packs of a dataset whose record is not
-    here (a metadataset, a blend, data prepared elsewhere) are planned as one sample filling the pack (its
-    attention an upper bound); ``fix``: what the user can do where dense data gives no shape here."""
+def run_samples(cfg, fix: str) -> Samples:
+    """The samples of the run ``cfg``'s data: a built-in source's one grid; a mock mix's
+    (``data.mock_latent_shapes``, drawn evenly); a prepared dataset's latents from its prepare record (packed:
+    every shape it lists that fits a pack, weighted by its shards' samples, split evenly over the shapes a shard
+    lists; dense: the largest, the one that sets the peak). Packs of a dataset whose record is not here (a
+    metadataset, a blend, data prepared elsewhere) are planned as one sample filling the pack (its attention an
+    upper bound); ``fix``: what the user can do where dense data gives no shape here."""
     model = cfg.model.build(ParallelConfig())
     pt, p = model.patch_size_t or 1, model.patch_size
+    pack_len = cfg.data.max_seq_len if cfg.data.packs else None
     if cfg.data.name == "mock" and cfg.data.mock_latent_shapes and not cfg.data.uses_energon:
-        return [(max(1, t // pt), h // p, w // p) for t, h, w in cfg.data.mock_latent_shapes]
+        return Samples([(max(1, t // pt), h // p, w // p) for t, h, w in cfg.data.mock_latent_shapes], pack_len)
     if not cfg.data.uses_energon:
         side = cfg.data.image_size // p
-        return [(cfg.data.dense_tokens_per_sample(p, pt) // (side * side), side, side)]
+        return Samples([(cfg.data.dense_tokens_per_sample(p, pt) // (side * side), side, side)])
     from energon_data.prepare import prepare_record
-    from dit_mcore.training.data_fit import latent_shapes
     record = prepare_record(cfg.data.path) if cfg.data.path and Path(cfg.data.path).is_dir() else None
-    shapes = sorted(latent_shapes(record), key=lambda s: s[1:]) if record and record.get("shards") else []
-    if not shapes and cfg.data.packs:  # (shapes unknown: one sample filling the pack, its attention an upper bound)
-        tokens = cfg.data.max_seq_len
-        rows = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
-        return [(1, rows, tokens // rows)]
-    if not shapes:
+    weights: dict = {}
+    for shard in (record or {}).get("shards", []):
+        shapes = [tuple(s) for s in shard.get("latent_shapes") or [shard["latent_shape"]]]
+        for _, t, h, w in shapes:
+            grid = (max(1, t // pt), h // p, w // p)
+            weights[grid] = weights.get(grid, 0.0) + shard.get("samples", 1) / len(shapes)
+    if pack_len is not None:
+        weights = {g: n for g, n in weights.items() if math.prod(g) <= pack_len}  # (the loader skips the rest)
+        if not weights:  # (shapes unknown: one sample filling the pack, its attention an upper bound)
+            rows = max(d for d in range(1, math.isqrt(pack_len) + 1) if pack_len % d == 0)
+            return Samples([(1, rows, pack_len // rows)], pack_len)
+        grids = sorted(weights)
+        return Samples(grids, pack_len, [weights[g] for g in grids])
+    if not weights:
         raise ConfigError(f"data.path={cfg.data.path!r} has no prepare record listing its latents here (a "
                           f"metadataset, a blend, or data prepared elsewhere): {fix}")
-    grids = [(max(1, t // pt), h // p, w // p) for _, t, h, w in shapes]
-    return grids if cfg.data.packs else [max(grids, key=math.prod)]
+    return Samples([max(weights, key=math.prod)])
 
 
 def text_tokens(cfg) -> int:
@@ -62,39 +74,41 @@ def text_tokens(cfg) -> int:
     return 256
 
 
-def pack(grids: list[Grid], pack_len: int, weights: list[float] | None = None) -> list[Grid]:
-    """One pack of ``pack_len`` tokens holding the grids in the shares of the data's tokens that samples drawn
-    with ``weights`` (default: evenly) give them, as far as the pack allows: each next sample the grid furthest
-    below its share that still fits (the larger share first), until none fits. (The step's cost is the
-    pack's tokens, padding included, but for attention, which each sample pays for its own length.) A grid
-    longer than the pack is refused: the loader skips such samples."""
+def packing_round(grids: list[Grid], pack_len: int, weights: Optional[list] = None,
+                  samples: int = PACKING_ROUND) -> list[list[Grid]]:
+    """The packs the loader makes of ``samples`` samples of ``grids`` drawn with ``weights`` (default: evenly):
+    the draws spread evenly (smooth weighted round robin, deterministic), packed best-fit decreasing as the
+    energon loader packs its buffer (``energon_data.packing.pack_lengths``). A grid longer than the pack is
+    refused: the loader skips such samples."""
+    from energon_data.packing import pack_lengths
     sizes = [math.prod(g) for g in grids]
     too_long = [g for g, n in zip(grids, sizes) if n > pack_len]
     if too_long:
-        raise ConfigError(f"a sample of {too_long[0][0]}x{too_long[0][1]}x{too_long[0][2]} = "
-                          f"{math.prod(too_long[0])} tokens is longer than a pack of {pack_len} (data.max_seq_len): "
-                          "the loader would skip every such sample; lengthen the packs or leave that shape out")
-    weights = weights or [1.0] * len(grids)
-    shares = [w * n / sum(w * n for w, n in zip(weights, sizes)) for w, n in zip(weights, sizes)]
-    held, out = [0] * len(grids), []
-    while True:
-        fitting = [i for i in range(len(grids)) if sum(held) + sizes[i] <= pack_len and shares[i] > 0]
-        if not fitting:
-            return out
-        i = min(fitting, key=lambda j: (held[j] / shares[j], -shares[j]))
-        out.append(grids[i])
-        held[i] += sizes[i]
+        t, h, w = too_long[0]
+        raise ConfigError(f"a sample of {t}x{h}x{w} = {t * h * w} tokens is longer than a pack of {pack_len} "
+                          "(data.max_seq_len), and the loader would skip every such sample: raise --pack or leave "
+                          "that grid out of --mix")
+    weights = list(weights or [1.0] * len(grids))
+    credit, drawn = [0.0] * len(grids), []
+    for _ in range(samples):
+        credit = [c + w for c, w in zip(credit, weights)]
+        i = max(range(len(grids)), key=lambda j: credit[j])
+        credit[i] -= sum(weights)
+        drawn.append(i)
+    return [[grids[drawn[k]] for k in pack] for pack in pack_lengths([sizes[i] for i in drawn], pack_len)]
 
 
 def batch_maker(cfg, samples: Samples, text_len: int):
     """``make(micro)``: one data-parallel rank's micro-batch of ``micro`` dense samples of ``samples``' one grid,
-    or of ``micro`` packs (:func:`pack`, the tail of each padded), with ``text_len`` text tokens per sample for a
-    text model (values do not matter)."""
+    or of ``micro`` rounds of packs (:func:`packing_round`, the tail of each pack padded); ``make.packs``: the
+    packs a round holds (1 when dense), which the planner averages over. ``text_len`` text tokens per sample
+    for a text model (values do not matter)."""
     from energon_data.batch import MicroBatch, cumsum0
     mc = cfg.model.build(ParallelConfig())
     grids, pack_len, weights = samples
     if pack_len is None and len(grids) != 1:
         raise ValueError("dense micro-batches hold one grid")
+    packs = packing_round(grids, pack_len, weights) if pack_len is not None else []
 
     def text(n: int) -> dict:
         return dict(text_emb=torch.zeros(n * text_len, mc.text_dim), cu_seqlens_text=cumsum0([text_len] * n)) \
@@ -105,11 +119,12 @@ def batch_maker(cfg, samples: Samples, text_len: int):
             grid = grids[0]
             return MicroBatch.dense(torch.zeros(micro, math.prod(grid), mc.patch_dim), grid,
                                     torch.zeros(micro, dtype=torch.long), **text(micro))
-        one = pack(grids, pack_len, weights)
-        samples = one * micro
-        seqlens = [math.prod(g) for g in samples]
-        starts = [k * pack_len + sum(seqlens[:len(one)][:i]) for k in range(micro) for i in range(len(one))]
-        return MicroBatch.packed(torch.zeros(micro * pack_len, mc.patch_dim), cumsum0(seqlens),
-                                 torch.tensor(samples, dtype=torch.int64), torch.zeros(len(samples), dtype=torch.long),
-                                 torch.tensor(starts + [micro * pack_len], dtype=torch.int32), **text(len(samples)))
+        laid, starts = [g for _ in range(micro) for pack in packs for g in pack], []
+        for k, pack in enumerate(packs * micro):
+            starts += [k * pack_len + sum(math.prod(g) for g in pack[:i]) for i in range(len(pack))]
+        rows = micro * len(packs) * pack_len
+        return MicroBatch.packed(torch.zeros(rows, mc.patch_dim), cumsum0([math.prod(g) for g in laid]),
+                                 torch.tensor(laid, dtype=torch.int64), torch.zeros(len(laid), dtype=torch.long),
+                                 torch.tensor(starts + [rows], dtype=torch.int32), **text(len(laid)))
+    make.packs = len(packs) or 1
     return make

@@ -262,17 +262,18 @@ def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
 class Planner:
     """Predicts layouts of the run ``cfg`` (its model, data and optimizer; the planner sets the layout
     fields) on ``world`` GPUs like ``gpu``, ``gpus_per_node`` to a node; ``batch(micro_batch_size)``
-    makes one data-parallel rank's micro-batch."""
+    makes one data-parallel rank's micro-batch, each of its samples standing for ``batch.packs`` rows (packs: a
+    packing round's, their costs averaged; :func:`~dit_mcore.plan.samples.batch_maker`)."""
 
     def __init__(self, cfg, world: int, gpu: GPU, gpus_per_node: int, batch: Callable):
         self.cfg, self.world, self.gpu, self.gpus_per_node, self.batch = gpu_optimizer(cfg), world, gpu, gpus_per_node, batch
         self._profiles: dict = {}
         self._models: dict = {}
         self._states: dict = {}
-        one = batch(1)
-        self.tokens = sum(one.seqlens)
-        """Tokens per sample (a pack's real tokens)."""
-        self.row_tokens = one.tokens.shape[1]
+        one, self.packs = batch(1), getattr(batch, "packs", 1)
+        self.tokens = sum(one.seqlens) / self.packs
+        """Tokens per sample (a pack's real tokens, on average)."""
+        self.row_tokens = one.tokens.shape[1] // self.packs
         """Tokens per row of a micro-batch, padding included (a sample, or a pack)."""
         self._wanted: set = set()
         """The trace keys of the layouts :meth:`plan` will evaluate (traced together by split)."""
@@ -323,10 +324,10 @@ class Planner:
                                                            model.config.hidden_size, 2 if cfg.trainer.bf16 else 4))
         batch = self.batch(1)
         per_sample = dit_flops(model.config, batch.seqlens, batch.text_seqlens,
-                               [int(g[0]) for g in batch.grids]).model
+                               [int(g[0]) for g in batch.grids]).model / self.packs
         samples = cfg.data.global_batch_size
         tflops = per_sample * samples / step.total / self.world / 1e12
-        tokens = sum(batch.seqlens) * samples / step.total / self.world
+        tokens = self.tokens * samples / step.total / self.world
         fits = memory.total <= self.gpu.memory_gib * GiB
         return Evaluation(layout, memory, step, fits, tokens, tflops, tflops / self.gpu.bf16_tflops,
                           self.gpu.memory_gib - memory.total / GiB)
@@ -350,7 +351,7 @@ class Planner:
             runs = [dataclasses.replace(v, pp=1, vpp=1, micro_batch=1).apply(self.cfg) for v in variants]
             with traced_world(runs[0].parallel, self.world):
                 for v, profile in zip(variants, layer_profiles(runs, self.batch(1), on_gpu=True)):
-                    self._profiles[self._key(v)] = profile
+                    self._profiles[self._key(v)] = profile * (1 / self.packs)
         return self._profiles[self._key(layout)]
 
     @staticmethod
@@ -362,7 +363,7 @@ class Planner:
         """Every accepted layout evaluated, best first (those that fit, by tokens/s per GPU, then the larger
         micro-batch, then less memory); and how many candidates the layout check refused."""
         done, refused = [], 0
-        candidates = list(candidate_layouts(self.cfg, self.world, self.gpus_per_node, self.tokens))
+        candidates = list(candidate_layouts(self.cfg, self.world, self.gpus_per_node, self.row_tokens))
         self._wanted = {self._key(c) for c in candidates}
         for layout in candidates:
             if accepted(self.cfg, layout, self.world) is not None:
@@ -424,7 +425,8 @@ class Planner:
         alone)."""
         for factor in factors:
             bigger = self.resized(self.world * factor)
-            frugal = [layout for layout in candidate_layouts(self.cfg, bigger.world, self.gpus_per_node, self.tokens)
+            frugal = [layout for layout in
+                      candidate_layouts(self.cfg, bigger.world, self.gpus_per_node, self.row_tokens)
                       if layout.recompute == "full" and layout.micro_batch == 1 and layout.vpp == 1
                       and not layout.fsdp_shard and layout.cp_comm_type != "a2a+p2p"
                       and (layout.distopt or layout.fsdp != "none" or bigger.world == layout.tp * layout.cp * layout.pp)
