@@ -2,9 +2,10 @@
 CPU: the step's live memory measured by :class:`LiveMemory` (every storage an operator creates,
 counted until freed) on top of the state the trainer holds (every distinct storage reachable from
 its model, DDP buffers, optimizer and EMA), and predicted by a fake-tensor trace of one and two
-layers in a fake process group of the layout. Each family, dense and packed, recompute on and off, in
-one process; TP+SP, context parallel, pipeline (even and uneven, each stage at its own rank), FSDP, the
-distributed optimizer and expert parallelism on two ranks (one spawn)."""
+layers in a fake process group of the layout. Each family, dense and packed, recompute on and off, and a
+paper preset (DiT-S/2) in one process; TP+SP, context parallel, pipeline (even and uneven, each stage at its
+own rank), FSDP, the distributed optimizer and expert parallelism on two ranks (one spawn), every family among
+them (ST-DiT's video under CP, its packs under TP+SP)."""
 import functools
 import gc
 import shutil
@@ -101,6 +102,18 @@ def test_one_process_peak_is_predicted(tmp_path, family, data, recompute):
     check(cfg, measured, 1)
 
 
+def test_a_small_presets_peak_is_predicted(tmp_path):
+    """A paper preset as well as the tiny ones: DiT-S/2 (12 layers of 384, 33M parameters), its state the larger
+    part of the peak."""
+    single_process_world()
+    cfg = _run(tmp_path, "dit", "dense")
+    cfg.model.preset, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = \
+        "DiT-S/2", None, None, None
+    measured = measured_step(cfg)
+    assert cfg.model.build(cfg.parallel).num_layers == 12
+    check(cfg, measured, 1)
+
+
 def test_the_planner_knows_chunked_execution(tmp_path):
     """``model.chunk_tokens``: the trace runs the chunked code, so the prediction follows the measured
     peak down (rows of 16 tokens in chunks of 4)."""
@@ -159,6 +172,8 @@ TWO = {
     "fsdp": dict(fsdp="torch"),
     "dp2_distopt_recompute": dict(distopt=True, recompute=True),
     "ep2": dict(moe=True, expert_model_parallel_size=2),
+    "cp2_p2p_stdit_video": dict(family="stdit", data="video", context_parallel_size=2, cp_comm_type="p2p"),
+    "tp2_sp_stdit_packed": dict(family="stdit", data="packed", tensor_model_parallel_size=2, sequence_parallel=True),
 }
 
 
