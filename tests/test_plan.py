@@ -340,6 +340,24 @@ def test_the_search_takes_only_layouts_the_runs_own_settings_allow():
         assert ruled_out and not set(ruled_out) & set(taken), key
 
 
+def test_the_search_takes_only_layouts_te_fp8_can_split(monkeypatch):
+    """TE's FP8 GEMMs need each rank's token count a multiple of 16: a run with them (its GPU and TE version are
+    the run's machine's, not the planner's) of 16-token samples is offered no layout that splits a one-sample
+    micro-batch over two ranks (TP2 + SP, CP2), and every layout offered passes TE's whole layout check."""
+    from dit_mcore.models import specs, te_fp8
+    from dit_mcore.plan.search import accepted, candidate_layouts
+    monkeypatch.setattr(specs, "te_installed", lambda: True)
+    base = cli.run_config(cli.parse_args([*TINY, "--gpus", "2", "model.fp8='tensorwise'", "model.backend='te'"]))[0]
+    candidates = list(candidate_layouts(base, 2, 8))
+    taken = [layout for layout in candidates if accepted(base, layout, 2) is None]
+    assert taken and all(layout.micro_batch % (layout.tp * layout.cp) == 0 for layout in taken)
+    assert any(layout.cp == 2 for layout in taken)  # (two samples over two ranks: 16 tokens each)
+    assert "TE's FP8 GEMMs need each rank's token count" in accepted(base, Layout(cp=2), 2)
+    for layout in taken:
+        run = layout.apply(base)
+        te_fp8.check_layout(run, run.model.build(run.parallel), 2)
+
+
 def test_a_run_with_layout_auto_trains_on_the_planners_first_choice(tmp_path, caplog, capsys):
     """``parallel.layout=auto`` through the recipes' ``train``: the run trains on the layout the planner
     ranks first for it (its model, its data's samples, its global batch, this world), logs it with its

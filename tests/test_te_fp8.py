@@ -89,7 +89,8 @@ def te_stand_ins(monkeypatch):
     monkeypatch.setattr(fp8_utils, "get_fp8_context", context)
     monkeypatch.setattr(megatron_te, "te_checkpoint", te_checkpoint)
     monkeypatch.setattr(specs, "te_installed", lambda: True)
-    monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)  # (its GPU, version and alignment checks: below)
+    for check in ("check_machine", "check_layout"):  # (its GPU, version and alignment checks: below)
+        monkeypatch.setattr(te_fp8, check, lambda *a: None)
     return calls
 
 

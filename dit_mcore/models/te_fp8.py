@@ -87,17 +87,23 @@ NEEDS = {"delayed": ((8, 9), "Ada, Hopper or newer", None),
 (what megatron's ``get_fp8_recipe`` asks of it; None: no check there)."""
 
 
+def _refusal(m):
+    return lambda why: ConfigError(f"model.fp8={m.fp8!r} with model.backend=te{why}")
+
+
 def check_run(cfg, model, world_size: int) -> None:
     """What TE's FP8 needs of the whole run before compute (``cfg``: the run config; ``model``: the
-    model config built from it): TE of the recipe's version on a GPU of its generation, bf16, and
-    weight and token counts the FP8 GEMMs accept. (TE's presence, the format and the recompute
-    modules are checked with the model section's fields.)"""
+    model config built from it): :func:`check_machine` and :func:`check_layout`. (TE's presence, the format and
+    the recompute modules are checked with the model section's fields.)"""
+    check_machine(cfg)
+    check_layout(cfg, model, world_size)
+
+
+def check_machine(cfg) -> None:
+    """TE of the recipe's version on a GPU of its generation: this machine's."""
     from megatron.core.utils import get_te_version
-    m, data, parallel = cfg.model, cfg.data, cfg.parallel
-
-    def refuse(why: str):
-        return ConfigError(f"model.fp8={m.fp8!r} with model.backend=te{why}")
-
+    m = cfg.model
+    refuse = _refusal(m)
     fix = "or set model.backend=auto for torchao's FP8 (model.fp8 in tensorwise, rowwise, rowwise_with_gw_hp)"
     capability, generation, version = NEEDS[m.fp8]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < capability:
@@ -107,6 +113,13 @@ def check_run(cfg, model, world_size: int) -> None:
     if version is not None and get_te_version() < Version(version):
         raise refuse(f" needs Transformer Engine >= {version}; this machine has {get_te_version()}: upgrade TE or "
                      "pick another recipe")
+
+
+def check_layout(cfg, model, world_size: int) -> None:
+    """What TE's FP8 needs of the run's layout and data, on any machine (a planner's too): bf16, weight dims and
+    each rank's token count the FP8 GEMMs accept, no ST-DiT under context parallel."""
+    m, data, parallel = cfg.model, cfg.data, cfg.parallel
+    refuse = _refusal(m)
     if not cfg.trainer.bf16:
         raise refuse(" runs the layers around TE's GEMMs in bf16: set trainer.bf16=True")
     if getattr(model, "spatial_temporal", False) and parallel.context_parallel_size > 1:

@@ -250,9 +250,10 @@ def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
     against the layout, the model's recompute against its compile), else the first refusal."""
     run = layout.apply(cfg)
     try:  # (the model's sizes: megatron's own checks of the layout would raise first)
-        check_layout(run.parallel, run.model.build(ParallelConfig(), bf16=run.trainer.bf16), run.data, world,
+        model = run.model.build(ParallelConfig(), bf16=run.trainer.bf16)
+        check_layout(run.parallel, model, run.data, world,
                      use_distributed_optimizer=run.optim.use_distributed_optimizer)
-        check_settings_with_layout(run)  # (the run's optimizer, EMA and precision settings against the layout)
+        check_settings_with_layout(run, model, world)  # (the run's optimizer, EMA and precision against the layout)
     except ConfigError as e:
         return str(e)
     problems = model_problems(run.model)  # (the layout's recompute against the run's compile)

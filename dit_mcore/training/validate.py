@@ -374,23 +374,26 @@ def run_problems(cfg, world_size: int) -> list[str]:
         check_layout(cfg.parallel, model, cfg.data, world_size,
                      use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if cfg.model.fp8 and cfg.model.backend == "te":
-            te_fp8.check_run(cfg, model, world_size)
+            te_fp8.check_machine(cfg)  # (its layout's rules: with the settings' below)
         elif cfg.model.fp8 and not cfg.trainer.bf16 and torch.cuda.is_available():
             raise ConfigError(f"model.fp8={cfg.model.fp8!r} needs trainer.bf16=True on a GPU (float8 GEMMs with fp32 "
                               "outputs are not supported on every GPU); set trainer.bf16=True")
         if cfg.parallel.tp_comm_overlap:
             tp_comm_overlap.check_run(cfg.model, cfg.trainer.bf16)
-        check_settings_with_layout(cfg)
+        check_settings_with_layout(cfg, model, world_size)
         cfg.data.num_microbatches(cfg.parallel.data_parallel_size(world_size))
     except ConfigError as e:
         return [str(e)]
     return []
 
 
-def check_settings_with_layout(cfg) -> None:
-    """The run's optimizer, EMA and precision settings against its layout (FSDP, the distributed optimizer): the
-    rules a layout planner must apply to every layout it offers (:func:`dit_mcore.plan.search.accepted`), as
-    :func:`run_problems` applies them to the run."""
+def check_settings_with_layout(cfg, model, world_size: int) -> None:
+    """The run's optimizer, EMA and precision settings against its layout (FSDP, the distributed optimizer; TE's
+    FP8 against the ranks' token counts): the rules a layout planner must apply to every layout it offers
+    (:func:`dit_mcore.plan.search.accepted`), as :func:`run_problems` applies them to the run (``model``: the model
+    config built from ``cfg``)."""
+    if cfg.model.fp8 and cfg.model.backend == "te":
+        te_fp8.check_layout(cfg, model, world_size)
     if cfg.trainer.ema_offload and cfg.parallel.fsdp != "none":
         raise ConfigError(f"trainer.ema_offload=True with parallel.fsdp={cfg.parallel.fsdp!r}: FSDP shards the EMA "
                           "shadow over the data-parallel ranks already; set trainer.ema_offload=False")
