@@ -98,17 +98,18 @@ def packing_round(grids: list[Grid], pack_len: int, weights: Optional[list] = No
     return [[grids[drawn[k]] for k in pack] for pack in pack_lengths([sizes[i] for i in drawn], pack_len)]
 
 
-def batch_maker(cfg, samples: Samples, text_len: int):
+def batch_maker(cfg, samples: Samples, text_len: int, round_of: Optional[list] = None):
     """``make(micro)``: one data-parallel rank's micro-batch of ``micro`` dense samples of ``samples``' one grid,
-    or of ``micro`` rounds of packs (:func:`packing_round`, the tail of each pack padded); ``make.packs``: the
-    packs a round holds (1 when dense), which the planner averages over. ``text_len`` text tokens per sample
-    for a text model (values do not matter)."""
+    or of ``micro`` rounds of packs (:func:`packing_round`, or ``round_of``; the tail of each pack padded);
+    ``make.packs``: the packs a round holds (1 when dense), whose work the planner averages;
+    ``make.heaviest(micro)``: ``micro`` of its pack with the most samples, whose memory the planner counts.
+    ``text_len`` text tokens per sample for a text model (values do not matter)."""
     from energon_data.batch import MicroBatch, cumsum0
     mc = cfg.model.build(ParallelConfig())
     grids, pack_len, weights = samples
     if pack_len is None and len(grids) != 1:
         raise ValueError("dense micro-batches hold one grid")
-    packs = packing_round(grids, pack_len, weights) if pack_len is not None else []
+    packs = round_of or (packing_round(grids, pack_len, weights) if pack_len is not None else [])
 
     def text(n: int) -> dict:
         return dict(text_emb=torch.zeros(n * text_len, mc.text_dim), cu_seqlens_text=cumsum0([text_len] * n)) \
@@ -126,5 +127,10 @@ def batch_maker(cfg, samples: Samples, text_len: int):
         return MicroBatch.packed(torch.zeros(rows, mc.patch_dim), cumsum0([math.prod(g) for g in laid]),
                                  torch.tensor(laid, dtype=torch.int64), torch.zeros(len(laid), dtype=torch.long),
                                  torch.tensor(starts + [rows], dtype=torch.int32), **text(len(laid)))
-    make.packs = len(packs) or 1
+    def heaviest(micro: int):
+        """``micro`` of the round's pack with the most samples (the most tokens among them): the memory of a
+        micro-batch in flight."""
+        pack = max(packs, key=lambda p: (len(p), sum(math.prod(g) for g in p)))
+        return batch_maker(cfg, Samples(pack, pack_len, None), text_len, round_of=[pack])(micro)
+    make.packs, make.heaviest = len(packs) or 1, heaviest
     return make

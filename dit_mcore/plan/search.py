@@ -21,7 +21,7 @@ from dit_mcore.plan.gpus import GPU
 from dit_mcore.plan.memory import (MemoryPrediction, RankModel, cfg_layers, gpu_optimizer, rank_memory, rank_state,
                                    stage_rank, stage_split, stages_to_check)
 from dit_mcore.plan.step_time import StepTime, stage_send_bytes, step_time
-from dit_mcore.plan.trace import layer_profiles
+from dit_mcore.plan.trace import LayerProfile, MicroBatchTrace, layer_profiles
 from dit_mcore.plan.world import traced_world
 from dit_mcore.training.validate import check_settings_with_layout, model_problems
 from dit_mcore.training.memory import GiB
@@ -83,10 +83,9 @@ class Layout:
                "parallel.fsdp_shard_size": self.fsdp_shard or None,
                "parallel.overlap_grad_reduce": self.fsdp == "none", "parallel.overlap_param_gather": self.distopt,
                "optim.use_distributed_optimizer": self.distopt, "data.micro_batch_size": self.micro_batch}
-        if self.cp > 1:
-            out["parallel.cp_comm_type"] = self.cp_comm_type
-        if self.cp_comm_type == "a2a+p2p":
-            out["parallel.hierarchical_context_parallel_sizes"] = [self.cp_a2a, self.cp // max(self.cp_a2a, 1)]
+        out["parallel.cp_comm_type"] = self.cp_comm_type if self.cp > 1 else "p2p"
+        out["parallel.hierarchical_context_parallel_sizes"] = \
+            [self.cp_a2a, self.cp // max(self.cp_a2a, 1)] if self.cp_comm_type == "a2a+p2p" else None
         out.update({f"model.{k}": v for k, v in RECOMPUTE[self.recompute].items()})
         out["model.chunk_tokens"] = self.chunk_tokens or None
         if self.offload:  # (megatron's offload steps its own AdamW, not the flat one, of a bf16 run's main weights)
@@ -245,6 +244,17 @@ def lighter_first(layout: Layout, layers: int) -> Optional[Layout]:
     return dataclasses.replace(layout, first_stage=each - 1, last_stage=each + 1)
 
 
+def _work_and_memory(work: LayerProfile, memory: LayerProfile, packs: int) -> LayerProfile:
+    """A packed run's profile: the work of ``work`` (a round of ``packs`` packs, per pack; its operators' calls
+    per pack, not divided) and the memory of ``memory`` (the heaviest pack: the micro-batches in flight are
+    whole packs, and a pack with more samples keeps more of their conditioning and text)."""
+    def one(w: MicroBatchTrace, m: MicroBatchTrace) -> MicroBatchTrace:
+        ops = tuple((name, measure, amount * packs if measure == "calls" else amount)
+                    for name, measure, amount in w.ops)
+        return dataclasses.replace(w, saved=m.saved, peak=m.peak, ops=ops)
+    return LayerProfile(one(work.outside, memory.outside), one(work.per_layer, memory.per_layer))
+
+
 def accepted(cfg, layout: Layout, world: int) -> Optional[str]:
     """None if the trainer's rules of a layout accept ``layout`` for ``cfg`` (the layout check, the run's settings
     against the layout, the model's recompute against its compile), else the first refusal."""
@@ -351,8 +361,13 @@ class Planner:
                                    if v != layout and self._key(v) in self._wanted and self._key(v) not in self._profiles]
             runs = [dataclasses.replace(v, pp=1, vpp=1, micro_batch=1).apply(self.cfg) for v in variants]
             with traced_world(runs[0].parallel, self.world):
-                for v, profile in zip(variants, layer_profiles(runs, self.batch(1), on_gpu=True)):
-                    self._profiles[self._key(v)] = profile * (1 / self.packs)
+                profiles = layer_profiles(runs, self.batch(1), on_gpu=True)
+                if self.packs > 1:  # (memory: the heaviest pack's, in flight whole; the work: the round's, per pack)
+                    heaviest = layer_profiles(runs, self.batch.heaviest(1), on_gpu=True)
+                    profiles = [_work_and_memory(p * (1 / self.packs), h, self.packs)
+                                for p, h in zip(profiles, heaviest)]
+                for v, profile in zip(variants, profiles):
+                    self._profiles[self._key(v)] = profile
         return self._profiles[self._key(layout)]
 
     @staticmethod

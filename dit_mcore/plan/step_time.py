@@ -107,7 +107,9 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     megatron's offload copies their gradients over, steps them and copies them back one after the other);
     ``ema_elements``: the EMA it folds (0: offloaded); ``stage_send_bytes``: what one pipeline stage sends the next
     per micro-batch and model chunk (:func:`stage_send_bytes`): megatron's 1F1B (no ``overlap_p2p_comm``) waits for
-    each send of activations forward and of their gradients back, a send and a receive at once (batched)."""
+    each exchange, a send and a receive at once (batched): a middle stage's two per micro-batch (activations
+    forward, their gradients back), the first and last stages' one (at two stages, every stage's), the interleaved
+    schedule's two per micro-batch and chunk."""
     p, r = parallel, gpu.rates
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     dp = world // (tp * cp * pp)
@@ -118,8 +120,10 @@ def step_time(micro: MicroBatchTrace, *, parallel, microbatches: int, gpu: GPU, 
     for kind, name, group, nbytes in micro.comm:
         t = on_wire(kind, group, span(name, group, parallel, world), nbytes, gpu, gpus_per_node, world)
         exposed += max(0.0, t - attention) if kind == "p2p" else t  # (ring attention overlaps its exchange)
-    if pp > 1:  # (a stage boundary's exchanges: forward and backward, for each model chunk)
-        exposed += 2 * (p.virtual_pipeline_model_parallel_size or 1) * on_wire(
+    if pp > 1:  # (a stage boundary's exchanges: forward and backward, for each model chunk; 1F1B's first and last
+        # stages skip one of the two, and at two stages every stage is one of them)
+        chunks = p.virtual_pipeline_model_parallel_size or 1
+        exposed += (2 * chunks if chunks > 1 or pp > 2 else 1) * on_wire(
             "p2p", pp, span("pp", pp, parallel, world), stage_send_bytes, gpu, gpus_per_node, world)
     per_micro = kernels + exposed
     # data parallel over DP x CP: gradients reduced (scattered under the distributed optimizer or FSDP), weights gathered
@@ -153,9 +157,9 @@ def stage_send_bytes(parallel, row_tokens: int, rows: int, hidden: int, element_
     """The bytes a pipeline stage sends the next per micro-batch of ``rows`` rows of ``row_tokens`` tokens: the
     hidden states of its share of the tokens, the shape megatron's schedule gives them
     (``schedules.get_tensor_shapes``: the sequence over CP, and over TP under sequence parallelism)."""
-    tokens = row_tokens // parallel.context_parallel_size
+    tokens = -(-row_tokens // parallel.context_parallel_size)  # (the trainer pads the sequence up to split it)
     if parallel.sequence_parallel:
-        tokens //= parallel.tensor_model_parallel_size
+        tokens = -(-tokens // parallel.tensor_model_parallel_size)
     return tokens * rows * hidden * element_bytes
 
 
