@@ -268,8 +268,10 @@ def test_every_layout_printed_passes_the_check_and_the_best_trains(tmp_path, cap
     # one GPU: the best layout's overrides, as --emit prints them, train the recipe's tiny run
     capsys.readouterr()
     assert cli.main([*TINY, "--gpus", "1", "--emit"]) == 0
-    emitted = capsys.readouterr().out.strip().splitlines()[-1].split()
+    printed = capsys.readouterr().out.strip().splitlines()
+    emitted = printed[-1].split()
     assert "parallel.tensor_model_parallel_size=1" in emitted and "data.micro_batch_size=8" in emitted
+    assert printed[-2].startswith("    GiB: weights ") and "activations" in printed[-2] and "workspace" in printed[-2]
     from dit_mcore.training.trainer import pretrain
     history = pretrain(resolve(pretrain_tiny, [*emitted, "trainer.max_steps=1", f"log.dir={tmp_path / 'run'}"]))
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))

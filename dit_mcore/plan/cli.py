@@ -236,6 +236,11 @@ def _row(e, world: int) -> str:
             f"{e.mfu:6.1%} {e.tokens_per_s_per_gpu:9.0f}")
 
 
+def _parts(e) -> str:
+    """A printed layout's memory per GPU by part (GiB), under its row."""
+    return "    GiB: " + ", ".join(f"{name} {gib:.3g}" for name, gib in e.memory.parts_gib().items() if name != "total")
+
+
 HEADER = (f"{'layout':<44} {'fits':>4} {'GiB':>7} {'free':>7} {'step s':>8} {'compute':>7} {'comm':>7} {'bubble':>7} "
           f"{'TFLOPS':>7} {'MFU':>6} {'tok/s/GPU':>9}")
 
@@ -339,6 +344,7 @@ def _main(args) -> int:
     print(HEADER)
     for e in (fitting or done)[:args.top]:
         print(_row(e, args.gpus))
+        print(_parts(e))
     if not fitting:
         smallest = min(done, key=lambda e: e.memory.total)
         bigger = planner.smallest_fitting()
