@@ -125,7 +125,7 @@ def test_te_fp8_recipes_reach_the_run_config(tmp_path, monkeypatch):
     from dit_mcore.models import specs, te_fp8
     from dit_mcore.training.validate import run_problems
     monkeypatch.setattr(specs, "te_installed", lambda: True)
-    monkeypatch.setattr(te_fp8, "check_run", lambda *a: None)
+    monkeypatch.setattr(te_fp8, "check_machine", lambda *a: None)  # (its layout rules: checked)
     base = {"preset": "tiny", "image_size": 8, "packed_len": 0, "batch": 2, "recompute": "none", "compile": False,
             "dtype": "bf16"}
     for fp8, packed_len, backend, recipe in [("te:delayed", 0, "te", "delayed"), ("te:mxfp8", 512, "te", "mxfp8"),
