@@ -281,7 +281,8 @@ class Planner:
         self._profiles: dict = {}
         self._models: dict = {}
         self._states: dict = {}
-        one, self.packs = batch(1), getattr(batch, "packs", 1)
+        one = self._one = batch(1)  # (one sample, or a round of packs: what the FLOPs count reads)
+        self.packs = getattr(batch, "packs", 1)
         self.tokens = sum(one.seqlens) / self.packs
         """Tokens per sample (a pack's real tokens, on average)."""
         self.row_tokens = one.tokens.shape[1] // self.packs
@@ -333,7 +334,7 @@ class Planner:
                          offloaded_elements=offloaded,
                          stage_send_bytes=stage_send_bytes(p, self.row_tokens, layout.micro_batch,
                                                            model.config.hidden_size, 2 if cfg.trainer.bf16 else 4))
-        batch = self.batch(1)
+        batch = self._one
         per_sample = dit_flops(model.config, batch.seqlens, batch.text_seqlens,
                                [int(g[0]) for g in batch.grids]).model / self.packs
         samples = cfg.data.global_batch_size
